@@ -1,0 +1,129 @@
+"""Trace-time argument checks shared by every public entry point.
+
+Each check raises ``TypeError`` (wrong kind or dtype) or ``ValueError`` (wrong shape or value) with a
+message that names the argument, what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_ROPE_DIM = 64
+SUPPORTED_KV_LORA_RANKS = (512, 256)
+
+
+def shape_of(name: str, x) -> tuple[int, ...]:
+    """The shape of an array-like, or a TypeError naming ``name`` when it has none."""
+    shape = getattr(x, "shape", None)
+    if shape is None or getattr(x, "dtype", None) is None:
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    return tuple(shape)
+
+
+def check_rank(name: str, x, rank: int, layout: str) -> tuple[int, ...]:
+    shape = shape_of(name, x)
+    if len(shape) != rank:
+        raise ValueError(f"{name} must have rank {rank} ({layout}), got shape {shape}")
+    return shape
+
+
+def check_floating(name: str, x) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+
+
+def check_int32(name: str, x) -> None:
+    if x.dtype != jnp.int32:
+        raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
+
+
+def check_finite_scale(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def split_head_dim(head_dim: int, kv_lora_rank: int | None) -> tuple[int, int]:
+    """(kv_lora_rank, rope_dim) for a cached row of ``head_dim`` channels."""
+    if kv_lora_rank is None:
+        kv_lora_rank = head_dim - DEFAULT_ROPE_DIM
+    if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool):
+        raise TypeError(f"kv_lora_rank must be an int, got {type(kv_lora_rank).__name__}")
+    if not 0 < kv_lora_rank < head_dim:
+        raise ValueError(
+            f"kv_lora_rank must be in (0, {head_dim}) for a head dim of {head_dim} "
+            f"(kv_lora_rank + rope_dim), got {kv_lora_rank}"
+        )
+    return kv_lora_rank, head_dim - kv_lora_rank
+
+
+def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
+    """Validate ``decode``'s arrays; returns (B, q_len, H, kv_lora_rank, rope_dim, page_size)."""
+    batch, q_len, num_heads, head_dim = check_rank(
+        "query", query, 4, "[batch, q_len, num_heads, kv_lora_rank + rope_dim]"
+    )
+    _, page_size, cache_dim = check_rank(
+        "kv_cache", kv_cache, 3, "[num_pages, page_size, kv_lora_rank + rope_dim]"
+    )
+    check_rank("block_tables", block_tables, 2, "[batch, max_pages]")
+    check_rank("seq_lens", seq_lens, 1, "[batch]")
+    check_floating("query", query)
+    check_floating("kv_cache", kv_cache)
+    if query.dtype != kv_cache.dtype:
+        raise TypeError(
+            f"query and kv_cache must have the same dtype, got query {query.dtype} "
+            f"and kv_cache {kv_cache.dtype}"
+        )
+    check_int32("block_tables", block_tables)
+    check_int32("seq_lens", seq_lens)
+    if cache_dim != head_dim:
+        raise ValueError(
+            f"kv_cache's last dim must equal query's last dim {head_dim} "
+            f"(kv_lora_rank + rope_dim), got kv_cache shape {tuple(kv_cache.shape)}"
+        )
+    if q_len < 1:
+        raise ValueError(f"query's q_len (dim 1) must be >= 1, got query shape {tuple(query.shape)}")
+    if num_heads < 1:
+        raise ValueError(f"query's num_heads (dim 2) must be >= 1, got query shape {tuple(query.shape)}")
+    if page_size < 1:
+        raise ValueError(
+            f"kv_cache's page_size (dim 1) must be >= 1, got kv_cache shape {tuple(kv_cache.shape)}"
+        )
+    if block_tables.shape[0] != batch:
+        raise ValueError(
+            f"block_tables must have shape [batch={batch}, max_pages], got {tuple(block_tables.shape)}"
+        )
+    if block_tables.shape[1] < 1:
+        raise ValueError(f"block_tables must have at least one page column, got {tuple(block_tables.shape)}")
+    if seq_lens.shape[0] != batch:
+        raise ValueError(f"seq_lens must have shape [batch={batch}], got {tuple(seq_lens.shape)}")
+    kv_lora_rank, rope_dim = split_head_dim(head_dim, kv_lora_rank)
+    return batch, q_len, num_heads, kv_lora_rank, rope_dim, page_size
+
+
+def check_write_args(kv_cache, latent, k_rope, slot_mapping):
+    """Validate ``write_kv``'s arrays; returns (kv_lora_rank, rope_dim)."""
+    _, _, head_dim = check_rank("kv_cache", kv_cache, 3, "[num_pages, page_size, kv_lora_rank + rope_dim]")
+    num_tokens, kv_lora_rank = check_rank("latent", latent, 2, "[num_tokens, kv_lora_rank]")
+    _, rope_dim = check_rank("k_rope", k_rope, 2, "[num_tokens, rope_dim]")
+    check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
+    check_floating("kv_cache", kv_cache)
+    check_floating("latent", latent)
+    check_floating("k_rope", k_rope)
+    check_int32("slot_mapping", slot_mapping)
+    if k_rope.shape[0] != num_tokens:
+        raise ValueError(f"k_rope must have shape [num_tokens={num_tokens}, rope_dim], got {tuple(k_rope.shape)}")
+    if slot_mapping.shape[0] != num_tokens:
+        raise ValueError(f"slot_mapping must have shape [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}")
+    if kv_lora_rank + rope_dim != head_dim:
+        raise ValueError(
+            f"latent's last dim + k_rope's last dim must equal kv_cache's last dim {head_dim}, "
+            f"got {kv_lora_rank} + {rope_dim} (latent {tuple(latent.shape)}, k_rope {tuple(k_rope.shape)})"
+        )
+    return kv_lora_rank, rope_dim

@@ -1,0 +1,59 @@
+"""The public decode entry point: validation, backend choice, dispatch."""
+
+from __future__ import annotations
+
+import jax
+
+from jax_mla import _validate, backends, xla_backend
+
+
+def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
+           softmax_scale: float, output_scale: float = 1.0, return_lse: bool = False,
+           backend: str = "auto", kv_lora_rank: int | None = None, plan=None):
+    """Multi-head Latent Attention decode over a paged cache. Callable inside ``jax.jit``.
+
+    Args:
+      query: [B, q_len, H, kv_lora_rank + rope_dim]; the absorbed query (``q_nope @ W_UK`` then
+        ``q_pe``).
+      kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim], same dtype as ``query``. The first
+        ``kv_lora_rank`` channels of a token are both its latent key part and its value.
+      block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
+      seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
+        it may be NaN.
+      softmax_scale: the pre-absorption scale, e.g. ``192**-0.5 * mscale**2`` for DeepSeek.
+      output_scale: multiplies the output.
+      return_lse: also return the log-sum-exp (natural log) of the scaled logits.
+      backend: "auto", "xla", "fa3", "fa2" or "trtllm-gen". "auto" picks the best available one for
+        the platform (see ``jax_mla.available_backends``).
+      kv_lora_rank: channels of the latent; default ``head_dim - 64``.
+      plan: a ``jax_mla.Plan`` from ``jax_mla.plan(...)`` for the fa3/fa2 backends: the work schedule
+        built once per step and shared by every layer. Without one, those backends plan inside the
+        call, which reads ``seq_lens`` back to the host (a device sync) and cannot be captured in a
+        CUDA graph.
+
+    With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
+    ``[0, seq_len - q_len + i]``.
+
+    Returns:
+      out [B, q_len, H, kv_lora_rank] in ``query.dtype``; with ``return_lse`` a tuple
+      ``(out, lse)`` with lse float32 [B, q_len, H].
+    """
+    batch, _, _, kv_lora_rank, _, _ = _validate.check_decode_args(
+        query, kv_cache, block_tables, seq_lens, kv_lora_rank)
+    softmax_scale = _validate.check_finite_scale("softmax_scale", softmax_scale)
+    output_scale = _validate.check_finite_scale("output_scale", output_scale)
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    platform = backends.platform_of(query, kv_cache)
+    chosen = backends.resolve(backend, platform, batch)
+    if chosen == backends.XLA:
+        if plan is not None:
+            raise ValueError("plan is only used by the fa3/fa2 backends; the xla backend takes plan=None")
+        return xla_backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
+                                  output_scale=output_scale, kv_lora_rank=kv_lora_rank,
+                                  return_lse=return_lse)
+    from jax_mla import gpu_backend
+
+    return gpu_backend.decode(chosen, query, kv_cache, block_tables, seq_lens,
+                              softmax_scale=softmax_scale, output_scale=output_scale,
+                              kv_lora_rank=kv_lora_rank, return_lse=return_lse, plan=plan)

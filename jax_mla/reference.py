@@ -1,0 +1,54 @@
+"""A torch reference for MLA decode: float32 math, pages gathered per request.
+
+Independent of every backend: it takes torch tensors (JAX arrays are shared through DLPack by
+``reference_from_jax``) and loops over requests the plain way.
+"""
+
+from __future__ import annotations
+
+
+def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
+                         output_scale: float = 1.0, kv_lora_rank: int | None = None):
+    """MLA decode in float32 torch.
+
+    Args:
+      query: [B, q_len, H, D]; kv_cache: [num_pages, page_size, D]; block_tables: int [B, max_pages];
+        seq_lens: int [B].
+    Returns:
+      (out float32 [B, q_len, H, kv_lora_rank], lse float32 [B, q_len, H], natural log).
+    """
+    import torch
+
+    batch, q_len, num_heads, head_dim = query.shape
+    page_size = kv_cache.shape[1]
+    kv_lora_rank = head_dim - 64 if kv_lora_rank is None else kv_lora_rank
+    out = torch.zeros(batch, q_len, num_heads, kv_lora_rank, dtype=torch.float32, device=query.device)
+    lse = torch.full((batch, q_len, num_heads), float("-inf"), dtype=torch.float32, device=query.device)
+    tables = block_tables.long().cpu()
+    lengths = seq_lens.long().cpu()
+    for b in range(batch):
+        seq_len = int(lengths[b])
+        num_pages = -(-seq_len // page_size)
+        pages = tables[b, :num_pages].to(kv_cache.device)
+        keys = kv_cache[pages].reshape(-1, head_dim)[:seq_len].float()  # [L, D]
+        values = keys[:, :kv_lora_rank]
+        logits = torch.einsum("shd,ld->shl", query[b].float(), keys) * softmax_scale
+        positions = torch.arange(seq_len, device=query.device)
+        visible_end = seq_len - q_len + 1 + torch.arange(q_len, device=query.device)
+        mask = positions[None, :] < visible_end[:, None]  # [q_len, L]
+        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)
+        seen = torch.isfinite(row_lse)
+        probs = torch.where(seen[..., None], torch.exp(logits - row_lse[..., None]),
+                            torch.zeros_like(logits))
+        out[b] = torch.einsum("shl,ld->shd", probs, values) * output_scale
+        lse[b] = row_lse
+    return out, lse
+
+
+def reference_from_jax(query, kv_cache, block_tables, seq_lens, **kwargs):
+    """``mla_decode_reference`` on JAX arrays, read zero-copy through DLPack."""
+    import torch
+
+    views = [torch.from_dlpack(x) for x in (query, kv_cache, block_tables, seq_lens)]
+    return mla_decode_reference(*views, **kwargs)

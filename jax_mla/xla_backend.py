@@ -1,0 +1,91 @@
+"""Pure-XLA MLA decode: walks the block table in chunks of pages with an online softmax.
+
+Runs on any JAX platform. Temporary memory is O(B * q_len * H * chunk_tokens): neither the whole
+gathered cache nor all logits are ever materialised. Math is float32 throughout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Tokens gathered per step of the loop; the page count per chunk is derived from the page size.
+CHUNK_TOKENS = 512
+
+
+def pages_per_chunk(page_size: int, max_pages: int) -> int:
+    return max(1, min(max_pages, CHUNK_TOKENS // page_size))
+
+
+@functools.partial(
+    jax.jit, static_argnames=("softmax_scale", "output_scale", "kv_lora_rank", "return_lse")
+)
+def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale, kv_lora_rank,
+           return_lse):
+    """MLA decode.
+
+    Args:
+      query: [B, q_len, H, D] with D = kv_lora_rank + rope_dim.
+      kv_cache: [num_pages, page_size, D], same dtype as query.
+      block_tables: int32 [B, max_pages]; entries past a request's pages are never read.
+      seq_lens: int32 [B], kv length of each request including its q_len new tokens.
+    Returns:
+      out [B, q_len, H, kv_lora_rank] in query.dtype, and lse float32 [B, q_len, H] (natural log)
+      when ``return_lse``; rows that see no kv get out 0 and lse -inf.
+    """
+    batch, q_len, num_heads, _ = query.shape
+    num_pages, page_size, head_dim = kv_cache.shape
+    max_pages = block_tables.shape[1]
+    chunk_pages = pages_per_chunk(page_size, max_pages)
+    num_chunks = -(-max_pages // chunk_pages)
+    chunk_tokens = chunk_pages * page_size
+
+    padded_tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_pages - max_pages)))
+    q = query.astype(jnp.float32) * softmax_scale
+    # Last kv position (exclusive) that query token i may see: bottom-right causal.
+    visible_end = seq_lens[:, None] - q_len + 1 + jnp.arange(q_len)[None, :]  # [B, q_len]
+
+    def step(chunk, carry):
+        running_max, running_sum, acc = carry
+        pages = lax.dynamic_slice_in_dim(padded_tables, chunk * chunk_pages, chunk_pages, axis=1)
+        positions = chunk * chunk_tokens + jnp.arange(chunk_tokens)  # [T]
+        token_in_request = positions[None, :] < seq_lens[:, None]  # [B, T]
+        # Never index with a page id past the request's pages, even out-of-range ones.
+        page_starts = (chunk * chunk_pages + jnp.arange(chunk_pages)) * page_size
+        page_in_request = page_starts[None, :] < seq_lens[:, None]  # [B, chunk_pages]
+        safe_pages = jnp.where(page_in_request & (pages >= 0) & (pages < num_pages), pages, 0)
+        kv = kv_cache[safe_pages].reshape(batch, chunk_tokens, head_dim).astype(jnp.float32)
+        kv = jnp.where(token_in_request[..., None], kv, 0.0)  # hide NaN tails before the matmul
+
+        logits = jnp.einsum("bshd,btd->bsht", q, kv, precision=lax.Precision.HIGHEST)
+        visible = positions[None, None, :] < visible_end[:, :, None]  # [B, q_len, T]
+        logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
+
+        new_max = jnp.maximum(running_max, logits.max(axis=-1))
+        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        probs = jnp.exp(logits - safe_max[..., None])
+        rescale = jnp.exp(running_max - safe_max)
+        running_sum = running_sum * rescale + probs.sum(axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "bsht,btd->bshd", probs, kv[..., :kv_lora_rank], precision=lax.Precision.HIGHEST
+        )
+        return new_max, running_sum, acc
+
+    init = (
+        jnp.full((batch, q_len, num_heads), -jnp.inf, jnp.float32),
+        jnp.zeros((batch, q_len, num_heads), jnp.float32),
+        jnp.zeros((batch, q_len, num_heads, kv_lora_rank), jnp.float32),
+    )
+    # Chunks past the longest request hold nothing visible: stop before them.
+    chunks_needed = jnp.clip(-(-jnp.max(seq_lens) // chunk_tokens), 0, num_chunks)
+    running_max, running_sum, acc = lax.fori_loop(0, chunks_needed, step, init)
+    nonempty = running_sum > 0
+    out = acc / jnp.where(nonempty, running_sum, 1.0)[..., None] * output_scale
+    out = out.astype(query.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(nonempty, running_max + jnp.log(jnp.where(nonempty, running_sum, 1.0)), -jnp.inf)
+    return out, lse

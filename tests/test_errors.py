@@ -1,0 +1,99 @@
+"""Every malformed call raises ValueError/TypeError at trace time, naming the argument."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import make_problem
+
+import jax_mla
+
+P = make_problem(0, batch=2, q_len=1, num_heads=16, page_size=16, max_len=40)
+Q, KV, BT, SL = P.arrays
+
+
+def call(**overrides):
+    args = dict(query=Q, kv_cache=KV, block_tables=BT, seq_lens=SL, softmax_scale=0.1)
+    args.update(overrides)
+    return jax_mla.decode(args.pop("query"), args.pop("kv_cache"), args.pop("block_tables"),
+                          args.pop("seq_lens"), **args)
+
+
+DECODE_ERRORS = [
+    (dict(query=Q[0]), ValueError, r"query must have rank 4 .*got shape \(1, 16, 576\)"),
+    (dict(kv_cache=KV[0]), ValueError, r"kv_cache must have rank 3"),
+    (dict(block_tables=BT[0]), ValueError, r"block_tables must have rank 2"),
+    (dict(seq_lens=SL[None]), ValueError, r"seq_lens must have rank 1"),
+    (dict(kv_cache=KV[..., :520]), ValueError, r"kv_cache's last dim must equal query's last dim 576"),
+    (dict(query=Q.astype(jnp.bfloat16)), TypeError, r"same dtype.*bfloat16.*float32"),
+    (dict(query=Q.astype(jnp.int32), kv_cache=KV.astype(jnp.int32)), TypeError,
+     r"query must have a floating dtype, got int32"),
+    (dict(block_tables=BT.astype(jnp.int16)), TypeError, r"block_tables must have dtype int32, got int16"),
+    (dict(seq_lens=SL.astype(jnp.uint32)), TypeError, r"seq_lens must have dtype int32, got uint32"),
+    (dict(block_tables=BT[:1]), ValueError, r"block_tables must have shape \[batch=2, max_pages\]"),
+    (dict(seq_lens=SL[:1]), ValueError, r"seq_lens must have shape \[batch=2\], got \(1,\)"),
+    (dict(query=Q[:, :0]), ValueError, r"q_len \(dim 1\) must be >= 1"),
+    (dict(kv_cache=KV[:, :0]), ValueError, r"page_size \(dim 1\) must be >= 1"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite, got nan"),
+    (dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite"),
+    (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a Python float, got str"),
+    (dict(output_scale=float("-inf")), ValueError, r"output_scale must be finite"),
+    (dict(backend="flashmla"), ValueError, r"unknown backend 'flashmla'.*available here: \['xla'\]"),
+    (dict(backend="fa3"), ValueError, r"backend 'fa3' needs an NVIDIA GPU.*available here: \['xla'\]"),
+    (dict(backend="trtllm-gen"), ValueError, r"'trtllm-gen' needs an NVIDIA GPU"),
+    (dict(kv_lora_rank=576), ValueError, r"kv_lora_rank must be in \(0, 576\)"),
+    (dict(return_lse=1), TypeError, r"return_lse must be a bool"),
+    (dict(query=[[1.0]]), TypeError, r"query must be an array, got list"),
+    (dict(plan=object()), ValueError, r"plan is only used by the fa3/fa2 backends"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", DECODE_ERRORS,
+                         ids=[f"decode-{i}" for i in range(len(DECODE_ERRORS))])
+def test_decode_rejects(overrides, error, message):
+    if jax.default_backend() != "cpu" and "needs an NVIDIA GPU" in message:
+        pytest.skip("only meaningful on a CPU-only machine")
+    with pytest.raises(error, match=message):
+        call(**overrides)
+
+
+def test_errors_are_raised_at_trace_time():
+    with pytest.raises(ValueError, match="block_tables must have shape"):
+        jax.jit(lambda q, bt: call(query=q, block_tables=bt)).trace(Q, BT[:1])
+
+
+CACHE = jnp.zeros((4, 8, 576), jnp.float32)
+LATENT = jnp.zeros((3, 512), jnp.float32)
+ROPE = jnp.zeros((3, 64), jnp.float32)
+SLOTS = jnp.zeros((3,), jnp.int32)
+
+WRITE_ERRORS = [
+    (dict(kv_cache=CACHE[0]), ValueError, r"kv_cache must have rank 3"),
+    (dict(latent=LATENT[0]), ValueError, r"latent must have rank 2"),
+    (dict(k_rope=ROPE[:2]), ValueError, r"k_rope must have shape \[num_tokens=3, rope_dim\], got \(2, 64\)"),
+    (dict(slot_mapping=SLOTS[:2]), ValueError, r"slot_mapping must have shape \[num_tokens=3\]"),
+    (dict(slot_mapping=SLOTS.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.uint8)), TypeError,
+     r"slot_mapping must have dtype int32"),
+    (dict(latent=LATENT[:, :500]), ValueError, r"must equal kv_cache's last dim 576, got 500 \+ 64"),
+    (dict(latent=LATENT.astype(jnp.int32)), TypeError, r"latent must have a floating dtype"),
+]
+
+
+@pytest.mark.parametrize("overrides,error,message", WRITE_ERRORS,
+                         ids=[f"write-{i}" for i in range(len(WRITE_ERRORS))])
+def test_write_kv_rejects(overrides, error, message):
+    args = dict(kv_cache=CACHE, latent=LATENT, k_rope=ROPE, slot_mapping=SLOTS)
+    args.update(overrides)
+    with pytest.raises(error, match=message):
+        jax_mla.write_kv(**args)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(num_pages=0, page_size=16), ValueError, r"num_pages must be >= 1, got 0"),
+    (dict(num_pages=4, page_size=1.5), TypeError, r"page_size must be an int, got float"),
+    (dict(num_pages=4, page_size=16, dtype=jnp.int8), TypeError, r"dtype must be a floating dtype"),
+])
+def test_allocate_cache_rejects(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        jax_mla.allocate_cache(**kwargs)
