@@ -1,12 +1,14 @@
 """jax_mla: DeepSeek-style Multi-head Latent Attention decode for JAX.
 
 ``decode`` runs FlashInfer's MLA kernels through an XLA FFI custom call on NVIDIA GPUs and a chunked
-pure-XLA implementation everywhere else; ``write_kv`` updates the paged cache in place.
+pure-XLA implementation everywhere else; ``plan`` builds the fa3/fa2 work schedule once per step;
+``write_kv`` updates the paged cache in place.
 """
 
 from jax_mla.api import decode
 from jax_mla.backends import available_backends
 from jax_mla.cache import allocate_cache, torch_view, write_kv
+from jax_mla.planning import Plan, plan
 
-__all__ = ["allocate_cache", "available_backends", "decode", "torch_view", "write_kv"]
+__all__ = ["Plan", "allocate_cache", "available_backends", "decode", "plan", "torch_view", "write_kv"]
 __version__ = "0.1.0"

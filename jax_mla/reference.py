@@ -47,8 +47,8 @@ def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_sca
 
 
 def reference_from_jax(query, kv_cache, block_tables, seq_lens, **kwargs):
-    """``mla_decode_reference`` on JAX arrays, read zero-copy through DLPack."""
+    """``mla_decode_reference`` on JAX arrays, read zero-copy through DLPack; results on the CPU."""
     import torch
 
     views = [torch.from_dlpack(x) for x in (query, kv_cache, block_tables, seq_lens)]
-    return mla_decode_reference(*views, **kwargs)
+    return tuple(t.cpu() for t in mla_decode_reference(*views, **kwargs))

@@ -1,0 +1,148 @@
+"""FlashInfer's fa3/fa2 MLA work schedule: its fixed layout, and ``plan`` to build it once per step.
+
+FlashInfer's ``MLAPlan`` (include/flashinfer/attention/scheduler.cuh) splits each request's kv
+range over the SMs' clusters and writes the work lists into an int workspace. Where each array
+lives in that workspace (``plan_info``) depends only on the SM count, ``q_len * num_heads`` and the
+output head dim; the contents depend on the lengths. So the layout is static (a custom-call
+attribute) and the contents are a device array built on the host once per decode step and shared
+by every layer: ``plan = jax_mla.plan(seq_lens_host, ...)`` then ``decode(..., plan=plan)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+MAX_TOTAL_WORKS = 16384  # MLAPlan's fixed capacity of each per-work array
+CTA_TILE_Q = 64
+ALIGNMENT = 16
+INT32_BYTES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleLayout:
+    """MLAPlanInfo's 18 entries plus the workspace sizes they imply."""
+
+    plan_info: tuple[int, ...]
+    int_workspace_bytes: int
+    float_workspace_bytes: int
+
+
+class _Allocator:
+    """FlashInfer's AlignedAllocator in count-only form: offsets of successive aligned blocks."""
+
+    def __init__(self):
+        self.end = 0
+
+    def alloc(self, size: int) -> int:
+        start = -(-self.end // ALIGNMENT) * ALIGNMENT
+        self.end = start + size
+        return start
+
+
+@functools.cache
+def schedule_layout(num_sm: int, q_len: int, num_heads: int, head_dim_o: int) -> ScheduleLayout:
+    """The plan_info and workspace sizes that ``MLAPlan`` produces for this problem shape."""
+    cluster_size = 2 if q_len * num_heads > 64 else 1
+    num_clusters = num_sm // cluster_size
+    ints = _Allocator()
+    works, per_sm = INT32_BYTES * MAX_TOTAL_WORKS, INT32_BYTES * num_sm
+    q_indptr, kv_indptr, partial_indptr = (ints.alloc(works) for _ in range(3))
+    merge_offsets = [ints.alloc(per_sm) for _ in range(5)]
+    per_work = [ints.alloc(works) for _ in range(6)]  # q_len kv_len q_start kv_start kv_end work_indptr
+    floats = _Allocator()
+    rows = 2 * num_clusters * cluster_size * CTA_TILE_Q
+    partial_o = floats.alloc(rows * 2 * head_dim_o)  # bf16/fp16 partial outputs
+    partial_lse = floats.alloc(rows * 4)
+    plan_info = (cluster_size, num_clusters, q_indptr, kv_indptr, partial_indptr, *merge_offsets,
+                 *per_work, partial_o, partial_lse)
+    return ScheduleLayout(plan_info, ints.end, floats.end)
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A decode step's fa3/fa2 work schedule, valid for one set of lengths and problem shape.
+
+    ``int_workspace`` (uint8 [layout.int_workspace_bytes], on the GPU) is the only array; the rest is
+    static metadata checked against each ``decode`` call.
+    """
+
+    int_workspace: jax.Array
+    batch: int
+    q_len: int
+    num_heads: int
+    max_pages: int
+    kv_lora_rank: int
+    layout: ScheduleLayout
+
+    def tree_flatten(self):
+        return (self.int_workspace,), (self.batch, self.q_len, self.num_heads, self.max_pages,
+                                       self.kv_lora_rank, self.layout)
+
+    @classmethod
+    def tree_unflatten(cls, static, children):
+        return cls(children[0], *static)
+
+
+@functools.cache
+def _host_scratch(num_bytes: int) -> np.ndarray:
+    return np.zeros(num_bytes, np.uint8)
+
+
+def gpu_sm_count(device=None) -> int:
+    device = device or jax.devices("gpu")[0]
+    return int(device.core_count)
+
+
+def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_rank: int = 512,
+         rope_dim: int = 64, device=None) -> Plan:
+    """Build the fa3/fa2 work schedule for one decode step on the host.
+
+    Args:
+      seq_lens: host int array [B] (numpy or list), each request's kv length including its q_len
+        new tokens; the same values the step passes to ``decode``.
+      num_heads: query heads per device (the local count under tensor parallelism).
+      max_pages: width of the block table the step passes to ``decode``.
+      q_len: query tokens per request.
+      device: the GPU the schedule is uploaded to (default: the first GPU).
+    Returns:
+      A ``Plan`` to pass as ``decode(..., plan=plan)`` to every layer of the step.
+    """
+    from jax_mla import backends, flashinfer_modules
+
+    if isinstance(seq_lens, jax.core.Tracer):
+        raise TypeError("seq_lens must be host values (numpy), not a traced array: plan outside jit")
+    lengths = np.asarray(seq_lens)
+    if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got shape {lengths.shape} "
+                         f"dtype {lengths.dtype}")
+    for name, value in (("num_heads", num_heads), ("max_pages", max_pages), ("q_len", q_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if lengths.min() < q_len:
+        raise ValueError(f"every seq_lens entry must be >= q_len={q_len} (it counts the new tokens), "
+                         f"got min {int(lengths.min())}")
+    fa_backends = [b for b in backends.available_backends("gpu") if b in (backends.FA3, backends.FA2)]
+    if not fa_backends:
+        raise ValueError(f"jax_mla.plan needs a GPU that runs fa3 or fa2; available here: "
+                         f"{backends.available_backends()}")
+    device = device or jax.devices("gpu")[0]
+    layout = schedule_layout(gpu_sm_count(device), q_len, num_heads, kv_lora_rank)
+    lengths = lengths.astype(np.int32)
+    batch = lengths.size
+    staging = np.zeros(layout.int_workspace_bytes, np.uint8)
+    planner = flashinfer_modules.fa_plan_function(fa_backends[0], kv_lora_rank, rope_dim)
+    plan_info, staged_bytes = planner(
+        _host_scratch(layout.float_workspace_bytes), staging, staging,
+        np.arange(batch + 1, dtype=np.int32) * q_len,
+        np.arange(batch + 1, dtype=np.int32) * max_pages,
+        lengths, num_heads, kv_lora_rank, q_len > 1)
+    if tuple(plan_info) != layout.plan_info or int(staged_bytes) != layout.int_workspace_bytes:
+        raise RuntimeError(f"FlashInfer's plan layout {tuple(plan_info)} differs from jax_mla's "
+                           f"{layout.plan_info}: FlashInfer version mismatch")
+    return Plan(jax.device_put(staging, device), batch, q_len, num_heads, max_pages, kv_lora_rank,
+                layout)

@@ -1,0 +1,147 @@
+"""The FFI bridge where no GPU is needed: the library builds and exports its handlers, and each
+GPU backend lowers to its custom call with the attributes FlashInfer's entry points expect."""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import math
+import re
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jax_mla import ffi, flashinfer_modules, gpu_backend, planning
+
+HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
+
+
+@pytest.fixture(scope="module")
+def library_path(tmp_path_factory):
+    """The installed FFI library, else one built here from ffi/ (needs nvcc and apache-tvm-ffi)."""
+    path = ffi.library_path()
+    if path is not None:
+        return path
+    if shutil.which("nvcc") is None or not HAS_TVM_FFI:
+        pytest.skip("needs nvcc and apache-tvm-ffi to build ffi/")
+    build = tmp_path_factory.mktemp("ffi-build")
+    subprocess.run(["cmake", "-S", ".", "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90a"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    return build / "ffi" / ffi.LIBRARY_NAME
+
+
+@pytest.mark.skipif(not HAS_TVM_FFI, reason="apache-tvm-ffi provides the runtime the library links to")
+def test_library_exports_every_handler(library_path):
+    import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so, which the library resolves by soname)
+
+    library = ctypes.CDLL(str(library_path))
+    for symbol in ffi.TARGETS.values():
+        assert getattr(library, symbol) is not None
+
+
+def test_schedule_layout_matches_flashinfer_mlaplan():
+    """MLAPlanInfo for 132 SMs as FlashInfer 0.7.2.post1's MLAPlan lays it out.
+
+    On a GPU, jax_mla.plan compares this layout with the one FlashInfer's planner returns and
+    raises on any difference (it matched on the H200 for H in {16, 128}, q_len in {1, 2}).
+    """
+    narrow = planning.schedule_layout(132, 1, 16, 512)
+    assert narrow.plan_info[:2] == (1, 132)
+    assert narrow.plan_info[2:] == (0, 65536, 131072, 196608, 197136, 197664, 198192, 198720, 199248,
+                                    264784, 330320, 395856, 461392, 526928, 0, 17301504)
+    assert narrow.int_workspace_bytes == 592464
+    wide = planning.schedule_layout(132, 2, 128, 512)
+    assert wide.plan_info[:2] == (2, 66)  # clusters of two CTAs once q_len * H > 64
+    assert wide.float_workspace_bytes == 2 * 132 * 64 * (2 * 512 + 4)
+
+
+@pytest.fixture
+def lowering_stubs(monkeypatch):
+    """Entry-point names and SM count that a GPU would supply, so lowering runs on any machine."""
+    monkeypatch.setattr(flashinfer_modules, "fa_entry_points", lambda b, r, p: (f"t.{b}.run", f"t.{b}.plan"))
+    monkeypatch.setattr(flashinfer_modules, "trtllm_entry_point", lambda: "t.trtllm")
+    monkeypatch.setattr(planning, "gpu_sm_count", lambda device=None: 132)
+    monkeypatch.setattr(ffi, "register_targets", lambda: None)
+
+
+def lower_for_cuda(fn, *shapes):
+    return jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+SHAPES = (
+    jax.ShapeDtypeStruct((4, 2, 128, 576), jnp.bfloat16),
+    jax.ShapeDtypeStruct((64, 64, 576), jnp.bfloat16),
+    jax.ShapeDtypeStruct((4, 8), jnp.int32),
+    jax.ShapeDtypeStruct((4,), jnp.int32),
+)
+
+
+def attributes(text, target):
+    line = next(line for line in text.splitlines() if f"@{target}(" in line)
+    return line
+
+
+def test_fa_lowering_without_a_plan(lowering_stubs):
+    text = lower_for_cuda(lambda *a: gpu_backend.decode(
+        "fa3", *a, softmax_scale=0.135, output_scale=1.0, kv_lora_rank=512, return_lse=True), *SHAPES)
+    call = attributes(text, "jax_mla_fa_decode_self_plan")
+    layout = planning.schedule_layout(132, 2, 128, 512)
+    assert 'run_fn = "t.fa3.run"' in call and 'plan_fn = "t.fa3.plan"' in call
+    assert "mask_mode = 1" in call and "q_len = 2" in call and "sm_scale = 1.350000e-01" in call
+    assert "tensor<8x128x576xbf16>" in call  # [B * q_len, H, D]: the flattened token axis
+    assert f"tensor<{layout.int_workspace_bytes}xui8>" in call
+    assert f"tensor<{layout.float_workspace_bytes}xui8>" in call
+
+
+def test_fa_lowering_with_a_plan_is_a_pure_device_call(lowering_stubs):
+    layout = planning.schedule_layout(132, 2, 128, 512)
+    plan = planning.Plan(jnp.zeros((layout.int_workspace_bytes,), jnp.uint8), 4, 2, 128, 8, 512, layout)
+    text = lower_for_cuda(lambda *a: gpu_backend.decode(
+        "fa2", *a, softmax_scale=0.1, output_scale=0.5, kv_lora_rank=512, return_lse=False,
+        plan=plan), *SHAPES)
+    call = attributes(text, "jax_mla_fa_decode")
+    assert "plan_fn" not in call and 'run_fn = "t.fa2.run"' in call
+    assert "stablehlo.multiply" in text  # output_scale applied after the kernel
+    wrong = planning.Plan(plan.int_workspace, 4, 2, 64, 8, 512, layout)
+    with pytest.raises(ValueError, match="plan was built for .*'num_heads': 64"):
+        lower_for_cuda(lambda *a: gpu_backend.decode(
+            "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False,
+            plan=wrong), *SHAPES)
+
+
+def test_trtllm_lowering_carries_flashinfer_scales(lowering_stubs):
+    text = lower_for_cuda(lambda *a: gpu_backend.decode(
+        "trtllm-gen", *a, softmax_scale=0.135, output_scale=0.5, kv_lora_rank=512, return_lse=True),
+        *SHAPES)
+    call = attributes(text, "jax_mla_trtllm_decode")
+    assert "bmm1_scale = 1.350000e-01" in call and "bmm2_scale = 5.000000e-01" in call
+    assert re.search(r"lse_scale = 0\.6931471805", call)  # base-2 LSE -> natural log
+    assert "max_seq_len = 512" in call and "sm_count = 132" in call and "enable_pdl = true" in call
+    counter = gpu_backend.trtllm_counter_bytes(4, 128, 132)
+    assert counter == math.ceil(512 / 8) * 8 * 4 and f"tensor<{counter}xui8>" in call
+    assert f"tensor<{gpu_backend.TRTLLM_WORKSPACE_BYTES}xui8>" in call
+    assert "tensor<4x2x128x512xbf16>" in call
+
+
+@pytest.mark.parametrize("shapes,message", [
+    (((4, 1, 128, 576), (8, 16, 576)), r"page_size in \(32, 64\), got 16"),
+    (((4, 1, 96, 576), (8, 64, 576)), r"num_heads <= 64 or exactly 128, got 96"),
+    (((4, 1, 16, 448), (8, 64, 448)), r"\(kv_lora_rank, rope_dim\) in .*got \(384, 64\)"),
+])
+def test_trtllm_rejects_unsupported_shapes(shapes, message):
+    query = jax.ShapeDtypeStruct(shapes[0], jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct(shapes[1], jnp.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        gpu_backend.check_trtllm_shapes(query, cache, shapes[0][-1] - 64)
+
+
+def test_gpu_backends_need_bfloat16(lowering_stubs):
+    f32 = [jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.dtype == jnp.bfloat16 else s.dtype)
+           for s in SHAPES]
+    with pytest.raises(TypeError, match="backend 'fa3' needs bfloat16 .* got float32"):
+        lower_for_cuda(lambda *a: gpu_backend.decode(
+            "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False), *f32)
