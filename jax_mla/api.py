@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
-from jax_mla import _validate, backends, xla_backend
+from jax_mla import _validate, backends, sharding, xla_backend
 
 
 def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
@@ -24,7 +26,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       output_scale: multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto", "xla", "fa3", "fa2" or "trtllm-gen". "auto" picks the best available one for
-        the platform (see ``jax_mla.available_backends``).
+        the platform and dtype (see ``jax_mla.available_backends``): fa3 on Hopper, fa2 there at
+        batch 1 and on other CUDA GPUs, trtllm-gen on Blackwell, xla on CPU and for non-bfloat16.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: a ``jax_mla.Plan`` from ``jax_mla.plan(...)`` for the fa3/fa2 backends: the work schedule
         built once per step and shared by every layer. Without one, those backends plan inside the
@@ -45,15 +48,18 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     platform = backends.platform_of(query, kv_cache)
-    chosen = backends.resolve(backend, platform, batch)
+    chosen = backends.resolve(backend, platform, batch, query.dtype)
+    # The kernel runs once per device on its shard when the arrays are sharded (jax_mla.sharding).
     if chosen == backends.XLA:
         if plan is not None:
             raise ValueError("plan is only used by the fa3/fa2 backends; the xla backend takes plan=None")
-        return xla_backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
-                                  output_scale=output_scale, kv_lora_rank=kv_lora_rank,
-                                  return_lse=return_lse)
+        kernel = functools.partial(xla_backend.decode, softmax_scale=softmax_scale,
+                                   output_scale=output_scale, kv_lora_rank=kv_lora_rank,
+                                   return_lse=return_lse)
+        return sharding.call(kernel, query, kv_cache, block_tables, seq_lens)
     from jax_mla import gpu_backend
 
-    return gpu_backend.decode(chosen, query, kv_cache, block_tables, seq_lens,
-                              softmax_scale=softmax_scale, output_scale=output_scale,
-                              kv_lora_rank=kv_lora_rank, return_lse=return_lse, plan=plan)
+    kernel = functools.partial(gpu_backend.decode, chosen, softmax_scale=softmax_scale,
+                               output_scale=output_scale, kv_lora_rank=kv_lora_rank,
+                               return_lse=return_lse)
+    return sharding.call(kernel, query, kv_cache, block_tables, seq_lens, plan=plan)

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
+# Four host devices for tests/test_sharding.py, set before jax is imported; not where a GPU is expected.
+if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
+        and not any(p in os.environ.get("JAX_PLATFORMS", "") for p in ("cuda", "gpu"))
+        and not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))):
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]))
+
 import dataclasses
 
 import jax

@@ -1,0 +1,317 @@
+"""Tensor- and data-parallel MLA decode: every backend runs per device on its own shard.
+
+``jax_mla.decode`` routes its backend call through :func:`call`, which wraps the per-shard kernel in a
+``jax.experimental.custom_partitioning`` op. Under ``jax.jit`` over a multi-device mesh the SPMD
+partitioner then runs the kernel once per device on that device's shard (no all-gather of the query
+or the cache), for both partitioners: Shardy (JAX's default) through an einsum-style
+``sharding_rule`` and GSPMD through ``infer_sharding_from_operands``; the final shardings are chosen
+by ``partition`` in both cases. Each device's kernel sees a plain unsharded problem of its local
+shapes; the wrapper adds no work at run time.
+
+A call is wrapped only when its arrays can be sharded: tracers of ``jit`` in a process with several
+devices, or concrete arrays that live on several devices (these are compiled through the same
+partitioner, so eager and jitted calls agree). Single-device calls run the kernel directly, as they
+did before this module existed; under ``jit`` on one device the wrapper lowers to the plain kernel
+(the compiled program is the same).
+
+Supported layouts of query [B, q_len, H, D], kv_cache [num_pages, page_size, D], block_tables
+[B, max_pages] and seq_lens [B] (``d``: the data axes, ``t``: the head axes)::
+
+    query   P(d, None, t, None)     kv_cache  P(None, None, None)     global page ids
+    query   P(d, None, t, None)     kv_cache  P(d,    None, None)     per-shard page pools
+    out     P(d, None, t, None)     lse       P(d, None, t)
+    block_tables P(d, None)         seq_lens  P(d)
+
+* Heads (query dim 2) may be sharded over any mesh axes ("TP"): MLA's latent cache is shared by
+  every head, so the cache is replicated over the head axes and each device attends its heads to it.
+  The output and lse keep the query's head sharding. (An axis used for the batch is dropped from
+  the heads.)
+* The batch (query dim 0, block_tables dim 0, seq_lens dim 0) may be sharded over other mesh axes
+  ("DP"); the output and lse keep it. The batch sharding is taken from the query.
+* The cache's page dim (kv_cache dim 0) may be replicated (every device holds the whole pool, block
+  table ids are global, semantics equal the unsharded call) or sharded over exactly the data axes:
+  then **each data shard owns its own page pool** (``num_pages / n`` pages, concatenated in shard
+  order) and **its block-table ids are local to that pool**. With a sharded pool the kv_cache's
+  sharding decides the data axes: the batch is (re)sharded over the pool's axes, and B and
+  num_pages must be divisible by the number of pools. Note that this makes the result depend on the
+  cache's sharding: the same arrays run unsharded read the ids as global ones, so give the cache its
+  pool sharding explicitly (``in_shardings`` / ``device_put``), do not leave it to propagation.
+* Every other dim (q_len, D, page_size, max_pages) is forced replicated: a sharding there is
+  undone by the partitioner with an all-gather before the kernel (correct, but it costs
+  communication; shard only batch and heads). Shard batch and heads evenly: an uneven batch
+  raises, an uneven head split is correct but may be gathered too.
+* ``plan``: the arrays of a work-schedule plan (a pytree such as ``jax_mla.Plan``; its array leaves
+  become extra operands, other leaves stay static) are replicated on every device. A plan describes
+  one device's work: with only heads sharded, build it for the *local* head count (H / head shards)
+  and the whole batch, and put it on every device of the mesh
+  (``jax.device_put(plan, NamedSharding(mesh, P()))``: a plan committed to one device cannot join
+  a computation over several). One plan cannot describe several batch shards, so a plan together
+  with a batch sharded over more than one device raises; pass ``plan=None`` there (the FFI
+  backends then plan on each device from its local ``seq_lens``).
+
+Layout errors are found while XLA partitions the program, i.e. in ``jit(f).lower(...).compile()`` or
+the first call, so they reach the caller wrapped in a ``jax.errors.JaxRuntimeError`` whose text holds
+``LayoutError: jax_mla sharding: ...``. Errors a kernel raises for its local shapes (e.g. a plan
+built for the global head count) arrive the same way.
+
+Limits: transformations other than ``jit`` (``vmap``, ``grad``) bypass the wrapper: under them the
+kernel is called directly and XLA partitions it on its own (an FFI kernel then runs on gathered
+arrays). Per-shard kernels must not use Python host callbacks: ``jax.pure_callback`` inside the
+partitioned program crashed the process on jax 0.10.2 (CPU); FFI custom calls are what it is for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+__all__ = ["LayoutError", "call", "may_be_sharded"]
+
+Kernel = Callable[..., Any]
+
+
+class LayoutError(ValueError):
+    """A sharding layout that decode cannot run per device."""
+
+    def __init__(self, message: str):
+        super().__init__(f"jax_mla sharding: {message}")
+
+
+def _is_jit_tracer(x) -> bool:
+    """Whether ``x`` is being traced by jit itself (not by vmap, grad, ... inside it)."""
+    try:
+        from jax._src.interpreters.partial_eval import DynamicJaxprTracer
+    except ImportError:  # a JAX that moved it: treat every tracer as a jit tracer
+        return True
+    return isinstance(x, DynamicJaxprTracer)
+
+
+def may_be_sharded(*arrays) -> bool:
+    """Whether any of ``arrays`` may be sharded over several devices."""
+    for array in arrays:
+        if isinstance(array, jax.core.Tracer):
+            return True
+        sharding = getattr(array, "sharding", None)
+        if sharding is not None and len(sharding.device_set) > 1:
+            return True
+    return False
+
+
+def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
+    """Run ``kernel`` on every device's shard of the decode arrays (see the module docstring).
+
+    Args:
+      kernel: ``kernel(query, kv_cache, block_tables, seq_lens)`` -- or, when ``plan`` is not None,
+        ``kernel(query, kv_cache, block_tables, seq_lens, plan=plan)`` -- returning ``out`` or
+        ``(out, lse)``, with static parameters closed over (prefer ``functools.partial``: eager
+        calls on multi-device arrays are then compiled once per distinct partial, not once per
+        call). It is called with per-device shards and must take every size from its arguments.
+      query, kv_cache, block_tables, seq_lens: the (validated) decode arrays.
+      plan: None or a pytree; its array leaves are passed to every device replicated, its other
+        leaves are static.
+
+    Returns:
+      What ``kernel`` returns: out [B, q_len, H, R] (and lse [B, q_len, H]) sharded over the batch
+      and heads like the query.
+
+    Single-device calls (one device in the process, or concrete arrays on one device) and calls
+    under transformations other than ``jit`` (``vmap``, ``grad``: custom_partitioning has no rules
+    for them) call ``kernel`` directly, with no wrapper at all.
+    """
+    arrays = (query, kv_cache, block_tables, seq_lens)
+    leaves, treedef = jax.tree_util.tree_flatten(plan)
+    is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
+    plan_arrays = tuple(leaf for leaf, a in zip(leaves, is_array) if a)
+    operands = arrays + plan_arrays
+    tracers = [x for x in operands if isinstance(x, jax.core.Tracer)]
+    if (jax.device_count() == 1 or not may_be_sharded(*operands)
+            or not all(_is_jit_tracer(x) for x in tracers)):
+        return kernel(*arrays) if plan is None else kernel(*arrays, plan=plan)
+    statics = tuple(None if a else leaf for leaf, a in zip(leaves, is_array))
+    per_shard = _PerShard(kernel, plan is not None, treedef, statics, is_array)
+    if tracers:
+        return _partitioned(per_shard, *operands)
+    # Concrete arrays on several devices: compile through the same partitioner as under jit, so
+    # the page ids of a sharded pool are read the same way (the custom call's eager impl would
+    # run the kernel on the global arrays instead).
+    return _eager(per_shard, *operands)
+
+
+class _PerShard:
+    """The per-device computation: rebuilds the plan from its arrays and statics, calls the kernel.
+
+    A static argument of the custom_partitioning op; equal for equal partials so that ``_eager``'s
+    compilation cache hits.
+    """
+
+    def __init__(self, kernel, has_plan, treedef, statics, is_array):
+        self.kernel = kernel
+        self.has_plan = has_plan
+        self.treedef = treedef
+        self.statics = statics
+        self.is_array = is_array
+        try:
+            key = (_kernel_key(kernel), has_plan, treedef, statics, is_array)
+            hash(key)
+        except TypeError:
+            key = (id(self),)
+        self._key = key
+
+    def __eq__(self, other):
+        return isinstance(other, _PerShard) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __call__(self, query, kv_cache, block_tables, seq_lens, *plan_arrays):
+        if not self.has_plan:
+            return self.kernel(query, kv_cache, block_tables, seq_lens)
+        arrays = iter(plan_arrays)
+        leaves = [next(arrays) if a else s for a, s in zip(self.is_array, self.statics)]
+        plan = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        return self.kernel(query, kv_cache, block_tables, seq_lens, plan=plan)
+
+
+def _kernel_key(kernel):
+    if isinstance(kernel, functools.partial):
+        return (_kernel_key(kernel.func), kernel.args, tuple(sorted(kernel.keywords.items())))
+    return kernel
+
+
+@functools.partial(custom_partitioning, static_argnums=(0,))
+def _partitioned(per_shard, query, kv_cache, block_tables, seq_lens, *plan_arrays):
+    return per_shard(query, kv_cache, block_tables, seq_lens, *plan_arrays)
+
+
+_eager = jax.jit(_partitioned, static_argnums=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout resolution, shared by the Shardy and GSPMD paths.
+
+
+def _dim_axes(sharding, ndim: int) -> list[tuple[str, ...]]:
+    """Mesh axes of each dim of a NamedSharding, as tuples (empty: replicated)."""
+    if not isinstance(sharding, NamedSharding):
+        if sharding is None or sharding.is_fully_replicated:
+            return [()] * ndim
+        raise LayoutError(
+            f"cannot read mesh axes from {sharding!r}; give the inputs NamedShardings or call decode "
+            "under a mesh (`with jax.sharding.use_mesh(mesh)` / `jax.set_mesh`)")
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    axes = []
+    for entry in spec[:ndim]:
+        if entry is None or entry == PartitionSpec.UNCONSTRAINED:
+            axes.append(())
+        elif isinstance(entry, str):
+            axes.append((entry,))
+        else:
+            axes.append(tuple(entry))
+    return axes
+
+
+def _shards(mesh, axes: tuple[str, ...]) -> int:
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def _spec_entry(axes: tuple[str, ...]):
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def _layout(mesh, arg_shapes, validate=True):
+    """(batch_axes, head_axes, pool_sharded) for the operands' shardings, validated."""
+    query, kv_cache, block_tables, seq_lens, *plan_arrays = arg_shapes
+    batch = query.shape[0]
+    num_pages = kv_cache.shape[0]
+    pool_axes = _dim_axes(kv_cache.sharding, 3)[0]
+    query_axes = _dim_axes(query.sharding, 4)
+    if pool_axes:
+        batch_axes = pool_axes
+        pools = _shards(mesh, pool_axes)
+        if validate and (batch % pools or num_pages % pools):
+            raise LayoutError(
+                f"kv_cache's page dim is sharded over {pool_axes} into {pools} page pools, so the "
+                f"batch is split into {pools} shards with one pool each; batch {batch} and num_pages "
+                f"{num_pages} must both be divisible by {pools}")
+    else:
+        batch_axes = query_axes[0]
+        if validate and batch_axes and batch % _shards(mesh, batch_axes):
+            raise LayoutError(
+                f"query's batch dim ({batch}) is sharded over {batch_axes} "
+                f"({_shards(mesh, batch_axes)} shards) unevenly; shard the batch evenly")
+    head_axes = tuple(a for a in query_axes[2] if a not in batch_axes)
+    if validate and plan_arrays and _shards(mesh, batch_axes) > 1:
+        raise LayoutError(
+            f"a plan cannot be used with a batch sharded over {batch_axes}: its schedule covers one "
+            "device's batch and is replicated; pass plan=None (each device then plans its own "
+            "shard) or shard only the heads")
+    return batch_axes, head_axes, bool(pool_axes)
+
+
+def _shardings(mesh, arg_shapes, result_shape, validate=True):
+    """(result shardings, operand shardings) for the resolved layout."""
+    batch_axes, head_axes, pooled = _layout(mesh, arg_shapes, validate)
+    b, h = _spec_entry(batch_axes), _spec_entry(head_axes)
+    named = lambda *spec: NamedSharding(mesh, PartitionSpec(*spec))
+    operands = [
+        named(b, None, h, None),
+        named(b if pooled else None, None, None),
+        named(b, None),
+        named(b),
+    ] + [named() for _ in arg_shapes[4:]]
+    if isinstance(result_shape, (tuple, list)):
+        results = (named(b, None, h, None), named(b, None, h))[:len(result_shape)]
+        results = type(result_shape)(results) if isinstance(result_shape, tuple) else list(results)
+    else:
+        results = named(b, None, h, None)
+    return results, tuple(operands)
+
+
+def _infer_sharding_from_operands(per_shard, mesh, arg_shapes, result_shape):
+    del per_shard
+    # An exception raised here aborts the process (XLA CHECK-fails on it): never raise, leave the
+    # error to _partition, whose exceptions reach the caller.
+    try:
+        return _shardings(mesh, arg_shapes, result_shape, validate=False)[0]
+    except Exception:  # noqa: BLE001
+        replicated = NamedSharding(mesh, PartitionSpec())
+        return jax.tree_util.tree_map(lambda _: replicated, result_shape)
+
+
+def _partition(per_shard, mesh, arg_shapes, result_shape):
+    results, operands = _shardings(mesh, arg_shapes, result_shape)
+    return mesh, per_shard, results, operands
+
+
+def _sharding_rule(per_shard, mesh, operand_types, result_types):
+    """Shardy rule: batch ``b`` and heads ``h`` pass through, pages ``p`` stay as given.
+
+    The page factor ``p`` is independent of ``b`` here (a rule cannot tie two factors together);
+    ``_partition`` puts the batch on the pool's axes when the pool is sharded. Every other factor,
+    the plan's dims included, is need-replication.
+    """
+    del per_shard, mesh
+    operands = [("b", "s", "h", "d"), ("p", "t", "d"), ("b", "m"), ("b",)]
+    for i, value_type in enumerate(operand_types[4:]):
+        operands.append(tuple(f"x{i}_{j}" for j in range(len(value_type.shape))))
+    results = [("b", "s", "h", "r"), ("b", "s", "h")][:len(result_types)]
+    # Shardy wants special factors listed in order of first appearance.
+    order = list(dict.fromkeys(f for mapping in operands + results for f in mapping))
+    replicated = tuple(f for f in order if f not in ("b", "h", "p"))
+    return SdyShardingRule(operand_mappings=tuple(operands), result_mappings=tuple(results),
+                           need_replication_factors=replicated)
+
+
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer_sharding_from_operands,
+    sharding_rule=_sharding_rule,
+)

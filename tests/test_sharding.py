@@ -1,0 +1,299 @@
+"""jax_mla.decode on sharded arrays: heads over "tp", batch and page pools over "data".
+
+On CPU these need 4 host devices (conftest.py sets XLA_FLAGS=--xla_force_host_platform_device_count=4
+before jax is imported); the multi_gpu test needs two GPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_problem, relative_error, tolerance
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_mla
+from jax_mla import sharding
+from jax_mla.reference import reference_from_jax
+
+COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
+                         r"(-start)?\(")
+NUM_HEADS = 8
+SCALE = 0.11
+
+
+def cpu_mesh(shape):
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip(f"needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4), "
+                    f"have {len(devices)}")
+    return Mesh(np.array(devices[:4]).reshape(shape), ("data", "tp"))
+
+
+@contextlib.contextmanager
+def partitioner(name):
+    """Shardy (JAX's default; sharding_rule) or GSPMD (infer_sharding_from_operands)."""
+    shardy = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", name == "shardy")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", shardy)
+
+
+PARTITIONERS = pytest.mark.parametrize("partitioner_name", ["shardy", "gspmd"])
+
+
+def put(mesh, x, *spec):
+    return jax.device_put(x, NamedSharding(mesh, P(*spec)))
+
+
+def decode_fn(backend, **kwargs):
+    return jax.jit(lambda q, kv, bt, sl: jax_mla.decode(q, kv, bt, sl, softmax_scale=SCALE,
+                                                        return_lse=True, backend=backend, **kwargs))
+
+
+def collectives(fn, *args) -> list[str]:
+    return sorted({m.group(1) for m in COLLECTIVES.finditer(fn.lower(*args).compile().as_text())})
+
+
+def pooled_problem(num_pools, *, batch_per_pool, seed, dtype=jnp.float32, q_len=2,
+                   num_heads=NUM_HEADS, page_size=16):
+    """One problem per data shard; the global cache is the concat of the (equal-size) pools.
+
+    Returns (global arrays, per-shard problems); block tables hold ids local to their pool.
+    """
+    shards = [make_problem(seed + i, batch=batch_per_pool, q_len=q_len, num_heads=num_heads,
+                           page_size=page_size, max_len=150, dtype=dtype) for i in range(num_pools)]
+    num_pages = max(s.kv_cache.shape[0] for s in shards)
+    max_pages = max(s.block_tables.shape[1] for s in shards)
+    for s in shards:  # pad every pool (NaN pages) and table (garbage ids) to a common shape
+        s.kv_cache = jnp.pad(s.kv_cache, ((0, num_pages - s.kv_cache.shape[0]), (0, 0), (0, 0)),
+                             constant_values=np.nan)
+        s.block_tables = jnp.pad(s.block_tables, ((0, 0), (0, max_pages - s.block_tables.shape[1])),
+                                 constant_values=num_pages + 3)
+    arrays = tuple(jnp.concatenate(parts) for parts in zip(*(s.arrays for s in shards)))
+    return arrays, shards
+
+
+def assert_near(actual, expected):
+    """float32 agreement up to reordered sums (a shard's matmuls block differently)."""
+    assert relative_error(actual, expected) < 5e-6, relative_error(actual, expected)
+
+
+def batch_and_heads(array):
+    spec = tuple(array.sharding.spec) + (None,) * array.ndim
+    return spec[0], spec[2]
+
+
+def check_sharded_output(out, lse, query_spec):
+    """out and lse are sharded over the batch and heads exactly like the query."""
+    want = (query_spec[0], query_spec[2])
+    assert batch_and_heads(out) == want, out.sharding
+    assert batch_and_heads(lse) == want, lse.sharding
+
+
+# Heads over "tp" and batch over "data"; the cache is replicated and page ids are global.
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2), (4, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_heads_and_batch_sharded(mesh_shape):
+    mesh = cpu_mesh(mesh_shape)
+    problem = make_problem(10, batch=4, q_len=2, num_heads=NUM_HEADS, page_size=16, max_len=200)
+    data = "data" if mesh_shape[0] > 1 else None
+    tp = "tp" if mesh_shape[1] > 1 else None
+    spec = (data, None, tp, None)
+    args = (put(mesh, problem.query, *spec), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables, data), put(mesh, problem.seq_lens, data))
+    fn = decode_fn("xla")
+    out, lse = fn(*args)
+    check_sharded_output(out, lse, spec)
+    # Per-device kernels, no communication at all (no all-gather of the query or the cache).
+    assert collectives(fn, *args) == []
+
+    unsharded_out, unsharded_lse = fn(*problem.arrays)
+    assert_near(out, unsharded_out)
+    assert_near(lse, unsharded_lse)
+    ref_out, ref_lse = reference_from_jax(*problem.arrays, softmax_scale=SCALE)
+    assert relative_error(out, ref_out.numpy()) < tolerance(jnp.float32)
+    assert np.abs(np.asarray(lse) - ref_lse.numpy()).max() < 1e-4
+
+
+# Batch over "data" with a page pool per data shard (ids local to the pool), heads over "tp".
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)], ids=lambda s: "x".join(map(str, s)))
+def test_per_shard_page_pools(mesh_shape):
+    mesh = cpu_mesh(mesh_shape)
+    pools = mesh_shape[0]
+    arrays, shards = pooled_problem(pools, batch_per_pool=4 // pools, seed=20)
+    tp = "tp" if mesh_shape[1] > 1 else None
+    spec = ("data", None, tp, None)
+    args = (put(mesh, arrays[0], *spec), put(mesh, arrays[1], "data"),
+            put(mesh, arrays[2], "data"), put(mesh, arrays[3], "data"))
+    fn = decode_fn("xla")
+    out, lse = fn(*args)
+    check_sharded_output(out, lse, spec)
+    assert collectives(fn, *args) == []
+
+    per_shard = [fn(*s.arrays) for s in shards]  # each pool unsharded, ids global to it
+    assert_near(out, np.concatenate([o for o, _ in per_shard]))
+    assert_near(lse, np.concatenate([l for _, l in per_shard]))
+    ref_out = np.concatenate([reference_from_jax(*s.arrays, softmax_scale=SCALE)[0].numpy()
+                              for s in shards])
+    assert relative_error(out, ref_out) < tolerance(jnp.float32)
+    if pools == 2:
+        # Eager calls on sharded arrays go through the same partitioner (same page-id meaning).
+        eager_out = jax_mla.decode(*args, softmax_scale=SCALE, backend="xla")
+        np.testing.assert_array_equal(np.asarray(eager_out), np.asarray(out))
+
+
+def test_gspmd_partitioner():
+    """The infer_sharding_from_operands/partition path (Shardy off) gives the same layouts."""
+    mesh = cpu_mesh((2, 2))
+    arrays, shards = pooled_problem(2, batch_per_pool=2, seed=30)
+    spec = ("data", None, "tp", None)
+    args = (put(mesh, arrays[0], *spec), put(mesh, arrays[1], "data"),
+            put(mesh, arrays[2], "data"), put(mesh, arrays[3], "data"))
+    with partitioner("gspmd"):
+        fn = decode_fn("xla")
+        out, lse = fn(*args)
+        assert collectives(fn, *args) == []
+    check_sharded_output(out, lse, spec)
+    expected = np.concatenate([np.asarray(decode_fn("xla")(*s.arrays)[0]) for s in shards])
+    assert_near(out, expected)
+
+
+def test_other_dims_are_gathered():
+    """Shardings of q_len / D / page_size are undone by the partitioner: correct, with a gather."""
+    mesh = cpu_mesh((2, 2))
+    problem = make_problem(40, batch=2, q_len=2, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    args = (put(mesh, problem.query, None, "data", "tp", None),
+            put(mesh, problem.kv_cache, None, "data", None), put(mesh, problem.block_tables),
+            put(mesh, problem.seq_lens))
+    fn = decode_fn("xla")
+    out, _ = fn(*args)
+    assert batch_and_heads(out) == (None, "tp")
+    assert "all-gather" in collectives(fn, *args)
+    expected, _ = fn(*problem.arrays)
+    assert_near(out, expected)
+
+
+def plan_kernel(query, kv_cache, block_tables, seq_lens, plan):
+    """A stand-in backend that takes a plan: xla decode, offset by the plan's (replicated) data."""
+    out = jax_mla.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=SCALE, backend="xla")
+    return out + plan["workspace"][0].astype(out.dtype) * plan["scale"]
+
+
+def test_plan_is_replicated_with_heads_sharded():
+    mesh = cpu_mesh((1, 4))
+    problem = make_problem(50, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    plan = {"workspace": put(mesh, jnp.full((128,), 3, jnp.uint8)), "scale": 0.5}
+    args = (put(mesh, problem.query, None, None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables), put(mesh, problem.seq_lens))
+    fn = jax.jit(lambda *a: sharding.call(plan_kernel, *a, plan=plan))
+    out = fn(*args)
+    assert batch_and_heads(out) == (None, "tp")
+    assert collectives(fn, *args) == []
+    expected = plan_kernel(*problem.arrays, plan={"workspace": jnp.full((128,), 3, jnp.uint8),
+                                                  "scale": 0.5})
+    assert_near(out, expected)
+
+
+@PARTITIONERS
+def test_plan_with_sharded_batch_raises(partitioner_name):
+    mesh = cpu_mesh((2, 2))
+    problem = make_problem(51, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    plan = {"workspace": jnp.zeros((128,), jnp.uint8), "scale": 0.5}
+    args = (put(mesh, problem.query, "data", None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables, "data"), put(mesh, problem.seq_lens, "data"))
+    fn = jax.jit(lambda *a: sharding.call(plan_kernel, *a, plan=plan))
+    with partitioner(partitioner_name), pytest.raises(
+            jax.errors.JaxRuntimeError, match=r"jax_mla sharding: a plan cannot be used with a batch"):
+        fn.lower(*args).compile()
+
+
+@PARTITIONERS
+def test_uneven_page_pools_raise(partitioner_name):
+    mesh = cpu_mesh((2, 2))
+    problem = make_problem(52, batch=3, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100,
+                           spare_pages=3)
+    kv_cache = problem.kv_cache
+    if kv_cache.shape[0] % 2:
+        kv_cache = jnp.concatenate([kv_cache, kv_cache[:1]])
+    args = (put(mesh, problem.query), put(mesh, kv_cache, "data"), put(mesh, problem.block_tables),
+            put(mesh, problem.seq_lens))
+    with partitioner(partitioner_name), pytest.raises(
+            jax.errors.JaxRuntimeError, match=r"jax_mla sharding: .*batch 3 .* must both be divisible by 2"):
+        decode_fn("xla").lower(*args).compile()
+
+
+def test_unsharded_calls_skip_the_wrapper():
+    """Single-device arrays call the backend directly, eagerly; vmap never sees the wrapper."""
+    problem = make_problem(60, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=60)
+    seen = []
+    kernel = lambda *a: seen.append(type(a[0]).__name__) or a[0][..., :512]
+    sharding.call(kernel, *problem.arrays)
+    assert seen == ["ArrayImpl"]
+    batched = jnp.stack([problem.query, problem.query])
+    out = jax.jit(jax.vmap(lambda q: jax_mla.decode(q, *problem.arrays[1:], softmax_scale=SCALE,
+                                                    backend="xla")))(batched)
+    expected = jax_mla.decode(*problem.arrays, softmax_scale=SCALE, backend="xla")
+    assert_near(out[1], expected)
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+def gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+def gpu_backend_params():
+    fa3 = False
+    if gpu_count() >= 2:
+        try:
+            fa3 = "fa3" in jax_mla.available_backends("gpu")
+        except ImportError:  # the FFI backends are not part of this build
+            pass
+    marks = [] if fa3 else [pytest.mark.skip(reason="fa3 is not available here")]
+    return [pytest.param("xla", id="xla"), pytest.param("fa3", id="fa3", marks=marks)]
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("backend", gpu_backend_params())
+@pytest.mark.parametrize("mesh_shape,pooled", [((1, 2), False), ((2, 1), False), ((2, 1), True)],
+                         ids=["tp2", "dp2", "dp2-pools"])
+def test_two_gpus(backend, mesh_shape, pooled):
+    mesh = Mesh(np.array(jax.devices("gpu")[:2]).reshape(mesh_shape), ("data", "tp"))
+    dtype = jnp.bfloat16 if backend != "xla" else jnp.float32
+    num_heads = 32  # 16 heads per GPU with tp2, DeepSeek-V3's TP8 slice
+    if pooled:
+        arrays, shards = pooled_problem(2, batch_per_pool=2, seed=70, dtype=dtype, q_len=1,
+                                        num_heads=num_heads, page_size=32)
+    else:
+        problem = make_problem(71, batch=4, q_len=1, num_heads=num_heads, page_size=32,
+                               max_len=500, dtype=dtype)
+        arrays, shards = problem.arrays, [problem]
+    data = "data" if mesh_shape[0] > 1 else None
+    tp = "tp" if mesh_shape[1] > 1 else None
+    spec = (data, None, tp, None)
+    args = (put(mesh, arrays[0], *spec), put(mesh, arrays[1], "data" if pooled else None),
+            put(mesh, arrays[2], data), put(mesh, arrays[3], data))
+    fn = decode_fn(backend)
+    out, lse = fn(*args)
+    check_sharded_output(out, lse, spec)
+    assert "all-gather" not in collectives(fn, *args)
+    single = jax.devices("gpu")[0]
+    unsharded = [fn(*jax.device_put(s.arrays, single)) for s in shards]
+    expected = np.concatenate([np.asarray(o, np.float32) for o, _ in unsharded])
+    tol = tolerance(dtype)
+    assert relative_error(out, expected) < tol
+    ref = np.concatenate([reference_from_jax(*jax.device_put(s.arrays, single),
+                                             softmax_scale=SCALE)[0].cpu().numpy() for s in shards])
+    assert relative_error(out, ref) < tol
