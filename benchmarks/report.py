@@ -1,0 +1,331 @@
+#!/usr/bin/env python3
+"""Turn benchmarks/decode.py results into a markdown report and a roofline plot.
+
+    python benchmarks/report.py benchmarks/results/2026-11-30-h200.json
+    python benchmarks/report.py a.json b.json --md report.md --png roofline.png
+
+Several JSON files are merged by point key (later files win). The markdown holds the environment,
+a verdict for each performance goal computed from the data, the full table, and what was skipped
+or failed. The PNG plots achieved TFLOP/s against arithmetic intensity under the H200 roofline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+PEAK_FLOPS = 790e12
+PEAK_BYTES = 4.3e12
+
+# Method -> (column holding µs per layer, label in plot and text).
+METHODS = {
+    "jax_mla": ("jax_mla_us", "jax_mla (auto + plan, jit)"),
+    "flashinfer": ("flashinfer_torch_us", "FlashInfer from torch (eager)"),
+    "flashinfer_graph": ("flashinfer_graph_us", "FlashInfer from torch (CUDA graph)"),
+    "xla_naive": ("xla_naive_us", "plain XLA (gather + einsum)"),
+    "jax_mla_xla": ("jax_mla_xla_us", "jax_mla backend='xla'"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def load(paths: list[str]) -> tuple[dict, list[dict]]:
+    env: dict = {}
+    records: dict[str, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        env = data.get("env") or env
+        for r in data.get("records", []):
+            key = r.get("key") or f"B{r['B']}-L{r['L']}-H{r['H']}-q{r['q_len']}-p{r['page_size']}"
+            records[key] = {**records.get(key, {}), **r}
+    rows = sorted(records.values(), key=lambda r: (r["page_size"], r["H"], r["q_len"], r["B"], r["L"]))
+    return env, rows
+
+
+def fmt_len(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def label(r: dict) -> str:
+    return f"H={r['H']} B={r['B']} L={fmt_len(r['L'])} q={r['q_len']} p={r['page_size']}"
+
+
+def num(r: dict, field: str):
+    v = r.get(field)
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def f(v, digits=1, suffix=""):
+    if v is None:
+        return "–"
+    if abs(v) >= 1000 and digits <= 1:
+        return f"{v:,.0f}{suffix}"
+    return f"{v:.{digits}f}{suffix}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Goals, computed from the data
+# ---------------------------------------------------------------------------------------------
+def goal(rows, *, title, in_scope, value, met, value_fmt, why_unmeasured) -> dict:
+    scope = [r for r in rows if in_scope(r)]
+    measured = [(r, value(r)) for r in scope if value(r) is not None]
+    unmeasured = [r for r in scope if value(r) is None]
+    passed = [(r, v) for r, v in measured if met(v)]
+    failed = [(r, v) for r, v in measured if not met(v)]
+    if not scope:
+        verdict = "NOT MEASURED: no point of the grid is in scope"
+    elif not measured:
+        verdict = f"NOT MEASURED: {len(scope)} point(s) in scope, none with both numbers"
+    elif not failed:
+        verdict = f"MET at all {len(measured)} measured point(s)"
+    elif not passed:
+        verdict = f"NOT MET at any of the {len(measured)} measured point(s)"
+    else:
+        verdict = f"NOT MET at {len(failed)} of {len(measured)} measured point(s) (met at {len(passed)})"
+    if measured and unmeasured:
+        verdict += f"; {len(unmeasured)} in-scope point(s) unmeasured"
+    lines = []
+    groups: dict[tuple, list] = {}
+    for r, v in measured:
+        groups.setdefault((r["H"], r["q_len"], r["page_size"]), []).append((r, v))
+    for (h, q, p), items in sorted(groups.items()):
+        ok = sum(1 for _, v in items if met(v))
+        vals = [v for _, v in items]
+        lines.append(f"H={h} q={q} page={p}: met at {ok}/{len(items)}, range "
+                     f"{value_fmt(min(vals))} .. {value_fmt(max(vals))}")
+    details = {
+        "met": [f"{label(r)} ({value_fmt(v)})" for r, v in passed],
+        "not met": [f"{label(r)} ({value_fmt(v)})" for r, v in failed],
+        "unmeasured": [f"{label(r)} ({why_unmeasured(r)})" for r in unmeasured],
+    }
+    return {"title": title, "verdict": verdict, "groups": lines, "details": details,
+            "n_met": len(passed), "n_failed": len(failed), "n_unmeasured": len(unmeasured)}
+
+
+def why_missing(r: dict, *fields: str) -> str:
+    reasons = []
+    if r.get("skipped"):
+        return f"point skipped: {r['skipped']}"
+    for field in fields:
+        if num(r, field) is None:
+            method = field[:-3]
+            base = {"flashinfer_torch": "flashinfer"}.get(method, method)
+            reason = (r.get(f"{base}_skip") or (r.get("errors") or {}).get(base)
+                      or (r.get("errors") or {}).get(f"{base}_fa3") or "not run")
+            reasons.append(f"{field}: {reason}")
+    return "; ".join(reasons) or "?"
+
+
+def goals(rows) -> list[dict]:
+    jm, fi, nv = "jax_mla_us", "flashinfer_torch_us", "xla_naive_us"
+    pct = lambda v: f"{v:.3f}x"  # noqa: E731
+    return [
+        goal(rows, title="jax_mla within 3% of FlashInfer-torch at B>=32, L>=4k "
+                         "(jax_mla_us / flashinfer_torch_us <= 1.03)",
+             in_scope=lambda r: r["B"] >= 32 and r["L"] >= 4096,
+             value=lambda r: ratio(num(r, jm), num(r, fi)), met=lambda v: v <= 1.03,
+             value_fmt=pct, why_unmeasured=lambda r: why_missing(r, jm, fi)),
+        goal(rows, title="jax_mla faster than FlashInfer-torch at B=1 (jax_mla_us / flashinfer_torch_us < 1)",
+             in_scope=lambda r: r["B"] == 1,
+             value=lambda r: ratio(num(r, jm), num(r, fi)), met=lambda v: v < 1.0,
+             value_fmt=pct, why_unmeasured=lambda r: why_missing(r, jm, fi)),
+        goal(rows, title="jax_mla >= 5x faster than plain XLA at L>=4k (xla_naive_us / jax_mla_us >= 5)",
+             in_scope=lambda r: r["L"] >= 4096,
+             value=lambda r: ratio(num(r, nv), num(r, jm)), met=lambda v: v >= 5.0,
+             value_fmt=lambda v: f"{v:.1f}x", why_unmeasured=lambda r: why_missing(r, nv, jm)),
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+def max_rel_err(r: dict):
+    errs = [v for k, v in r.items() if k.endswith("_rel_err") and isinstance(v, (int, float))]
+    return max(errs) if errs else None
+
+
+def table(rows) -> list[str]:
+    head = ["H", "q", "page", "B", "L", "floor µs", "jax_mla µs", "backend", "FI-torch µs", "FI backend",
+            "jax/FI", "FI graph µs", "plain XLA µs", "× plain XLA", "jax_mla xla µs", "noplan µs",
+            "plan µs", "FI plan µs", "% of floor", "TFLOP/s", "TB/s", "FI TFLOP/s", "max rel err",
+            "jax=FI bits"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        jm, fi = num(r, "jax_mla_us"), num(r, "flashinfer_torch_us")
+        naive = num(r, "xla_naive_us")
+        frac = num(r, "jax_mla_frac_floor")
+        bitwise = r.get("jax_mla_vs_flashinfer_bitwise")
+        diff = num(r, "jax_mla_vs_flashinfer_max_abs_diff")
+        bits = "–" if bitwise is None else ("yes" if bitwise else f"no ({diff:.2g})")
+        err = max_rel_err(r)
+        cells = [r["H"], r["q_len"], r["page_size"], r["B"], fmt_len(r["L"]), f(num(r, "floor_us")),
+                 f(jm), r.get("jax_mla_backend", "–"), f(fi), r.get("flashinfer_torch_backend", "–"),
+                 f(ratio(jm, fi), 3), f(num(r, "flashinfer_graph_us")),
+                 f(naive) if naive is not None else ("skip" if r.get("xla_naive_skip") else "–"),
+                 f(ratio(naive, jm), 1, "x"),
+                 f(num(r, "jax_mla_xla_us")) if num(r, "jax_mla_xla_us") is not None else
+                 ("skip" if r.get("jax_mla_xla_skip") else "–"),
+                 f(num(r, "jax_mla_noplan_us")), f(num(r, "plan_us")), f(num(r, "flashinfer_plan_us")),
+                 f(frac * 100 if frac is not None else None, 0, "%"), f(num(r, "jax_mla_tflops"), 1),
+                 f(num(r, "jax_mla_tbps"), 2), f(num(r, "flashinfer_tflops"), 1),
+                 "–" if err is None else f"{err:.1e}", bits]
+        if r.get("skipped"):
+            cells[6] = "skipped"
+        out.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return out
+
+
+def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[str]) -> str:
+    lines = ["# MLA decode benchmark" + (f": {env.get('gpu')}" if env.get("gpu") else ""), ""]
+    if env.get("dry_run"):
+        lines += ["> **CPU dry run.** These numbers exercise the benchmark script on the XLA "
+                  "backends with tiny shapes; they are not performance data and say nothing "
+                  "about the goals on a GPU.", ""]
+    lines += ["| | |", "|---|---|"]
+    for k in ("gpu", "driver", "cuda", "jax", "jaxlib", "jax_cuda_plugin", "torch", "flashinfer",
+              "triton", "commit", "date", "python"):
+        lines.append(f"| {k} | {env.get(k, '–') if env.get(k) is not None else '–'} |")
+    lines.append(f"| sources | {', '.join(os.path.basename(s) for s in sources)} |")
+    lines += ["", f"Floor per layer: max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / "
+              f"{PEAK_BYTES / 1e12:.1f} TB/s), FLOPs = 2·(576+512)·H·q·Σlen, bytes = Σlen·576·2 + "
+              "B·q·H·(576+512)·2. Every time is µs per decode call (one layer), median.", ""]
+
+    lines += ["## Goals (computed from the data)", ""]
+    for g in goals(rows):
+        lines.append(f"- **{g['title']}**: {g['verdict']}.")
+        for text in g["groups"]:
+            lines.append(f"  - {text}")
+        for kind in ("not met", "unmeasured"):
+            items = g["details"][kind]
+            if items:
+                shown = items[:12]
+                more = f" … and {len(items) - len(shown)} more" if len(items) > len(shown) else ""
+                lines.append(f"  - {kind}: " + "; ".join(shown) + more)
+    lines.append("")
+
+    lines += ["## Results", ""]
+    lines += table(rows)
+    lines.append("")
+    if png_name:
+        lines += [f"![roofline]({png_name})", ""]
+
+    notes = []
+    for r in rows:
+        bits = []
+        if r.get("skipped"):
+            bits.append(f"skipped: {r['skipped']}")
+        for m in ("xla_naive", "jax_mla_xla"):
+            if r.get(f"{m}_skip"):
+                bits.append(f"{m} skipped: {r[f'{m}_skip']}")
+        for m, e in sorted((r.get("errors") or {}).items()):
+            bits.append(f"{m} error: {e}")
+        if bits:
+            notes.append(f"- {label(r)}: " + "; ".join(bits))
+    if notes:
+        lines += ["## Skipped and failed", ""] + notes + [""]
+
+    lines += ["## Columns", "",
+              "- **jax_mla µs**: `jax_mla.decode(backend=\"auto\", plan=jax_mla.plan(...))` inside "
+              "`jax.jit`, N layers per call, each layer reading another cache copy; µs per layer. "
+              "**backend** is what \"auto\" picked.",
+              "- **FI-torch µs**: FlashInfer's `BatchMLAPagedAttentionWrapper.run()` called from torch "
+              "(eager, plan excluded), the faster of the FlashInfer backends timed "
+              "(**FI backend**); **FI graph µs**: the same runs replayed from one CUDA graph.",
+              "- **jax/FI**: jax_mla µs / FI-torch µs (below 1: jax_mla faster).",
+              "- **plain XLA µs**: gather pages with the block table, einsum, masked softmax, einsum "
+              "(what a JAX user writes today); **× plain XLA**: plain XLA µs / jax_mla µs.",
+              "- **jax_mla xla µs**: `jax_mla.decode(backend=\"xla\")`, the chunked pure-XLA backend.",
+              "- **noplan µs**: jax_mla without a plan (plans inside each call; small sub-grid).",
+              "- **plan µs** / **FI plan µs**: host time of `jax_mla.plan(...)` / of FlashInfer's "
+              "`plan()` (+ synchronize), median; once per step, shared by all layers.",
+              "- **% of floor**: floor µs / jax_mla µs. **TFLOP/s**, **TB/s**: jax_mla's achieved "
+              "rates with the FLOPs and bytes above; **FI TFLOP/s** likewise for FI-torch.",
+              "- **max rel err**: largest max|out − ref| / max|ref| of any method against a float32 "
+              "torch reference (first requests of the batch), checked before timing.",
+              "- **jax=FI bits**: whether jax_mla's output equals FlashInfer-torch's bit for bit "
+              "(same backend where both ran), else the max abs difference.", ""]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Roofline plot
+# ---------------------------------------------------------------------------------------------
+def roofline(env: dict, rows: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: no PNG ({e}); pip install matplotlib", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=110)
+    ridge = PEAK_FLOPS / PEAK_BYTES
+    xs = [0.5, ridge, 2000]
+    ax.plot(xs, [min(PEAK_FLOPS, x * PEAK_BYTES) / 1e12 for x in xs], color="black", lw=1.5,
+            label=f"roofline ({PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.1f} TB/s)")
+    markers = {"jax_mla": ("o", "C0"), "flashinfer": ("x", "C1"), "flashinfer_graph": ("+", "C2"),
+               "xla_naive": ("s", "C3"), "jax_mla_xla": ("^", "C4")}
+    ys_all = []
+    for method, (field, name) in METHODS.items():
+        pts = [(r["intensity"], r["flops"] / (r[field] * 1e-6) / 1e12) for r in rows
+               if num(r, field) and num(r, "flops") and num(r, "intensity")]
+        if not pts:
+            continue
+        marker, color = markers[method]
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color,
+                   label=f"{name} ({len(pts)})", s=28, alpha=0.8,
+                   facecolors="none" if marker in ("o", "s", "^") else None)
+        ys_all += [p[1] for p in pts]
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte of ideal traffic)")
+    ax.set_ylabel("achieved TFLOP/s")
+    low = min(ys_all + [1.0]) / 2
+    ax.set_ylim(max(low, 1e-6), PEAK_FLOPS / 1e12 * 2)
+    ax.set_xlim(0.5, 2000)
+    title = f"MLA decode roofline: {env.get('gpu', '?')}"
+    if env.get("dry_run"):
+        title += " (CPU dry run: not performance data)"
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="results of benchmarks/decode.py (merged by key)")
+    p.add_argument("--md", default=None, help="markdown output (default: first JSON with .md)")
+    p.add_argument("--png", default=None, help="roofline PNG (default: first JSON with .png)")
+    p.add_argument("--stdout", action="store_true", help="also print the markdown")
+    args = p.parse_args(argv)
+    stem = os.path.splitext(args.json[0])[0]
+    md_path = args.md or stem + ".md"
+    png_path = args.png or stem + ".png"
+    env, rows = load(args.json)
+    made_png = roofline(env, rows, png_path)
+    png_ref = (os.path.relpath(png_path, os.path.dirname(os.path.abspath(md_path)))
+               if made_png else None)
+    text = markdown(env, rows, png_ref, args.json)
+    with open(md_path, "w") as fh:
+        fh.write(text)
+    if args.stdout:
+        print(text)
+    print(f"wrote {md_path}" + (f" and {png_path}" if made_png else ""), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

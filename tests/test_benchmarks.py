@@ -1,0 +1,138 @@
+"""benchmarks/decode.py --dry-run (CPU, XLA backends, tiny grid) and benchmarks/report.py on its output."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DECODE = os.path.join(REPO, "benchmarks", "decode.py")
+REPORT = os.path.join(REPO, "benchmarks", "report.py")
+
+ENV_KEYS = {"gpu", "driver", "cuda", "jax", "torch", "flashinfer", "commit"}
+RECORD_KEYS = {"key", "B", "L", "H", "q_len", "page_size", "floor_us", "flops", "bytes", "intensity",
+               "sum_len", "n_caches", "layers", "methods_done", "errors"}
+TIMED = ("jax_mla", "xla_naive", "jax_mla_xla")
+
+
+def run_script(*args, cwd=REPO):
+    path = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "dry.json"
+    result = run_script(DECODE, "--dry-run", "--out", str(out))
+    return out, result
+
+
+def test_dry_run_writes_schema(dry_run):
+    out, result = dry_run
+    data = json.loads(out.read_text())
+    assert ENV_KEYS <= set(data["env"]), sorted(data["env"])
+    assert data["env"]["dry_run"] is True and data["env"]["jax_platform"] == "cpu"
+    assert data["records"], "no records"
+    for record in data["records"]:
+        assert RECORD_KEYS <= set(record), sorted(RECORD_KEYS - set(record))
+        assert record["errors"] == {}, record["errors"]
+        assert record["floor_us"] > 0 and record["flops"] > 0 and record["bytes"] > 0
+        assert record["n_caches"] >= 2, "caches are rotated"
+        assert sorted(record["methods_done"]) == sorted(TIMED)
+        for method in TIMED:
+            assert record[f"{method}_us"] > 0
+            # every timed method was checked against the float32 reference first
+            assert record[f"{method}_rel_err"] < 2e-2
+        assert record["jax_mla_backend"] == "xla"
+        assert record["key"] == (f"B{record['B']}-L{record['L']}-H{record['H']}-q{record['q_len']}"
+                                 f"-p{record['page_size']}")
+    assert "[2/2" in result.stderr, "one progress line per point"
+
+
+def test_rerun_skips_measured_points(dry_run):
+    out, _ = dry_run
+    before = json.loads(out.read_text())
+    result = run_script(DECODE, "--dry-run", "--out", str(out))
+    assert "already in" in result.stderr
+    after = json.loads(out.read_text())
+    assert [r["key"] for r in after["records"]] == [r["key"] for r in before["records"]]
+    assert len(after["runs"]) == len(before["runs"]) + 1
+
+
+def test_pieces_partition_the_grid():
+    listed = []
+    for k in (1, 2, 3):
+        text = run_script(DECODE, "--list", "--grid", "full", "--piece", f"{k}/3").stdout
+        listed += [line.split(" est ")[0].strip() for line in text.splitlines()[1:]]
+    full = run_script(DECODE, "--list", "--grid", "full").stdout
+    assert sorted(listed) == sorted(line.split(" est ")[0].strip() for line in full.splitlines()[1:]
+                                    if " est " in line)
+    assert len(listed) == len(set(listed)) > 64
+
+
+def test_report_markdown(dry_run, tmp_path):
+    out, _ = dry_run
+    md, png = tmp_path / "report.md", tmp_path / "roofline.png"
+    run_script(REPORT, str(out), "--md", str(md), "--png", str(png))
+    text = md.read_text()
+    assert "## Goals (computed from the data)" in text
+    for goal in ("within 3% of FlashInfer-torch", "faster than FlashInfer-torch at B=1",
+                 "5x faster than plain XLA"):
+        assert goal in text
+    assert "CPU dry run" in text
+    assert "| H | q | page | B | L | floor µs | jax_mla µs |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    assert len(rows) == len(json.loads(out.read_text())["records"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="matplotlib not installed (pip install matplotlib, or '.[bench]')")
+def test_report_png(dry_run, tmp_path):
+    out, _ = dry_run
+    md, png = tmp_path / "report.md", tmp_path / "roofline.png"
+    run_script(REPORT, str(out), "--md", str(md), "--png", str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![roofline](roofline.png)" in md.read_text()
+
+
+def load_decode_module():
+    spec = importlib.util.spec_from_file_location("bench_decode", DECODE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_layout_floor_and_rotation():
+    bench = load_decode_module()
+    pt = bench.Point(B=32, L=4096, H=128, q_len=1, page_size=64)
+    layout = bench.make_layout(pt, 0)
+    lengths = layout.lengths
+    assert lengths.min() >= 2048 and lengths.max() <= 6144
+    assert abs(lengths.mean() - 4096) < 1
+    # Every request's pages are distinct cache pages, shuffled, and the CSR view matches the table.
+    indices = layout.kv_indices
+    assert sorted(indices.tolist()) == list(range(layout.num_pages))
+    assert (indices != sorted(indices)).any()
+    assert layout.kv_indptr[-1] == indices.size
+    assert (layout.pages_per_request == -(-lengths // 64)).all()
+    # The floor of ../shared/docs/performance.md: H=128 B=32 L=4k is 46 us, compute-bound.
+    work = bench.work(layout)
+    assert abs(work["floor_us"] - 46.4) < 1.5 and work["floor_bound"] == "compute"
+    # Enough cache copies that the others exceed 2x L2 between two reads of one.
+    n = bench.cache_count(layout, 60 * bench.GIB)
+    assert n >= 2 and (n - 1) * layout.cache_bytes > 2 * bench.L2_BYTES
+    assert bench.cache_count(layout, layout.cache_bytes - 1) == 0  # over budget: skipped
+    sets = bench.rotation_sets(list(range(n)), 12)
+    flat = [c for s in sets for c in s]
+    assert all(a != b for a, b in zip(flat, flat[1:])), "consecutive layers read different copies"
+    assert sorted(set(flat)) == list(range(n))
