@@ -15,6 +15,8 @@ reference before timing it, times it, and merges one record per point into the J
 Methods (``--backends``):
   jax_mla         jax_mla.decode(backend="auto", plan=jax_mla.plan(...)) inside jax.jit, N layers
   jax_mla_noplan  the same without a plan (plans inside each call); on a small sub-grid only
+  jax_mla_device_plan  the schedule built on the GPU inside the jitted step (jax_mla.device_plan),
+                  shared by its layers; also times the planner kernel alone (device_plan_us)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
@@ -57,7 +59,8 @@ CHECK_REQUESTS = 4  # requests checked against the float32 torch reference at ev
 CHECK_TOL = 2e-2  # max |out - ref| / max |ref| for bf16 outputs
 GIB = 1 << 30
 
-METHODS = ("jax_mla", "jax_mla_noplan", "flashinfer", "xla_naive", "jax_mla_xla")
+METHODS = ("jax_mla", "jax_mla_noplan", "jax_mla_device_plan", "flashinfer", "xla_naive",
+           "jax_mla_xla")
 GPU_DEFAULT_METHODS = METHODS
 DRY_DEFAULT_METHODS = ("jax_mla", "xla_naive", "jax_mla_xla")
 FI_BACKENDS = ("fa3", "fa2")
@@ -241,7 +244,7 @@ def estimate_cost_s(layout: Layout, methods: list[str], args) -> float:
     floor_s = w["floor_us"] * 1e-6
     cost = 3.0 + n * layout.cache_bytes / 20e9  # setup, random fill, reference check
     for m in methods:
-        if m in ("jax_mla", "jax_mla_noplan"):
+        if m in ("jax_mla", "jax_mla_noplan", "jax_mla_device_plan"):
             cost += 2.0 + min(args.max_method_s, 10 * 2.5 * floor_s * args.layers) + 0.5
         elif m == "flashinfer":
             cost += len(args.fi_backends) * (1.5 + 2 * min(1.0, 15 * 2.5 * floor_s * args.layers))
@@ -594,6 +597,19 @@ def layered(decode_one, layers: int):
     return jax.jit(step)
 
 
+def device_planned(decode_one, layers: int, pt, max_pages: int):
+    """Like ``layered``, but the step builds its schedule on the GPU once and shares it."""
+    import jax
+    import jax_mla
+
+    def step(query, caches, tables, lens, plan):
+        del plan
+        device = jax_mla.device_plan(lens, num_heads=pt.H, q_len=pt.q_len, max_pages=max_pages)
+        return tuple(decode_one(query, caches[i], tables, lens, device) for i in range(layers))
+
+    return jax.jit(step)
+
+
 def rotation_sets(caches: list, layers: int) -> list[tuple]:
     """Cache tuples for successive calls: call k, layer i reads caches[(k * layers + i) % n]."""
     n = len(caches)
@@ -826,8 +842,17 @@ class Bench:
         args = self.args
         pt = layout.point
         w = work(layout)
-        layers = args.layers if method in ("jax_mla", "jax_mla_noplan") else args.xla_layers
+        layers = args.layers if method.startswith("jax_mla") and method != "jax_mla_xla" else args.xla_layers
         plan = None
+        if method == "jax_mla_device_plan":
+            record["device_plan_us"] = self.time_device_plan(layout)
+
+            def one(query, cache, tables, lens, plan_):
+                return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE,
+                                      plan=plan_)
+
+            fn = device_planned(one, layers, pt, layout.max_pages)
+            return self.time_layers(method, fn, layout, q, caches, None, layers, record, outputs)
         if method in ("jax_mla", "jax_mla_noplan"):
             from jax_mla import backends
 
@@ -872,7 +897,45 @@ class Bench:
                                             f"{self.slowdown[method]:.0f} the floor) > --max-call-s")
                 return
 
-        fn = layered(one, layers)
+        return self.time_layers(method, layered(one, layers), layout, q, caches, plan, layers,
+                                record, outputs)
+
+    def time_device_plan(self, layout: Layout, repeats: int = 64) -> float:
+        """µs per jax_mla.device_plan call: a scan of planner calls on distinct lengths, each
+        reduced to a few bytes so none can be dropped, minus the same scan without the planner."""
+        import jax
+        import jax.numpy as jnp
+        import jax_mla
+
+        pt = layout.point
+        lens = jnp.asarray(np.stack([np.roll(layout.lengths, i) for i in range(repeats)]), jnp.int32)
+
+        def scan(with_planner):
+            def body(total, lens_i):
+                if with_planner:
+                    ws = jax_mla.device_plan(lens_i, num_heads=pt.H, q_len=pt.q_len,
+                                             max_pages=layout.max_pages).int_workspace
+                    return total + ws[:64].astype(jnp.int32).sum(), None
+                return total + lens_i[:64].sum(), None
+            return jax.jit(lambda ls: jax.lax.scan(body, jnp.int32(0), ls)[0])
+
+        timings = []
+        for fn in (scan(True), scan(False)):
+            fn(lens).block_until_ready()
+            samples = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                fn(lens).block_until_ready()
+                samples.append(time.perf_counter() - t0)
+            timings.append(median(samples))
+        return max(timings[0] - timings[1], 0.0) / repeats * 1e6
+
+    def time_layers(self, method, fn, layout: Layout, q, caches, plan, layers, record, outputs):
+        import jax
+
+        args = self.args
+        pt = layout.point
+        w = work(layout)
         sets = rotation_sets(caches, layers)
         call_args = [(q, s, self.tables, self.lens, plan) for s in sets]
         t0 = time.perf_counter()
@@ -1109,7 +1172,8 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"unknown --backends {bad}; choose from {list(METHODS)}")
-    if args.dry_run and any(m in ("flashinfer", "jax_mla_noplan") for m in args.methods):
+    if args.dry_run and any(m in ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan")
+                            for m in args.methods):
         p.error("--dry-run runs the XLA backends only (jax_mla, xla_naive, jax_mla_xla)")
     args.fi_backends = [b.strip() for b in args.fi_backends.split(",") if b.strip()]
     if args.piece:
@@ -1147,6 +1211,7 @@ def default_out(env: dict, dry_run: bool) -> str:
 def summary_line(record: dict) -> str:
     parts = []
     for name, field in (("jax_mla", "jax_mla_us"), ("noplan", "jax_mla_noplan_us"),
+                        ("devplan", "jax_mla_device_plan_us"), ("planner", "device_plan_us"),
                         ("FI", "flashinfer_torch_us"), ("FI-graph", "flashinfer_graph_us"),
                         ("naive", "xla_naive_us"), ("jax_mla_xla", "jax_mla_xla_us")):
         if record.get(field) is not None:

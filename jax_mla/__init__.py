@@ -8,7 +8,10 @@ pure-XLA implementation everywhere else; ``plan`` builds the fa3/fa2 work schedu
 from jax_mla.api import decode
 from jax_mla.backends import available_backends
 from jax_mla.cache import allocate_cache, torch_view, write_kv
-from jax_mla.planning import Plan, plan
+from jax_mla.planning import Plan, device_plan, plan
 
-__all__ = ["Plan", "allocate_cache", "available_backends", "decode", "plan", "torch_view", "write_kv"]
+__all__ = [
+    "Plan", "allocate_cache", "available_backends", "decode", "device_plan", "plan", "torch_view",
+    "write_kv",
+]
 __version__ = "0.1.0"

@@ -29,10 +29,11 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         the platform and dtype (see ``jax_mla.available_backends``): fa3 on Hopper, fa2 there at
         batch 1 and on other CUDA GPUs, trtllm-gen on Blackwell, xla on CPU and for non-bfloat16.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
-      plan: a ``jax_mla.Plan`` from ``jax_mla.plan(...)`` for the fa3/fa2 backends: the work schedule
-        built once per step and shared by every layer. Without one, those backends plan inside the
-        call, which reads ``seq_lens`` back to the host (a device sync) and cannot be captured in a
-        CUDA graph.
+      plan: for the fa3/fa2 backends, the work schedule. A ``jax_mla.Plan`` from ``jax_mla.plan``
+        (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared by every layer;
+        ``"device"`` builds one on the GPU inside this call (not yet verified on hardware); None
+        plans inside the call on the host, which reads ``seq_lens`` back (a device sync) and
+        cannot be captured in a CUDA graph.
 
     With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
     ``[0, seq_len - q_len + i]``.

@@ -16,6 +16,7 @@ TARGETS = {
     "jax_mla_fa_decode": "JaxMlaFaDecode",
     "jax_mla_fa_decode_self_plan": "JaxMlaFaDecodeSelfPlan",
     "jax_mla_trtllm_decode": "JaxMlaTrtllmDecode",
+    "jax_mla_device_plan": "JaxMlaDevicePlan",
 }
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from jax_mla import backends, ffi, flashinfer_modules, planning
 
 MASK_NON_CAUSAL, MASK_CAUSAL = 0, 1
+DEVICE_PLAN = "device"  # decode(..., plan="device"): schedule built on the GPU inside the call
 TRTLLM_WORKSPACE_BYTES = 128 * 1024 * 1024  # what FlashInfer and vLLM give trtllm-gen
 TRTLLM_PAGE_SIZES = (32, 64)
 TRTLLM_DIMS = ((512, 64), (256, 64))
@@ -43,7 +44,8 @@ def decode(backend, query, kv_cache, block_tables, seq_lens, *, softmax_scale, o
 
 def check_plan(plan, batch, q_len, num_heads, max_pages, kv_lora_rank, layout):
     if not isinstance(plan, planning.Plan):
-        raise TypeError(f"plan must be a jax_mla.Plan from jax_mla.plan(...), got {type(plan).__name__}")
+        raise TypeError("plan must be None, 'device' or a jax_mla.Plan from jax_mla.plan(...) or "
+                        f"jax_mla.device_plan(...), got {plan!r}")
     expected = dict(batch=batch, q_len=q_len, num_heads=num_heads, max_pages=max_pages,
                     kv_lora_rank=kv_lora_rank)
     actual = {name: getattr(plan, name) for name in expected}
@@ -69,6 +71,9 @@ def fa_decode(backend, query, kv_cache, block_tables, seq_lens, *, softmax_scale
                  mask_mode=np.int64(MASK_CAUSAL if q_len > 1 else MASK_NON_CAUSAL),
                  sm_scale=np.float64(softmax_scale), plan_info=np.asarray(layout.plan_info, np.int64))
     flat_query = query.reshape(tokens, num_heads, head_dim)
+    if isinstance(plan, str) and plan == DEVICE_PLAN:
+        plan = planning.device_plan(seq_lens, num_heads=num_heads, max_pages=max_pages, q_len=q_len,
+                                    kv_lora_rank=kv_lora_rank)
     if plan is not None:
         check_plan(plan, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)
         out, lse, _ = jax.ffi.ffi_call("jax_mla_fa_decode", results)(

@@ -6,6 +6,10 @@ lives in that workspace (``plan_info``) depends only on the SM count, ``q_len * 
 output head dim; the contents depend on the lengths. So the layout is static (a custom-call
 attribute) and the contents are a device array built on the host once per decode step and shared
 by every layer: ``plan = jax_mla.plan(seq_lens_host, ...)`` then ``decode(..., plan=plan)``.
+
+``device_plan`` builds the same kind of schedule on the GPU from traced ``seq_lens`` inside the
+jitted step (ffi/mla_device_plan.cuh), so a step needs no host work at all; ``decode(...,
+plan="device")`` does that per call.
 """
 
 from __future__ import annotations
@@ -146,3 +150,40 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
                            f"{layout.plan_info}: FlashInfer version mismatch")
     return Plan(jax.device_put(staging, device), batch, q_len, num_heads, max_pages, kv_lora_rank,
                 layout)
+
+
+def max_works_fit(batch: int, q_len: int, num_heads: int, num_clusters: int, cluster_size: int) -> bool:
+    """Whether any lengths fit MLAPlan's 16384 works: each tile gives at most one short chunk, and
+    the full-length chunks number at most the clusters."""
+    tiles = -(-q_len * num_heads // (cluster_size * CTA_TILE_Q))
+    return batch * tiles + num_clusters <= MAX_TOTAL_WORKS
+
+
+def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
+                kv_lora_rank: int = 512) -> Plan:
+    """Build the fa3/fa2 work schedule on the GPU, inside ``jax.jit``, from device ``seq_lens``.
+
+    Args:
+      seq_lens: int32 [B] (traced is fine), the lengths the step passes to ``decode``.
+      num_heads: query heads per device; max_pages: the block table's width; q_len: query tokens.
+    Returns:
+      A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU.
+
+    Not yet verified on GPU hardware (see README); the host ``plan`` is the verified path.
+    """
+    from jax_mla import ffi
+
+    batch = seq_lens.shape[0]
+    sm_count = gpu_sm_count()
+    layout = schedule_layout(sm_count, q_len, num_heads, kv_lora_rank)
+    cluster_size, num_clusters = layout.plan_info[:2]
+    if not max_works_fit(batch, q_len, num_heads, num_clusters, cluster_size):
+        raise ValueError(f"batch {batch} x q_len {q_len} x {num_heads} heads may exceed FlashInfer's "
+                         f"{MAX_TOTAL_WORKS} scheduled works; split the batch")
+    ffi.register_targets()
+    int_workspace = jax.ffi.ffi_call(
+        "jax_mla_device_plan", jax.ShapeDtypeStruct((layout.int_workspace_bytes,), np.uint8))(
+        seq_lens, q_len=np.int64(q_len), num_heads=np.int64(num_heads),
+        max_pages=np.int64(max_pages), num_sm=np.int64(sm_count), causal=q_len > 1,
+        plan_info=np.asarray(layout.plan_info, np.int64))
+    return Plan(int_workspace, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)

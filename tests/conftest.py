@@ -13,6 +13,8 @@ if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""
         filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]))
 
 import dataclasses
+import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 import jax_mla
-from jax_mla import backends
+from jax_mla import backends, ffi
 
 jax.config.update("jax_enable_x64", False)
 
@@ -78,6 +80,25 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
         seq_lens=jnp.asarray(lengths.astype(np.int32)),
         softmax_scale=float(rng.uniform(0.05, 0.2)),
     )
+
+
+HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
+
+
+@pytest.fixture(scope="session")
+def ffi_library_path(tmp_path_factory):
+    """The installed FFI library, else one built here from ffi/ (needs nvcc and apache-tvm-ffi)."""
+    path = ffi.library_path()
+    if path is not None:
+        return path
+    if shutil.which("nvcc") is None or not HAS_TVM_FFI:
+        pytest.skip("needs nvcc and apache-tvm-ffi to build ffi/")
+    build = tmp_path_factory.mktemp("ffi-build")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["cmake", "-S", root, "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90a"],
+                   check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    return build / "ffi" / ffi.LIBRARY_NAME
 
 
 def gpu_backends_here() -> list[str]:

@@ -1,6 +1,7 @@
 """A 16-layer jitted decode step (shared plan, per-layer caches) for the command-buffer test.
 
-Run as a program so XLA_FLAGS can differ between runs: ``python gpu_step_program.py OUT_DIR``.
+Run as a program so XLA_FLAGS can differ between runs:
+``python gpu_step_program.py OUT_DIR [host|device]`` (where the step's schedule is built).
 Prints one JSON line: checksum and error against the torch reference.
 """
 
@@ -21,7 +22,7 @@ from jax_mla.reference import reference_from_jax  # noqa: E402
 LAYERS = 16
 
 
-def main(out_dir: Path):
+def main(out_dir: Path, planner: str):
     problem = make_problem(21, batch=16, q_len=2, num_heads=128, page_size=64, max_len=2000,
                            dtype=jnp.bfloat16)
     caches = jnp.stack([problem.kv_cache * (1 + 0.01 * i) for i in range(LAYERS)])
@@ -30,6 +31,9 @@ def main(out_dir: Path):
 
     @jax.jit
     def step(query, caches, tables, lens, plan):
+        if planner == "device":
+            plan = jax_mla.device_plan(lens, num_heads=128, q_len=2, max_pages=tables.shape[1])
+
         def layer(q, cache):
             out, lse = jax_mla.decode(q, cache, tables, lens, softmax_scale=problem.softmax_scale,
                                       return_lse=True, plan=plan)
@@ -50,4 +54,4 @@ def main(out_dir: Path):
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "host")

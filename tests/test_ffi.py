@@ -4,41 +4,23 @@ GPU backend lowers to its custom call with the attributes FlashInfer's entry poi
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 import re
-import shutil
-import subprocess
 
 import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import HAS_TVM_FFI
+
 from jax_mla import ffi, flashinfer_modules, gpu_backend, planning
-
-HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
-
-
-@pytest.fixture(scope="module")
-def library_path(tmp_path_factory):
-    """The installed FFI library, else one built here from ffi/ (needs nvcc and apache-tvm-ffi)."""
-    path = ffi.library_path()
-    if path is not None:
-        return path
-    if shutil.which("nvcc") is None or not HAS_TVM_FFI:
-        pytest.skip("needs nvcc and apache-tvm-ffi to build ffi/")
-    build = tmp_path_factory.mktemp("ffi-build")
-    subprocess.run(["cmake", "-S", ".", "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90a"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
-    return build / "ffi" / ffi.LIBRARY_NAME
 
 
 @pytest.mark.skipif(not HAS_TVM_FFI, reason="apache-tvm-ffi provides the runtime the library links to")
-def test_library_exports_every_handler(library_path):
+def test_library_exports_every_handler(ffi_library_path):
     import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so, which the library resolves by soname)
 
-    library = ctypes.CDLL(str(library_path))
+    library = ctypes.CDLL(str(ffi_library_path))
     for symbol in ffi.TARGETS.values():
         assert getattr(library, symbol) is not None
 

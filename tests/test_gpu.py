@@ -95,6 +95,33 @@ def test_extreme_skew_and_all_ones():
         assert relative_error(out, ref.numpy()) < 2e-2
 
 
+DEVICE_PLAN_CASES = [
+    ([32768] + [17] * 127, 1, 128),  # extreme skew
+    ([32768] + [17] * 127, 1, 16),
+    ([5000], 1, 128),                # B = 1
+    ([5000], 2, 16),
+    ([1] * 128, 1, 128),             # every length 1
+    (None, 2, 128),                  # random lengths, MTP
+    (None, 1, 16),
+]
+
+
+@pytest.mark.parametrize("lengths,q_len,num_heads", DEVICE_PLAN_CASES)
+def test_device_plan_matches_host_plan_and_reference(lengths, q_len, num_heads):
+    batch = 32 if lengths is None else len(lengths)
+    problem = make_problem(17, batch=batch, q_len=q_len, num_heads=num_heads, page_size=64,
+                           seq_lens=lengths, max_len=8000, dtype=jnp.bfloat16)
+    kwargs = dict(softmax_scale=problem.softmax_scale, return_lse=True)
+    host = jax_mla.plan(np.asarray(problem.seq_lens), num_heads=num_heads, q_len=q_len,
+                        max_pages=problem.block_tables.shape[1])
+    by_host = jax.jit(lambda *a, plan: jax_mla.decode(*a, plan=plan, **kwargs))(*problem.arrays, plan=host)
+    by_device = jax.jit(lambda *a: jax_mla.decode(*a, plan="device", **kwargs))(*problem.arrays)
+    ref, ref_lse = reference_from_jax(*problem.arrays, softmax_scale=problem.softmax_scale)
+    assert relative_error(by_device[0], ref.numpy()) < 2e-2
+    assert relative_error(by_device[0], by_host[0]) < 1e-2
+    np.testing.assert_allclose(np.asarray(by_device[1]), ref_lse.numpy(), atol=2e-2)
+
+
 def test_plan_mismatch_is_rejected():
     problem = make_problem(14, batch=4, q_len=1, num_heads=16, page_size=64, dtype=jnp.bfloat16)
     plan = jax_mla.plan(np.asarray(problem.seq_lens), num_heads=32,
@@ -120,22 +147,24 @@ def test_auto_picks_the_ffi_kernel():
             raise ValueError("cannot run on this GPU (compute capability 9.0)")
 
 
-def run_program(name, env_extra, tmp_path):
+def run_program(name, env_extra, tmp_path, *args):
     env = dict(os.environ, **env_extra)
-    result = subprocess.run([sys.executable, str(HERE / name), str(tmp_path)], env=env,
+    result = subprocess.run([sys.executable, str(HERE / name), str(tmp_path), *args], env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_command_buffer_step_matches(tmp_path):
-    """A jitted 16-layer step under XLA command buffers (CUDA graphs) equals the plain run."""
+@pytest.mark.parametrize("planner", ["host", "device"])
+def test_command_buffer_step_matches(tmp_path, planner):
+    """A jitted 16-layer step under XLA command buffers (CUDA graphs) equals the plain run; with
+    the device planner the whole step, schedule included, is device work."""
     flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL --xla_gpu_graph_min_graph_size=1"
     dump = tmp_path / "dump"
     graphs = run_program("gpu_step_program.py", {"XLA_FLAGS": f"{flags} --xla_dump_to={dump}"},
-                         tmp_path / "graphs")
+                         tmp_path / "graphs", planner)
     plain = run_program("gpu_step_program.py", {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="},
-                        tmp_path / "plain")
+                        tmp_path / "plain", planner)
     assert graphs["checksum"] == plain["checksum"]
     for key in ("out", "lse"):
         np.testing.assert_array_equal(np.load(tmp_path / "graphs" / f"{key}.npy"),

@@ -1,0 +1,206 @@
+// FlashInfer's fa3/fa2 MLA work schedule built on the GPU from device-resident seq_lens.
+//
+// It fills the int workspace exactly where FlashInfer's host MLAPlan (scheduler.cuh) would, with
+// the same work items: each request's packed query rows are cut into tiles of cluster_tile_q rows,
+// each tile's kv range into chunks of at most kv_len_limit tokens (FlashInfer's formula), a split
+// tile gets partial-output rows and merge entries (at most #SM merge CTAs), and every chunk becomes
+// one work of some cluster. Only the balancing differs from MLAPlan's min-heap: "big" works (at
+// least half of kv_len_limit tokens: every chunk but a tile's last, and long last chunks) are dealt
+// round-robin over the clusters, and the small ones (at most one per tile) fill the clusters'
+// leftover cost budget in order. The per-tile arithmetic is shared by the kernel and a sequential host driver that the
+// CPU tests check.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_mla {
+
+constexpr int kCtaTileQ = 64;
+constexpr int kMaxTotalWorks = 16384;  // MLAPlan's capacity of every per-work array
+constexpr int kMaxClusters = 512;
+
+// Where MLAPlan's arrays live in the int workspace: plan_info entries 2..15, in bytes.
+struct ScheduleOffsets {
+  int64_t q_indptr, kv_indptr, partial_indptr, merge_packed_start, merge_packed_end,
+      merge_partial_start, merge_partial_end, merge_partial_stride, q_len, kv_len, q_start,
+      kv_start, kv_end, work_indptr;
+};
+
+struct ScheduleShape {
+  int batch, q_len, num_heads, max_pages, num_sm, cluster_size, num_clusters;
+  bool causal;
+  __host__ __device__ int packed_q() const { return q_len * num_heads; }
+  __host__ __device__ int cluster_tile_q() const { return cluster_size * kCtaTileQ; }
+  __host__ __device__ int num_q_tiles() const {
+    return (packed_q() + cluster_tile_q() - 1) / cluster_tile_q();
+  }
+  __host__ __device__ int num_items() const { return batch * num_q_tiles(); }
+};
+
+__host__ __device__ inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+// MLAPlan's kv range of a query tile: under the causal mask earlier tiles see fewer tokens.
+__host__ __device__ inline int TileKvLen(const ScheduleShape& s, int kv_len, int tile) {
+  const int tiles = s.num_q_tiles();
+  if (!s.causal || tile + 1 == tiles) return kv_len;
+  int end = kv_len - s.q_len + CeilDiv(static_cast<int64_t>(tile + 1) * s.cluster_tile_q(), s.num_heads);
+  end = end < kv_len ? end : kv_len;
+  return end > 0 ? end : 0;
+}
+
+// MLAPlan's chunk size for a total of `total_kv` tile tokens.
+__host__ __device__ inline int KvLenLimit(int64_t total_kv, int num_clusters) {
+  int64_t per_cluster = (total_kv + num_clusters - 1) / num_clusters;
+  int x = static_cast<int>(per_cluster > 1 ? per_cluster : 1);
+  if (x <= 8) return 32;
+  if (x <= 16) return 64;
+  if (x <= 32) return 128;
+  if (x <= 64) return 192;
+  return CeilDiv(x, 256) * 256;
+}
+
+// The work counts of one (request, query tile) item.
+struct ItemCounts {
+  int full;        // big works: chunks of at least limit / 2 tokens, dealt round-robin
+  int rest;        // 0 or 1: the last chunk when smaller than that (or a zero-length tile)
+  int partial;     // partial-output rows (split tiles only)
+  int merge;       // merge CTAs (split tiles only)
+  int64_t rest_cost;
+  __host__ __device__ ItemCounts operator+(const ItemCounts& o) const {
+    return {full + o.full, rest + o.rest, partial + o.partial, merge + o.merge, rest_cost + o.rest_cost};
+  }
+};
+
+__host__ __device__ inline int WorkCost(const ScheduleShape& s, int kv_tokens) {
+  return 2 * s.cluster_tile_q() + kv_tokens;  // MLAPlan's cost_function
+}
+
+struct Item {
+  int request, tile, kv_len, remaining, chunks, row_tile, row_chunk;
+  bool split;
+};
+
+__host__ __device__ inline Item DescribeItem(const ScheduleShape& s, const int32_t* seq_lens,
+                                             int index, int limit) {
+  Item it;
+  it.request = index / s.num_q_tiles();
+  it.tile = index % s.num_q_tiles();
+  it.kv_len = seq_lens[it.request];
+  it.remaining = TileKvLen(s, it.kv_len, it.tile);
+  it.chunks = it.remaining == 0 ? 1 : CeilDiv(it.remaining, limit);
+  it.split = it.remaining > limit;
+  const int rows_left = s.packed_q() - it.tile * s.cluster_tile_q();
+  it.row_tile = rows_left < s.cluster_tile_q() ? rows_left : s.cluster_tile_q();
+  int q_chunks = static_cast<int>(static_cast<int64_t>(it.remaining) * s.cluster_size / limit);
+  q_chunks = q_chunks > 1 ? q_chunks : 1;
+  it.row_chunk = CeilDiv(it.row_tile, q_chunks);
+  return it;
+}
+
+__host__ __device__ inline int ChunkTokens(const Item& it, int chunk, int limit) {
+  int left = it.remaining - chunk * limit;
+  return left < limit ? left : limit;
+}
+
+__host__ __device__ inline bool IsSmall(int kv_tokens, int limit) { return 2 * kv_tokens < limit; }
+
+__host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const Item& it, int limit) {
+  const int last = ChunkTokens(it, it.chunks - 1, limit);
+  ItemCounts c{};
+  c.rest = IsSmall(last, limit) ? 1 : 0;
+  c.full = it.chunks - c.rest;
+  c.partial = it.split ? it.chunks * it.row_tile : 0;
+  c.merge = it.split ? CeilDiv(it.row_tile, it.row_chunk) : 0;
+  c.rest_cost = c.rest ? WorkCost(s, last) : 0;
+  return c;
+}
+
+template <typename T>
+__host__ __device__ inline T* At(uint8_t* base, int64_t offset) {
+  return reinterpret_cast<T*>(base + offset);
+}
+
+// Writes one item's works (given their slots) and merge entries. `before` holds the exclusive
+// prefix of every count over the items before this one.
+__host__ __device__ inline void WriteItem(const ScheduleShape& s, const ScheduleOffsets& o,
+                                          uint8_t* ws, const Item& it, const ItemCounts& before,
+                                          int limit, const int* cluster_start, int rest_slot) {
+  const int n = s.num_clusters;
+  for (int chunk = 0; chunk < it.chunks; ++chunk) {
+    const bool is_rest = chunk == it.chunks - 1 && IsSmall(ChunkTokens(it, chunk, limit), limit);
+    int slot;
+    if (is_rest) {
+      slot = rest_slot;
+    } else {
+      const int full = before.full + chunk;  // dealt round-robin: cluster full % n, place full / n
+      slot = cluster_start[full % n] + full / n;
+    }
+    At<int32_t>(ws, o.q_indptr)[slot] = it.request * s.q_len;
+    At<int32_t>(ws, o.kv_indptr)[slot] = it.request * s.max_pages;
+    At<int32_t>(ws, o.partial_indptr)[slot] = it.split ? before.partial + chunk * it.row_tile : -1;
+    At<int32_t>(ws, o.q_len)[slot] = s.q_len;
+    At<int32_t>(ws, o.kv_len)[slot] = it.kv_len;
+    At<int32_t>(ws, o.q_start)[slot] = it.tile * s.cluster_tile_q();
+    At<int32_t>(ws, o.kv_start)[slot] = chunk * limit;
+    At<int32_t>(ws, o.kv_end)[slot] = chunk * limit + ChunkTokens(it, chunk, limit);
+  }
+  if (!it.split) return;
+  const int packed_base = it.request * s.packed_q() + it.tile * s.cluster_tile_q();
+  int merge = before.merge;
+  for (int offset = 0; offset < it.row_tile; offset += it.row_chunk, ++merge) {
+    const int end = offset + it.row_chunk < it.row_tile ? offset + it.row_chunk : it.row_tile;
+    At<int32_t>(ws, o.merge_packed_start)[merge] = packed_base + offset;
+    At<int32_t>(ws, o.merge_packed_end)[merge] = packed_base + end;
+    At<int32_t>(ws, o.merge_partial_start)[merge] = before.partial + offset;
+    At<int32_t>(ws, o.merge_partial_end)[merge] = before.partial + it.chunks * it.row_tile;
+    At<int32_t>(ws, o.merge_partial_stride)[merge] = it.row_tile;
+  }
+}
+
+// Adds an item's big works to the load of the clusters they are dealt to (big work g -> g % n).
+__host__ __device__ inline void DealBigWorks(const ScheduleShape& s, const Item& it,
+                                             const ItemCounts& before, const ItemCounts& own,
+                                             int limit, unsigned long long* load) {
+  for (int chunk = 0; chunk < own.full; ++chunk) {
+    const int c = (before.full + chunk) % s.num_clusters;
+    const unsigned long long cost = WorkCost(s, ChunkTokens(it, chunk, limit));
+#ifdef __CUDA_ARCH__
+    atomicAdd(&load[c], cost);  // the kernel's threads share `load`
+#else
+    load[c] += cost;
+#endif
+  }
+}
+
+// Cluster c's leftover cost budget once the big works are dealt (their cost per cluster in
+// `big_load`): capacity prefix `budget_prefix` (num_clusters + 1 entries) over which the small
+// works are laid in order.
+__host__ __device__ inline void RestBudgets(const ScheduleShape& s, const ItemCounts& total,
+                                            const unsigned long long* big_load,
+                                            double* budget_prefix) {
+  const int n = s.num_clusters;
+  double dealt = 0;
+  for (int c = 0; c < n; ++c) dealt += static_cast<double>(big_load[c]);
+  const double target = (dealt + static_cast<double>(total.rest_cost)) / n;
+  budget_prefix[0] = 0;
+  for (int c = 0; c < n; ++c) {
+    const double left = target - static_cast<double>(big_load[c]);
+    budget_prefix[c + 1] = budget_prefix[c] + (left > 0 ? left : 0);
+  }
+}
+
+// The cluster of a rest work whose cost midpoint sits at `x` along the rest works' cost line.
+__host__ __device__ inline int RestCluster(const double* budget_prefix, int n, double x) {
+  int lo = 0, hi = n - 1;  // the last cluster c with budget_prefix[c] <= x
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (budget_prefix[mid] <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__host__ __device__ inline double RestMidpoint(const ItemCounts& before, const ItemCounts& own) {
+  return static_cast<double>(before.rest_cost) + 0.5 * static_cast<double>(own.rest_cost);
+}
+
+}  // namespace jax_mla

@@ -1,0 +1,199 @@
+"""The GPU planner's schedule, built by its sequential host twin (same per-tile code as the kernel):
+every invariant FlashInfer's fa3/fa2 `run` relies on, and balance against FlashInfer's MLAPlan."""
+
+from __future__ import annotations
+
+import ctypes
+import heapq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HAS_TVM_FFI
+
+from jax_mla import ffi, planning
+
+NUM_SM = 132
+pytestmark = pytest.mark.skipif(not HAS_TVM_FFI, reason="the FFI library links TVM-FFI's runtime")
+
+
+@pytest.fixture(scope="module")
+def host_planner(ffi_library_path):
+    import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so for the library)
+
+    function = ctypes.CDLL(str(ffi_library_path)).JaxMlaDevicePlanOnHost
+    function.restype = ctypes.c_int
+    return function
+
+
+def build(host_planner, lengths, q_len, num_heads, max_pages):
+    layout = planning.schedule_layout(NUM_SM, q_len, num_heads, 512)
+    workspace = np.full(layout.int_workspace_bytes, 0xAB, np.uint8)  # poison: every read is written
+    lengths = np.ascontiguousarray(lengths, np.int32)
+    info = np.asarray(layout.plan_info, np.int64)
+    works = host_planner(lengths.ctypes.data_as(ctypes.c_void_p), len(lengths), q_len, num_heads,
+                         max_pages, NUM_SM, int(q_len > 1), info.ctypes.data_as(ctypes.c_void_p),
+                         workspace.ctypes.data_as(ctypes.c_void_p))
+    return layout, workspace, works
+
+
+def arrays(layout, workspace, works):
+    names = ["q_indptr", "kv_indptr", "partial_indptr", "merge_start", "merge_end",
+             "merge_partial_start", "merge_partial_end", "merge_stride", "q_len", "kv_len",
+             "q_start", "kv_start", "kv_end", "work_indptr"]
+    sizes = [works] * 3 + [NUM_SM] * 5 + [works] * 5 + [layout.plan_info[1] + 1]
+    return {name: np.frombuffer(workspace, np.int32, size, offset)
+            for name, size, offset in zip(names, sizes, layout.plan_info[2:16])}
+
+
+def tile_kv_len(seq_len, q_len, num_heads, tile, tiles, tile_rows):
+    """MLAPlan's packed_causal_kv_end."""
+    if q_len == 1 or tile + 1 == tiles:
+        return seq_len
+    return max(min(seq_len - q_len + -(-(tile + 1) * tile_rows // num_heads), seq_len), 0)
+
+
+def kv_len_limit(total, clusters):
+    x = max(-(-total // clusters), 1)
+    for bound, limit in ((8, 32), (16, 64), (32, 128), (64, 192)):
+        if x <= bound:
+            return limit
+    return -(-x // 256) * 256
+
+
+def tiles_of(lengths, q_len, num_heads, cluster_size):
+    rows, packed = cluster_size * 64, q_len * num_heads
+    tiles = -(-packed // rows)
+    for b, seq_len in enumerate(lengths):
+        for tile in range(tiles):
+            yield b, tile, tile_kv_len(int(seq_len), q_len, num_heads, tile, tiles, rows), \
+                min(rows, packed - tile * rows)
+
+
+def host_mlaplan_makespan(lengths, q_len, num_heads):
+    """The busiest cluster's cost under FlashInfer's MLAPlan (min-heap, cost 2*tile_q + kv)."""
+    cluster_size = 2 if q_len * num_heads > 64 else 1
+    clusters, rows = NUM_SM // cluster_size, cluster_size * 64
+    items = list(tiles_of(lengths, q_len, num_heads, cluster_size))
+    limit = kv_len_limit(sum(item[2] for item in items), clusters)
+    heap = [(0.0, c) for c in range(clusters)]
+    for b in range(len(lengths)):  # MLAPlan walks each request's tiles from the last one
+        for _, _, remaining, _ in reversed([it for it in items if it[0] == b]):
+            while True:
+                cost, c = heapq.heappop(heap)
+                chunk = min(remaining, limit)
+                heapq.heappush(heap, (cost + 2 * rows + chunk, c))
+                remaining -= chunk
+                if remaining <= 0:
+                    break
+    return max(cost for cost, _ in heap)
+
+
+def check_schedule(layout, a, works, lengths, q_len, num_heads, max_pages):
+    cluster_size, clusters = layout.plan_info[:2]
+    rows = cluster_size * 64
+    items = list(tiles_of(lengths, q_len, num_heads, cluster_size))
+    limit = kv_len_limit(sum(item[2] for item in items), clusters)
+    indptr = a["work_indptr"]
+    assert indptr[0] == 0 and np.all(np.diff(indptr) >= 0) and indptr[-1] == works <= 16384
+
+    by_tile = {}
+    for w in range(works):
+        b = a["q_indptr"][w] // q_len
+        assert a["q_indptr"][w] == b * q_len and a["kv_indptr"][w] == b * max_pages
+        assert a["q_len"][w] == q_len and a["kv_len"][w] == lengths[b]
+        assert a["q_start"][w] % rows == 0
+        by_tile.setdefault((b, a["q_start"][w] // rows), []).append(w)
+
+    partial_rows, partial_capacity = set(), 2 * clusters * rows
+    merges = []
+    for b, tile, remaining, row_tile in items:
+        ws = sorted(by_tile.pop((b, tile)), key=lambda w: a["kv_start"][w])
+        starts, ends = a["kv_start"][ws], a["kv_end"][ws]
+        assert starts[0] == 0 and ends[-1] == remaining and np.all(starts[1:] == ends[:-1])
+        assert np.all(ends - starts <= limit)
+        split = remaining > limit
+        partials = a["partial_indptr"][ws]
+        if not split:
+            assert len(ws) == 1 and partials[0] == -1
+            continue
+        base = partials[0]
+        assert np.array_equal(partials, base + row_tile * np.arange(len(ws)))
+        for p in partials:
+            span = set(range(p, p + row_tile))
+            assert not span & partial_rows and p + row_tile <= partial_capacity
+            partial_rows |= span
+        merges.append((b * q_len * num_heads + tile * rows, row_tile, base, len(ws)))
+    assert not by_tile, f"works of unknown tiles: {by_tile}"
+
+    count = int(np.count_nonzero(a["merge_end"] - a["merge_start"]))
+    assert count <= NUM_SM
+    for name in ("merge_start", "merge_end", "merge_partial_start", "merge_partial_end", "merge_stride"):
+        assert np.all(a[name][count:] == 0)
+    covered = {}
+    for m in range(count):
+        start, end = a["merge_start"][m], a["merge_end"][m]
+        covered[start] = (end, a["merge_partial_start"][m], a["merge_partial_end"][m], a["merge_stride"][m])
+    for packed, row_tile, base, chunks in merges:
+        offset = 0
+        while offset < row_tile:
+            end, p_start, p_end, stride = covered.pop(packed + offset)
+            assert (p_start, p_end, stride) == (base + offset, base + chunks * row_tile, row_tile)
+            offset = end - packed
+        assert offset == row_tile
+    assert not covered
+
+    costs = [sum(2 * rows + a["kv_end"][w] - a["kv_start"][w] for w in range(indptr[c], indptr[c + 1]))
+             for c in range(clusters)]
+    return max(costs)
+
+
+CASES = {
+    "one-token": ([1], 1, 128),
+    "b1-long": ([32768], 1, 128),
+    "b1-mtp": ([5000], 2, 128),
+    "all-ones": ([1] * 128, 1, 128),
+    "skew": ([32768] + [17] * 127, 1, 128),
+    "skew-h16": ([32768] + [17] * 127, 1, 16),
+    "b32-4k-mtp": (list(np.random.default_rng(0).integers(2048, 6144, 32)), 2, 128),
+    "b128-16k-h16": (list(np.random.default_rng(1).integers(8192, 24576, 128)), 1, 16),
+    "b512-4k": (list(np.random.default_rng(2).integers(2048, 6144, 512)), 1, 128),
+    "b512-1k-mtp-h16": (list(np.random.default_rng(3).integers(512, 1536, 512)), 2, 16),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_is_complete_and_balanced(host_planner, case):
+    lengths, q_len, num_heads = CASES[case]
+    lengths = np.asarray(lengths, np.int32)
+    max_pages = int(-(-lengths.max() // 64)) + 1
+    layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
+    assert works > 0
+    makespan = check_schedule(layout, arrays(layout, workspace, works), works, lengths, q_len,
+                              num_heads, max_pages)
+    reference = host_mlaplan_makespan(lengths, q_len, num_heads)
+    assert makespan <= 1.1 * reference, (makespan, reference)
+
+
+def test_checker_catches_a_broken_schedule(host_planner):
+    lengths = np.asarray(CASES["b512-4k"][0], np.int32)
+    layout, workspace, works = build(host_planner, lengths, 1, 128, 100)
+    a = arrays(layout, workspace, works)
+    a["kv_end"][3] -= 1  # a gap in one tile's kv range
+    with pytest.raises(AssertionError):
+        check_schedule(layout, a, works, lengths, 1, 128, 100)
+
+
+def test_device_plan_lowers_to_one_graph_safe_custom_call(monkeypatch):
+    monkeypatch.setattr(planning, "gpu_sm_count", lambda device=None: NUM_SM)
+    monkeypatch.setattr(ffi, "register_targets", lambda: None)
+    lengths = jax.ShapeDtypeStruct((512,), jnp.int32)
+    text = jax.jit(lambda sl: planning.device_plan(sl, num_heads=128, max_pages=64, q_len=2)
+                   .int_workspace).trace(lengths).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "@jax_mla_device_plan(" in line)
+    layout = planning.schedule_layout(NUM_SM, 2, 128, 512)
+    assert "causal = true" in call and "num_heads = 128" in call and "max_pages = 64" in call
+    assert f"tensor<{layout.int_workspace_bytes}xui8>" in call
+    with pytest.raises(ValueError, match="may exceed FlashInfer's 16384 scheduled works"):
+        planning.device_plan(jnp.zeros((9000,), jnp.int32), num_heads=128, max_pages=4, q_len=2)
