@@ -20,10 +20,6 @@ struct SumCounts {
   __device__ ItemCounts operator()(const ItemCounts& a, const ItemCounts& b) const { return a + b; }
 };
 
-ScheduleOffsets OffsetsFromPlanInfo(ffi::Span<const int64_t> p) {
-  return {p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]};
-}
-
 ScheduleOffsets OffsetsFromPlanInfo(const int64_t* p) {
   return {p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]};
 }
@@ -80,7 +76,7 @@ __global__ void __launch_bounds__(kThreads)
         int rest_slot = -1;
         if (own.rest) {
           const int c = RestCluster(budget_prefix, n, RestMidpoint(before, own));
-          rest_slot = cluster_start[c + 1] - rest_count[c] + (before.rest - rest_start[c]);
+          rest_slot = RestSlot(c, before, rest_count, cluster_start, rest_start);
         }
         WriteItem(s, o, ws, it, before, limit, cluster_start, rest_slot);
       }
@@ -92,22 +88,8 @@ __global__ void __launch_bounds__(kThreads)
       RestBudgets(s, carry, big_load, budget_prefix);
     }
     if (t == 0 && pass == 2) {
-      int works = 0, rests = 0;
-      for (int c = 0; c < n; ++c) {
-        cluster_start[c] = works;
-        rest_start[c] = rests;
-        works += carry.full / n + (c < carry.full % n ? 1 : 0) + rest_count[c];
-        rests += rest_count[c];
-      }
-      cluster_start[n] = works;
-      const int merges = carry.merge;
-      for (int m = merges; m < s.num_sm; ++m) {
-        At<int32_t>(ws, o.merge_packed_start)[m] = 0;
-        At<int32_t>(ws, o.merge_packed_end)[m] = 0;
-        At<int32_t>(ws, o.merge_partial_start)[m] = 0;
-        At<int32_t>(ws, o.merge_partial_end)[m] = 0;
-        At<int32_t>(ws, o.merge_partial_stride)[m] = 0;
-      }
+      ClusterStarts(s, carry, rest_count, cluster_start, rest_start);
+      ClearUnusedMerges(o, ws, carry.merge, s.num_sm);
     }
     __syncthreads();
   }
@@ -125,7 +107,7 @@ ffi::Error DevicePlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
   ScheduleShape s{static_cast<int>(seq_lens.element_count()), static_cast<int>(q_len),
                   static_cast<int>(num_heads), static_cast<int>(max_pages), static_cast<int>(num_sm),
                   static_cast<int>(plan_info[0]), static_cast<int>(plan_info[1]), causal};
-  PlanKernel<<<1, kThreads, 0, stream>>>(s, OffsetsFromPlanInfo(plan_info), seq_lens.typed_data(),
+  PlanKernel<<<1, kThreads, 0, stream>>>(s, OffsetsFromPlanInfo(plan_info.begin()), seq_lens.typed_data(),
                                          static_cast<uint8_t*>(int_workspace->untyped_data()));
   cudaError_t status = cudaGetLastError();
   if (status != cudaSuccess) {
@@ -174,27 +156,16 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
     rest_cluster[i] = RestCluster(budget_prefix.data(), n, RestMidpoint(before[i], own[i]));
     ++rest_count[rest_cluster[i]];
   }
-  int works = 0, rests = 0;
-  for (int c = 0; c < n; ++c) {
-    cluster_start[c] = works;
-    rest_start[c] = rests;
-    works += total.full / n + (c < total.full % n ? 1 : 0) + rest_count[c];
-    rests += rest_count[c];
-  }
-  cluster_start[n] = works;
-  for (int m = total.merge; m < num_sm; ++m) {
-    for (int64_t offset : {o.merge_packed_start, o.merge_packed_end, o.merge_partial_start,
-                           o.merge_partial_end, o.merge_partial_stride}) {
-      At<int32_t>(ws, offset)[m] = 0;
-    }
-  }
+  ClusterStarts(s, total, rest_count.data(), cluster_start.data(), rest_start.data());
+  ClearUnusedMerges(o, ws, total.merge, num_sm);
   for (int i = 0; i < items; ++i) {
     const int c = rest_cluster[i];
-    const int rest_slot = c < 0 ? -1 : cluster_start[c + 1] - rest_count[c] + (before[i].rest - rest_start[c]);
+    const int rest_slot =
+        c < 0 ? -1 : RestSlot(c, before[i], rest_count.data(), cluster_start.data(), rest_start.data());
     WriteItem(s, o, ws, its[i], before[i], limit, cluster_start.data(), rest_slot);
   }
   for (int c = 0; c <= n; ++c) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
-  return works;
+  return cluster_start[n];
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaDevicePlan, jax_mla::DevicePlanImpl,

@@ -203,4 +203,38 @@ __host__ __device__ inline double RestMidpoint(const ItemCounts& before, const I
   return static_cast<double>(before.rest_cost) + 0.5 * static_cast<double>(own.rest_cost);
 }
 
+// Lays the clusters' work lists out one after another: cluster c holds its dealt big works, then
+// its `rest_count[c]` small ones, from `cluster_start[c]` (num_clusters + 1 entries); `rest_start[c]`
+// is the small works' running count before cluster c.
+__host__ __device__ inline void ClusterStarts(const ScheduleShape& s, const ItemCounts& total,
+                                              const int* rest_count, int* cluster_start,
+                                              int* rest_start) {
+  const int n = s.num_clusters;
+  int works = 0, rests = 0;
+  for (int c = 0; c < n; ++c) {
+    cluster_start[c] = works;
+    rest_start[c] = rests;
+    works += total.full / n + (c < total.full % n ? 1 : 0) + rest_count[c];
+    rests += rest_count[c];
+  }
+  cluster_start[n] = works;
+}
+
+// The slot of a tile's small work: after its cluster's big works and the small ones before it.
+__host__ __device__ inline int RestSlot(int cluster, const ItemCounts& before, const int* rest_count,
+                                        const int* cluster_start, const int* rest_start) {
+  return cluster_start[cluster + 1] - rest_count[cluster] + (before.rest - rest_start[cluster]);
+}
+
+// Merge CTAs past the used ones do nothing: their row ranges are empty.
+__host__ __device__ inline void ClearUnusedMerges(const ScheduleOffsets& o, uint8_t* ws, int used,
+                                                  int num_sm) {
+  for (int m = used; m < num_sm; ++m) {
+    for (int64_t offset : {o.merge_packed_start, o.merge_packed_end, o.merge_partial_start,
+                           o.merge_partial_end, o.merge_partial_stride}) {
+      At<int32_t>(ws, offset)[m] = 0;
+    }
+  }
+}
+
 }  // namespace jax_mla
