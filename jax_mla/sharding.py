@@ -47,7 +47,8 @@ Supported layouts of query [B, q_len, H, D], kv_cache [num_pages, page_size, D],
   (``jax.device_put(plan, NamedSharding(mesh, P()))``: a plan committed to one device cannot join
   a computation over several). One plan cannot describe several batch shards, so a plan together
   with a batch sharded over more than one device raises; pass ``plan=None`` there (the FFI
-  backends then plan on each device from its local ``seq_lens``).
+  backends then plan on each device's host from its local ``seq_lens``) or ``plan="device"``
+  (each device builds its own schedule on the GPU).
 
 Layout errors are found while XLA partitions the program, i.e. in ``jit(f).lower(...).compile()`` or
 the first call, so they reach the caller wrapped in a ``jax.errors.JaxRuntimeError`` whose text holds
