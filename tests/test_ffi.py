@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import HAS_TVM_FFI
@@ -127,3 +128,46 @@ def test_gpu_backends_need_bfloat16(lowering_stubs):
     with pytest.raises(TypeError, match="backend 'fa3' needs bfloat16 .* got float32"):
         lower_for_cuda(lambda *a: gpu_backend.decode(
             "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False), *f32)
+
+
+def test_missing_library_names_what_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_MLA_FFI_LIB", str(tmp_path / "absent.so"))
+    assert ffi.library_path() is None
+    with pytest.raises(RuntimeError, match=r"FFI library is not built.*JAX_MLA_FFI_LIB"):
+        ffi.register_targets.__wrapped__()
+
+
+def test_missing_flashinfer_names_the_package(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as if not installed
+    with pytest.raises(RuntimeError, match=r"flashinfer-python==0.7.2.post1.*jax_mla\[cuda\]"):
+        flashinfer_modules._import_flashinfer()
+
+
+def test_a_plan_of_the_wrong_type_is_rejected(lowering_stubs):
+    with pytest.raises(TypeError, match=r"plan must be None, 'device' or a jax_mla.Plan.*'host'"):
+        lower_for_cuda(lambda *a: gpu_backend.decode(
+            "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False,
+            plan="host"), *SHAPES)
+
+
+@pytest.mark.parametrize("seq_lens,kwargs,error,message", [
+    (jnp.ones((4,), jnp.int32), {}, None, None),
+    (np.ones((2, 2), np.int32), {}, ValueError, r"seq_lens must be a non-empty 1-D integer array"),
+    (np.ones((4,), np.float32), {}, ValueError, r"non-empty 1-D integer array, got shape \(4,\) dtype float32"),
+    (np.ones((4,), np.int32), dict(num_heads=0), ValueError, r"num_heads must be a positive int, got 0"),
+    (np.array([1, 5]), dict(q_len=2), ValueError, r"every seq_lens entry must be >= q_len=2"),
+    (np.array([3, 5]), {}, ValueError, r"jax_mla.plan needs a GPU that runs fa3 or fa2; available here"),
+])
+def test_plan_rejects(seq_lens, kwargs, error, message):
+    args = dict(num_heads=16, max_pages=4, q_len=1)
+    args.update(kwargs)
+    if error is None:  # a traced array: the host plan must be built outside jit
+        with pytest.raises(TypeError, match="seq_lens must be host values"):
+            jax.jit(lambda sl: planning.plan(sl, **args)).trace(seq_lens)
+        return
+    if "needs a GPU" in message and jax.default_backend() != "cpu":
+        pytest.skip("only meaningful on a CPU-only machine")
+    with pytest.raises(error, match=message):
+        planning.plan(seq_lens, **args)
