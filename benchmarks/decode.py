@@ -20,6 +20,8 @@ Methods (``--backends``):
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
+  jax_mla_step    (only when named) a whole --step-layers (61) step end to end, host plan every
+                  step vs device plan in the step: step_host_plan_ms, step_device_plan_ms
 """
 
 from __future__ import annotations
@@ -60,8 +62,8 @@ CHECK_TOL = 2e-2  # max |out - ref| / max |ref| for bf16 outputs
 GIB = 1 << 30
 
 METHODS = ("jax_mla", "jax_mla_noplan", "jax_mla_device_plan", "flashinfer", "xla_naive",
-           "jax_mla_xla")
-GPU_DEFAULT_METHODS = METHODS
+           "jax_mla_xla", "jax_mla_step")
+GPU_DEFAULT_METHODS = METHODS[:-1]  # jax_mla_step (a whole model step) only when asked
 DRY_DEFAULT_METHODS = ("jax_mla", "xla_naive", "jax_mla_xla")
 FI_BACKENDS = ("fa3", "fa2")
 
@@ -252,6 +254,8 @@ def estimate_cost_s(layout: Layout, methods: list[str], args) -> float:
             cost += 2.0 + min(args.max_method_s, 10 * 15 * floor_s * args.xla_layers)
         elif m == "jax_mla_xla":
             cost += 3.0 + min(args.max_call_s, 10 * 60 * floor_s * args.xla_layers)
+        elif m == "jax_mla_step":
+            cost += 2 * (6.0 + min(args.max_method_s, 10 * 2.5 * floor_s * args.step_layers))
     return cost
 
 
@@ -587,6 +591,14 @@ def xla_naive_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale):
     return out.astype(query.dtype)
 
 
+def name_plan_comparison(record: dict) -> None:
+    """The host- vs device-schedule fields under the names the planner's goal uses (per layer,
+    both in the same step of --layers calls; the device one includes its planner's share)."""
+    if record.get("plan_us") is not None and record.get("jax_mla_device_plan_us") is not None:
+        record["run_with_host_plan_us"] = record["jax_mla_us"]
+        record["run_with_device_plan_us"] = record["jax_mla_device_plan_us"]
+
+
 def layered(decode_one, layers: int):
     """jit(f)(q, caches, tables, lens, plan) -> one output per layer; layer i reads caches[i]."""
     import jax
@@ -826,6 +838,7 @@ class Bench:
                         traceback.print_exc()
                 gc.collect()
             self.compare_bitwise(record, outputs)
+            name_plan_comparison(record)
         finally:
             outputs.clear()
             del caches, q
@@ -844,6 +857,8 @@ class Bench:
         w = work(layout)
         layers = args.layers if method.startswith("jax_mla") and method != "jax_mla_xla" else args.xla_layers
         plan = None
+        if method == "jax_mla_step":
+            return self.time_model_step(layout, q, caches, record, outputs)
         if method == "jax_mla_device_plan":
             record["device_plan_us"] = self.time_device_plan(layout)
 
@@ -899,6 +914,38 @@ class Bench:
 
         return self.time_layers(method, layered(one, layers), layout, q, caches, plan, layers,
                                 record, outputs)
+
+    def time_model_step(self, layout: Layout, q, caches, record, outputs):
+        """A whole model step of --step-layers decode calls, end to end, planned two ways.
+
+        ``step_host_plan``: every step calls ``jax_mla.plan`` on the host lengths (as a serving
+        loop does; it overlaps the previous step's GPU work under async dispatch) and passes the
+        plan in. ``step_device_plan``: the step builds its schedule with ``jax_mla.device_plan``.
+        Records ``<name>_ms`` per step (and ``<name>_us`` per layer)."""
+        import jax_mla
+
+        pt = layout.point
+        layers = self.args.step_layers
+        lengths = np.asarray(layout.lengths, np.int32)
+
+        def one(query, cache, tables, lens, plan_):
+            return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, plan=plan_)
+
+        planned_step = layered(one, layers)
+
+        def host_planned_step(query, caches_, tables, lens, plan_):
+            del plan_
+            fresh = jax_mla.plan(lengths, num_heads=pt.H, q_len=pt.q_len, max_pages=layout.max_pages)
+            return planned_step(query, caches_, tables, lens, fresh)
+
+        device_step = device_planned(one, layers, pt, layout.max_pages)
+        record["step_layers"] = layers
+        for name, fn in (("step_host_plan", host_planned_step), ("step_device_plan", device_step)):
+            self.time_layers(name, fn, layout, q, caches, None, layers, record, outputs)
+            if record.get(f"{name}_us") is not None:
+                record[f"{name}_ms"] = record[f"{name}_us"] * layers / 1e3
+        if all(f"{n}_ms" in record for n in ("step_host_plan", "step_device_plan")):
+            record["methods_done"].append("jax_mla_step")
 
     def time_device_plan(self, layout: Layout, repeats: int = 64) -> float:
         """µs per jax_mla.device_plan call: a scan of planner calls on distinct lengths, each
@@ -1131,6 +1178,8 @@ def parse_args(argv=None):
                    help="skip xla_naive where its gathered cache + logits exceed this")
     p.add_argument("--layers", type=int, default=12,
                    help="decode calls per jitted step (jax_mla, flashinfer)")
+    p.add_argument("--step-layers", type=int, default=61,
+                   help="decode calls in jax_mla_step's whole model step (DeepSeek-V3: 61)")
     p.add_argument("--xla-layers", type=int, default=2, help="decode calls per step for the XLA methods")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds per JAX measurement (median)")
     p.add_argument("--round-s", type=float, default=0.05, help="target seconds per timed round")
@@ -1172,8 +1221,8 @@ def parse_args(argv=None):
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"unknown --backends {bad}; choose from {list(METHODS)}")
-    if args.dry_run and any(m in ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan")
-                            for m in args.methods):
+    if args.dry_run and any(m in ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan",
+                                  "jax_mla_step") for m in args.methods):
         p.error("--dry-run runs the XLA backends only (jax_mla, xla_naive, jax_mla_xla)")
     args.fi_backends = [b.strip() for b in args.fi_backends.split(",") if b.strip()]
     if args.piece:
@@ -1212,10 +1261,11 @@ def summary_line(record: dict) -> str:
     parts = []
     for name, field in (("jax_mla", "jax_mla_us"), ("noplan", "jax_mla_noplan_us"),
                         ("devplan", "jax_mla_device_plan_us"), ("planner", "device_plan_us"),
+                        ("step-host", "step_host_plan_ms"), ("step-dev", "step_device_plan_ms"),
                         ("FI", "flashinfer_torch_us"), ("FI-graph", "flashinfer_graph_us"),
                         ("naive", "xla_naive_us"), ("jax_mla_xla", "jax_mla_xla_us")):
         if record.get(field) is not None:
-            parts.append(f"{name} {record[field]:.1f}us")
+            parts.append(f"{name} {record[field]:.1f}{field.rsplit('_', 1)[1]}")
     parts.append(f"floor {record['floor_us']:.1f}us")
     if record.get("jax_mla_us") and record.get("flashinfer_torch_us"):
         parts.append(f"jax/FI {record['jax_mla_us'] / record['flashinfer_torch_us']:.3f}")

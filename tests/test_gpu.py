@@ -96,22 +96,27 @@ def test_extreme_skew_and_all_ones():
 
 
 DEVICE_PLAN_CASES = [
-    ([32768] + [17] * 127, 1, 128),  # extreme skew
-    ([32768] + [17] * 127, 1, 16),
-    ([5000], 1, 128),                # B = 1
-    ([5000], 2, 16),
-    ([1] * 128, 1, 128),             # every length 1
-    (None, 2, 128),                  # random lengths, MTP
-    (None, 1, 16),
+    ([32768] + [17] * 127, 1, 128, "auto"),  # extreme skew
+    ([32768] + [17] * 127, 1, 16, "auto"),
+    ([32768] + [17] * 127, 2, 128, "fa2"),
+    ([5000], 1, 128, "auto"),                # B = 1 ("auto" is fa2 there)
+    ([5000], 2, 16, "fa3"),
+    ([1] * 128, 1, 128, "auto"),             # every length 1
+    ([1] * 128, 1, 16, "fa2"),
+    (None, 2, 128, "auto"),                  # random lengths, MTP
+    (None, 2, 16, "fa2"),
+    (None, 1, 16, "auto"),
 ]
 
 
-@pytest.mark.parametrize("lengths,q_len,num_heads", DEVICE_PLAN_CASES)
-def test_device_plan_matches_host_plan_and_reference(lengths, q_len, num_heads):
+@pytest.mark.parametrize("lengths,q_len,num_heads,backend", DEVICE_PLAN_CASES)
+def test_device_plan_matches_host_plan_and_reference(lengths, q_len, num_heads, backend):
+    if backend != "auto" and backend not in FA_BACKENDS:
+        pytest.skip(f"{backend} does not run on this GPU")
     batch = 32 if lengths is None else len(lengths)
     problem = make_problem(17, batch=batch, q_len=q_len, num_heads=num_heads, page_size=64,
                            seq_lens=lengths, max_len=8000, dtype=jnp.bfloat16)
-    kwargs = dict(softmax_scale=problem.softmax_scale, return_lse=True)
+    kwargs = dict(softmax_scale=problem.softmax_scale, return_lse=True, backend=backend)
     host = jax_mla.plan(np.asarray(problem.seq_lens), num_heads=num_heads, q_len=q_len,
                         max_pages=problem.block_tables.shape[1])
     by_host = jax.jit(lambda *a, plan: jax_mla.decode(*a, plan=plan, **kwargs))(*problem.arrays, plan=host)

@@ -260,7 +260,8 @@ def gpu_backend_params():
         except ImportError:  # the FFI backends are not part of this build
             pass
     marks = [] if fa3 else [pytest.mark.skip(reason="fa3 is not available here")]
-    return [pytest.param("xla", id="xla"), pytest.param("fa3", id="fa3", marks=marks)]
+    return [pytest.param("xla", id="xla"), pytest.param("fa3", id="fa3", marks=marks),
+            pytest.param("fa3+device-plan", id="fa3-device-plan", marks=marks)]
 
 
 @pytest.mark.multi_gpu
@@ -270,6 +271,8 @@ def gpu_backend_params():
 @pytest.mark.parametrize("mesh_shape,pooled", [((1, 2), False), ((2, 1), False), ((2, 1), True)],
                          ids=["tp2", "dp2", "dp2-pools"])
 def test_two_gpus(backend, mesh_shape, pooled):
+    """fa3 per GPU on its shard (with the schedule built on each GPU for "+device-plan")."""
+    backend, _, planner = backend.partition("+")
     mesh = Mesh(np.array(jax.devices("gpu")[:2]).reshape(mesh_shape), ("data", "tp"))
     dtype = jnp.bfloat16 if backend != "xla" else jnp.float32
     num_heads = 32  # 16 heads per GPU with tp2, DeepSeek-V3's TP8 slice
@@ -285,7 +288,7 @@ def test_two_gpus(backend, mesh_shape, pooled):
     spec = (data, None, tp, None)
     args = (put(mesh, arrays[0], *spec), put(mesh, arrays[1], "data" if pooled else None),
             put(mesh, arrays[2], data), put(mesh, arrays[3], data))
-    fn = decode_fn(backend)
+    fn = decode_fn(backend, **({"plan": "device"} if planner else {}))
     out, lse = fn(*args)
     check_sharded_output(out, lse, spec)
     assert "all-gather" not in collectives(fn, *args)
