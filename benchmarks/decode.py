@@ -14,7 +14,8 @@ reference before timing it, times it, and merges one record per point into the J
 
 Methods (``--backends``):
   jax_mla         jax_mla.decode(backend="auto", plan=jax_mla.plan(...)) inside jax.jit, N layers
-  jax_mla_noplan  the same without a plan (plans inside each call); on a small sub-grid only
+  jax_mla_graph   jax_mla with XLA command buffers (CUDA graphs) forced on for the step; B <= 32
+  jax_mla_noplan  jax_mla without a plan (plans inside each call); on a small sub-grid only
   jax_mla_device_plan  the schedule built on the GPU inside the jitted step (jax_mla.device_plan),
                   shared by its layers; also times the planner kernel alone (device_plan_us)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
@@ -61,8 +62,12 @@ CHECK_REQUESTS = 4  # requests checked against the float32 torch reference at ev
 CHECK_TOL = 2e-2  # max |out - ref| / max |ref| for bf16 outputs
 GIB = 1 << 30
 
-METHODS = ("jax_mla", "jax_mla_noplan", "jax_mla_device_plan", "flashinfer", "xla_naive",
-           "jax_mla_xla", "jax_mla_step")
+METHODS = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan", "flashinfer",
+           "xla_naive", "jax_mla_xla", "jax_mla_step")
+# XLA command buffers (CUDA graphs) for every run of the step, custom calls included, whatever its
+# size; per compile, so one process times the step with and without them.
+GRAPH_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL",
+                          "xla_gpu_graph_min_graph_size": "1"}
 GPU_DEFAULT_METHODS = METHODS[:-1]  # jax_mla_step (a whole model step) only when asked
 DRY_DEFAULT_METHODS = ("jax_mla", "xla_naive", "jax_mla_xla")
 FI_BACKENDS = ("fa3", "fa2")
@@ -126,6 +131,19 @@ GRIDS = {"full": full_grid, "quick": quick_grid, "page32": page32_grid, "dry": d
 def noplan_subset(pt: Point) -> bool:
     """The small sub-grid where jax_mla_noplan is timed (it syncs inside every call)."""
     return pt.B <= 128 and pt.L <= 4096 and pt.page_size == 64 and pt.q_len == 1
+
+
+def graph_subset(pt: Point) -> bool:
+    """Where jax_mla_graph is timed: small batches, where launch overhead is a share of the time."""
+    return pt.B <= 32
+
+
+def method_applies(method: str, pt: Point, args) -> bool:
+    if method == "jax_mla_noplan":
+        return args.noplan_everywhere or noplan_subset(pt)
+    if method == "jax_mla_graph":
+        return graph_subset(pt)
+    return True
 
 
 def parse_point_filters(specs: list[str]) -> list[dict[str, set[int]]]:
@@ -246,7 +264,9 @@ def estimate_cost_s(layout: Layout, methods: list[str], args) -> float:
     floor_s = w["floor_us"] * 1e-6
     cost = 3.0 + n * layout.cache_bytes / 20e9  # setup, random fill, reference check
     for m in methods:
-        if m in ("jax_mla", "jax_mla_noplan", "jax_mla_device_plan"):
+        if not method_applies(m, layout.point, args):
+            continue
+        if m in ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan"):
             cost += 2.0 + min(args.max_method_s, 10 * 2.5 * floor_s * args.layers) + 0.5
         elif m == "flashinfer":
             cost += len(args.fi_backends) * (1.5 + 2 * min(1.0, 15 * 2.5 * floor_s * args.layers))
@@ -599,14 +619,14 @@ def name_plan_comparison(record: dict) -> None:
         record["run_with_device_plan_us"] = record["jax_mla_device_plan_us"]
 
 
-def layered(decode_one, layers: int):
+def layered(decode_one, layers: int, compiler_options: dict | None = None):
     """jit(f)(q, caches, tables, lens, plan) -> one output per layer; layer i reads caches[i]."""
     import jax
 
     def step(query, caches, tables, lens, plan):
         return tuple(decode_one(query, caches[i], tables, lens, plan) for i in range(layers))
 
-    return jax.jit(step)
+    return jax.jit(step, compiler_options=compiler_options)
 
 
 def device_planned(decode_one, layers: int, pt, max_pages: int):
@@ -824,7 +844,7 @@ class Bench:
         outputs: dict[str, object] = {}  # full outputs of layer 0 (cache 0), for the bitwise check
         try:
             for method in self.methods:
-                if method == "jax_mla_noplan" and not (args.noplan_everywhere or noplan_subset(pt)):
+                if not method_applies(method, pt, args):
                     continue
                 self.progress.status(method)
                 try:
@@ -868,12 +888,12 @@ class Bench:
 
             fn = device_planned(one, layers, pt, layout.max_pages)
             return self.time_layers(method, fn, layout, q, caches, None, layers, record, outputs)
-        if method in ("jax_mla", "jax_mla_noplan"):
+        if method in ("jax_mla", "jax_mla_graph", "jax_mla_noplan"):
             from jax_mla import backends
 
             chosen = backends.resolve("auto", backends.platform_of(q), pt.B)
             record["jax_mla_backend"] = chosen
-            if method == "jax_mla" and chosen != backends.XLA:
+            if method != "jax_mla_noplan" and chosen != backends.XLA:
                 if not hasattr(jax_mla, "plan"):
                     raise RuntimeError("jax_mla.plan is missing: this jax_mla has no GPU planning API")
                 plan_kwargs = dict(num_heads=pt.H, q_len=pt.q_len, max_pages=layout.max_pages,
@@ -884,7 +904,7 @@ class Bench:
                 record["plan_us"] = host_time_us(make_plan, args.plan_repeats)
                 record["plan_ready_us"] = host_time_us(lambda: jax.block_until_ready(make_plan()),
                                                        args.plan_repeats)
-            backend_arg = "auto" if method == "jax_mla" else chosen
+            backend_arg = chosen if method == "jax_mla_noplan" else "auto"
 
             def one(query, cache, tables, lens, plan_):
                 return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE,
@@ -912,8 +932,9 @@ class Bench:
                                             f"{self.slowdown[method]:.0f} the floor) > --max-call-s")
                 return
 
-        return self.time_layers(method, layered(one, layers), layout, q, caches, plan, layers,
-                                record, outputs)
+        options = GRAPH_COMPILER_OPTIONS if method == "jax_mla_graph" else None
+        return self.time_layers(method, layered(one, layers, options), layout, q, caches, plan,
+                                layers, record, outputs)
 
     def time_model_step(self, layout: Layout, q, caches, record, outputs):
         """A whole model step of --step-layers decode calls, end to end, planned two ways.
@@ -1259,7 +1280,8 @@ def default_out(env: dict, dry_run: bool) -> str:
 
 def summary_line(record: dict) -> str:
     parts = []
-    for name, field in (("jax_mla", "jax_mla_us"), ("noplan", "jax_mla_noplan_us"),
+    for name, field in (("jax_mla", "jax_mla_us"), ("graph", "jax_mla_graph_us"),
+                        ("noplan", "jax_mla_noplan_us"),
                         ("devplan", "jax_mla_device_plan_us"), ("planner", "device_plan_us"),
                         ("step-host", "step_host_plan_ms"), ("step-dev", "step_device_plan_ms"),
                         ("FI", "flashinfer_torch_us"), ("FI-graph", "flashinfer_graph_us"),
@@ -1348,7 +1370,7 @@ def main(argv=None) -> int:
     for pt in points:
         old = existing.get(pt.key)
         wanted = {m for m in args.methods
-                  if m != "jax_mla_noplan" or args.noplan_everywhere or noplan_subset(pt)}
+                  if method_applies(m, pt, args)}
         if old and not args.overwrite:
             settled = set(old.get("methods_done", [])) | {m for m in wanted if old.get(f"{m}_skip")}
             if old.get("skipped") or wanted <= settled:
