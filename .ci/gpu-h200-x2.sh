@@ -3,16 +3,17 @@
 #
 #   .ci/gpu-h200.sh cmd bash .ci/gpu-h200-x2.sh [--tests] [--gpu0 "ARGS"] [--gpu1 "ARGS"]
 #
-#   --tests       GPU 1: the GPU test suite, in three pytest processes side by side (t-*.log);
+#   --tests       GPU 1: the GPU test suite, in three pytest processes side by side (t-*.log;
+#                 XLA's autotuning off, as it only costs compile time there);
 #                 both GPUs first: the multi_gpu tests and the example with --tp 2 (t-multi.log).
-#   --gpu0 ARGS   GPU 0, after the two-GPU tests: benchmarks/decode.py ARGS (bench0.log);
-#                 repeat it to run several benchmarks one after another.
-#   --gpu1 ARGS   GPU 1, after its tests, likewise (bench1.log).
+#   --gpu0 ARGS   GPU 0, after the two-GPU tests: benchmarks/decode.py ARGS; repeat it to run
+#                 several benchmarks one after another. Output lines go to bench.log as "[gpu0] ...".
+#   --gpu1 ARGS   GPU 1, after its tests, likewise ("[gpu1] ...").
 #   --deadline S  stop benchmarks S seconds after this script starts (default 540; a benchmark
 #                 writes its JSON after every point, so a stopped one loses only its current point).
 #
-# A benchmark has its GPU to itself; tests share theirs. Logs go to $OUT (8 files come back:
-# give each benchmark its own --out/--copy-to JSON there).
+# A benchmark has its GPU to itself; tests share theirs. Logs go to $OUT, of which 8 files come
+# back: env.txt (printed) is removed, leaving room for three benchmark JSONs (--out $OUT/X.json).
 set -uo pipefail
 tests=0 gpu0=() gpu1=() deadline=540
 while [ $# -gt 0 ]; do
@@ -31,31 +32,34 @@ bench_on() {  # GPU, LOG, ARGS strings (one benchmark each)...
     [ $left -gt 30 ] || { echo "deadline: not started: $args" >>"$OUT/$log"; continue; }
     # shellcheck disable=SC2086  # ARGS is a word list on purpose
     CUDA_VISIBLE_DEVICES=$gpu timeout $left python3 benchmarks/decode.py $args --time-limit $((left - 20)) \
-      >>"$OUT/$log" 2>&1
+      2>&1 | sed -u "s/^/[gpu$gpu] /" >>"$OUT/$log"
   done
 }
 pytest_gpu1() {  # LOG, pytest args...
   local log=$1; shift
-  CUDA_VISIBLE_DEVICES=1 python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
+  CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_autotune_level=0 \
+    python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
 }
 
 gpu1_chain() {
   if [ $tests = 1 ]; then
-    pytest_gpu1 t-decode-fa3.log tests/test_decode.py -k fa3 &
-    pytest_gpu1 t-decode-other.log tests/test_decode.py -k "not fa3" &
+    pytest_gpu1 t-decode-xla.log tests/test_decode.py -k xla &
+    pytest_gpu1 t-decode-fa.log tests/test_decode.py -k "not xla" &
     pytest_gpu1 t-rest.log tests --ignore=tests/test_decode.py -m "not multi_gpu" &
     wait
   fi
-  bench_on 1 bench1.log "${gpu1[@]}"
+  bench_on 1 bench.log "${gpu1[@]}"
 }
 
+rm -f "$OUT/env.txt"  # printed by gpu-h200.sh already
 gpu1_chain &
 if [ $tests = 1 ]; then
   { python3 -m pytest -q -rs -p no:cacheprovider tests/test_sharding.py -m multi_gpu
     python3 examples/deepseek_layer.py --tp 2; } >"$OUT/t-multi.log" 2>&1
 fi
-bench_on 0 bench0.log "${gpu0[@]}"
+bench_on 0 bench.log "${gpu0[@]}"
 wait
-for f in "$OUT"/t-*.log "$OUT"/bench*.log; do
-  [ -f "$f" ] && printf '%-22s %s\n' "$(basename "$f")" "$(grep -E 'passed|failed|error|point\(s\)' "$f" | tail -1)"
+for f in "$OUT"/t-*.log; do
+  printf '%-22s %s\n' "$(basename "$f")" "$(grep -E ' (passed|failed)' "$f" | tail -1)"
 done
+grep -E '^\[gpu.\] (wrote|time limit|[0-9]+ point)' "$OUT/bench.log" 2>/dev/null

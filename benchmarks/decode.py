@@ -968,35 +968,40 @@ class Bench:
         if all(f"{n}_ms" in record for n in ("step_host_plan", "step_device_plan")):
             record["methods_done"].append("jax_mla_step")
 
-    def time_device_plan(self, layout: Layout, repeats: int = 64) -> float:
-        """µs per jax_mla.device_plan call: a scan of planner calls on distinct lengths, each
-        reduced to a few bytes so none can be dropped, minus the same scan without the planner."""
+    def time_device_plan(self, layout: Layout, calls: int = 64) -> float:
+        """µs per jax_mla.device_plan call on the GPU: one step of ``calls`` planner calls on
+        distinct lengths (each schedule reduced to a few bytes so none can be dropped), replayed as
+        CUDA graphs so host launch costs drop out, minus the same step without the planner."""
         import jax
         import jax.numpy as jnp
         import jax_mla
 
         pt = layout.point
-        lens = jnp.asarray(np.stack([np.roll(layout.lengths, i) for i in range(repeats)]), jnp.int32)
+        lens = jnp.asarray(np.stack([np.roll(layout.lengths, i) for i in range(calls)]), jnp.int32)
 
-        def scan(with_planner):
-            def body(total, lens_i):
-                if with_planner:
-                    ws = jax_mla.device_plan(lens_i, num_heads=pt.H, q_len=pt.q_len,
-                                             max_pages=layout.max_pages).int_workspace
-                    return total + ws[:64].astype(jnp.int32).sum(), None
-                return total + lens_i[:64].sum(), None
-            return jax.jit(lambda ls: jax.lax.scan(body, jnp.int32(0), ls)[0])
+        def step(with_planner):
+            def body(all_lens):
+                total = jnp.int32(0)
+                for i in range(calls):
+                    if with_planner:
+                        ws = jax_mla.device_plan(all_lens[i], num_heads=pt.H, q_len=pt.q_len,
+                                                 max_pages=layout.max_pages).int_workspace
+                        total = total + ws[:64].astype(jnp.int32).sum()
+                    else:
+                        total = total + all_lens[i, :64].sum()
+                return total
+            return jax.jit(body, compiler_options=GRAPH_COMPILER_OPTIONS)
 
         timings = []
-        for fn in (scan(True), scan(False)):
+        for fn in (step(True), step(False)):
             fn(lens).block_until_ready()
             samples = []
-            for _ in range(5):
+            for _ in range(21):
                 t0 = time.perf_counter()
                 fn(lens).block_until_ready()
                 samples.append(time.perf_counter() - t0)
             timings.append(median(samples))
-        return max(timings[0] - timings[1], 0.0) / repeats * 1e6
+        return max(timings[0] - timings[1], 0.0) / calls * 1e6
 
     def time_layers(self, method, fn, layout: Layout, q, caches, plan, layers, record, outputs):
         import jax

@@ -50,8 +50,9 @@ def check_plan(plan, batch, q_len, num_heads, max_pages, kv_lora_rank, layout):
                     kv_lora_rank=kv_lora_rank)
     actual = {name: getattr(plan, name) for name in expected}
     if actual != expected or plan.layout != layout:
-        raise ValueError(f"plan was built for {actual} but decode got {expected}; build the plan with "
-                         "the step's seq_lens, local head count and block-table width")
+        raise planning.PlanMismatchError(
+            f"plan was built for {actual} but decode got {expected}; build the plan with "
+            "the step's seq_lens, local head count and block-table width")
 
 
 def fa_decode(backend, query, kv_cache, block_tables, seq_lens, *, softmax_scale, kv_lora_rank, plan):

@@ -26,6 +26,10 @@ ALIGNMENT = 16
 INT32_BYTES = 4
 
 
+class PlanMismatchError(ValueError):
+    """A plan does not describe the call it was given to (its batch, heads, q_len or table width)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleLayout:
     """MLAPlanInfo's 18 entries plus the workspace sizes they imply."""

@@ -48,7 +48,9 @@ Supported layouts of query [B, q_len, H, D], kv_cache [num_pages, page_size, D],
   a computation over several). One plan cannot describe several batch shards, so a plan together
   with a batch sharded over more than one device raises; pass ``plan=None`` there (the FFI
   backends then plan on each device's host from its local ``seq_lens``) or ``plan="device"``
-  (each device builds its own schedule on the GPU).
+  (each device builds its own schedule on the GPU). A plan for the local head count given to a
+  call that turns out not to be partitioned (one device) raises ``PlanMismatchError`` while the
+  program compiles.
 
 Layout errors are found while XLA partitions the program, i.e. in ``jit(f).lower(...).compile()`` or
 the first call, so they reach the caller wrapped in a ``jax.errors.JaxRuntimeError`` whose text holds
@@ -70,7 +72,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_mla.planning import PlanMismatchError
 
 __all__ = ["LayoutError", "call", "may_be_sharded"]
 
@@ -110,7 +116,8 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     Args:
       kernel: ``kernel(query, kv_cache, block_tables, seq_lens)`` -- or, when ``plan`` is not None,
         ``kernel(query, kv_cache, block_tables, seq_lens, plan=plan)`` -- returning ``out`` or
-        ``(out, lse)``, with static parameters closed over (prefer ``functools.partial``: eager
+        ``(out, lse)`` (of the same types with and without a plan; a kernel that takes a plan may
+        raise ``PlanMismatchError`` for the global shapes), with static parameters closed over (prefer ``functools.partial``: eager
         calls on multi-device arrays are then compiled once per distinct partial, not once per
         call). It is called with per-device shards and must take every size from its arguments.
       query, kv_cache, block_tables, seq_lens: the (validated) decode arrays.
@@ -187,7 +194,34 @@ def _kernel_key(kernel):
 
 @functools.partial(custom_partitioning, static_argnums=(0,))
 def _partitioned(per_shard, query, kv_cache, block_tables, seq_lens, *plan_arrays):
-    return per_shard(query, kv_cache, block_tables, seq_lens, *plan_arrays)
+    """The computation on global shapes: traced for the output types, and run as is where the
+    program turns out to use one device (custom_partitioning then skips ``_partition``)."""
+    try:
+        return per_shard(query, kv_cache, block_tables, seq_lens, *plan_arrays)
+    except PlanMismatchError as error:
+        # A plan for the local head count fits each device's shard, not the global shapes: only
+        # the output types are needed here, and running this unpartitioned must fail.
+        outputs = jax.eval_shape(per_shard.kernel, query, kv_cache, block_tables, seq_lens)
+        leaves, treedef = jax.tree_util.tree_flatten(outputs)
+        avals = tuple(jax.core.ShapedArray(leaf.shape, leaf.dtype) for leaf in leaves)
+        message = (f"{error}. The plan only fits the per-device shards, but this call is not "
+                   "partitioned over several devices")
+        results = _needs_partitioning_p.bind(query, out_avals=avals, message=message)
+        return jax.tree_util.tree_unflatten(treedef, results)
+
+
+# Stands for a kernel call that is only valid per shard: it has output types, and lowering it
+# (which happens only when the call is not partitioned) raises its message.
+_needs_partitioning_p = Primitive("jax_mla_needs_partitioning")
+_needs_partitioning_p.multiple_results = True
+_needs_partitioning_p.def_abstract_eval(lambda *args, out_avals, message: out_avals)
+
+
+def _needs_partitioning_lowering(ctx, *args, out_avals, message):
+    raise PlanMismatchError(message)
+
+
+mlir.register_lowering(_needs_partitioning_p, _needs_partitioning_lowering)
 
 
 _eager = jax.jit(_partitioned, static_argnums=0)

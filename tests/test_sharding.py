@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_mla
 from jax_mla import sharding
+from jax_mla.planning import PlanMismatchError
 from jax_mla.reference import reference_from_jax
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)"
@@ -198,6 +199,36 @@ def test_plan_is_replicated_with_heads_sharded():
     expected = plan_kernel(*problem.arrays, plan={"workspace": jnp.full((128,), 3, jnp.uint8),
                                                   "scale": 0.5})
     assert_near(out, expected)
+
+
+def local_heads_kernel(query, kv_cache, block_tables, seq_lens, plan=None):
+    """Like the fa backends: rejects a plan whose head count is not the call's (local) one."""
+    if plan is None:
+        return jax_mla.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=SCALE,
+                              backend="xla")
+    if plan["num_heads"] != query.shape[2]:
+        raise PlanMismatchError(f"plan was built for {plan['num_heads']} heads, got {query.shape[2]}")
+    return plan_kernel(query, kv_cache, block_tables, seq_lens, plan)
+
+
+@PARTITIONERS
+def test_plan_for_the_local_head_count(partitioner_name):
+    """A plan built for the per-device heads runs under head sharding (the global-shape trace must
+    not reject it); the same plan in a call that is not partitioned raises while compiling."""
+    mesh = cpu_mesh((1, 4))
+    problem = make_problem(53, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    plan = {"workspace": jnp.full((128,), 3, jnp.uint8), "scale": 0.5, "num_heads": NUM_HEADS // 4}
+    args = (put(mesh, problem.query, None, None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables), put(mesh, problem.seq_lens))
+    with_plan = lambda p: jax.jit(lambda *a: sharding.call(local_heads_kernel, *a, plan=p))  # noqa: E731
+    with partitioner(partitioner_name):
+        out = with_plan({**plan, "workspace": put(mesh, plan["workspace"])})(*args)
+        assert batch_and_heads(out) == (None, "tp")
+        assert_near(out, plan_kernel(*problem.arrays, plan=plan))
+        one_device = jax.device_put(problem.arrays, jax.devices("cpu")[0])
+        with pytest.raises(PlanMismatchError, match=r"built for 2 heads, got 8\. The plan only fits "
+                                                    r"the per-device shards"):
+            with_plan(plan)(*one_device)
 
 
 @PARTITIONERS
