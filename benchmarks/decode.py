@@ -891,7 +891,7 @@ class Bench:
         if method in ("jax_mla", "jax_mla_graph", "jax_mla_noplan"):
             from jax_mla import backends
 
-            chosen = backends.resolve("auto", backends.platform_of(q), pt.B)
+            chosen = backends.resolve("auto", backends.platform_of(q))
             record["jax_mla_backend"] = chosen
             if method != "jax_mla_noplan" and chosen != backends.XLA:
                 if not hasattr(jax_mla, "plan"):

@@ -366,14 +366,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", nargs="+", help="results of benchmarks/decode.py (merged by key)")
     p.add_argument("--md", default=None, help="markdown output (default: first JSON with .md)")
-    p.add_argument("--png", default=None, help="roofline PNG (default: first JSON with .png)")
+    p.add_argument("--png", default=None,
+                   help="roofline PNG (default: first JSON with .png; 'none': no plot)")
     p.add_argument("--stdout", action="store_true", help="also print the markdown")
     args = p.parse_args(argv)
     stem = os.path.splitext(args.json[0])[0]
     md_path = args.md or stem + ".md"
     png_path = args.png or stem + ".png"
     env, rows = load(args.json)
-    made_png = roofline(env, rows, png_path)
+    made_png = args.png != "none" and roofline(env, rows, png_path)
     png_ref = (os.path.relpath(png_path, os.path.dirname(os.path.abspath(md_path)))
                if made_png else None)
     text = markdown(env, rows, png_ref, args.json)

@@ -175,7 +175,7 @@ def step_plan(backend: str, cfg: model.MLAConfig, seq_lens: np.ndarray, max_page
     """The fa3/fa2 work schedule for one step's lengths, built on the host and shared by every
     layer (None for the other backends, which need none). Under tensor parallelism it is built for
     the per-device head count and replicated over the mesh."""
-    if backends.resolve(backend, jax.default_backend(), len(seq_lens)) not in (backends.FA3,
+    if backends.resolve(backend, jax.default_backend()) not in (backends.FA3,
                                                                              backends.FA2):
         return None
     tp = 1 if mesh is None else mesh.shape["tp"]
@@ -221,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
     cfg = model.CONFIGS[args.config]
     rng = np.random.default_rng(args.seed)
     lens, tokens, tables, num_pages = make_requests(rng, cfg, args)
-    backend = backends.resolve(args.backend, jax.default_backend(), args.batch)
+    backend = backends.resolve(args.backend, jax.default_backend())
     print(describe(cfg, args, backend))
     print(f"{args.batch} requests, prompt lengths {lens.tolist()}, {args.steps} decode steps; "
           f"{num_pages} pages of {args.page_size} tokens per layer, shuffled")

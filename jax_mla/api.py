@@ -26,12 +26,12 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       output_scale: multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto", "xla", "fa3", "fa2" or "trtllm-gen". "auto" picks the best available one for
-        the platform and dtype (see ``jax_mla.available_backends``): fa3 on Hopper, fa2 there at
-        batch 1 and on other CUDA GPUs, trtllm-gen on Blackwell, xla on CPU and for non-bfloat16.
+        the platform and dtype (see ``jax_mla.available_backends``): fa3 on Hopper, fa2 on other
+        CUDA GPUs, trtllm-gen on Blackwell, xla on CPU and for non-bfloat16.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for the fa3/fa2 backends, the work schedule. A ``jax_mla.Plan`` from ``jax_mla.plan``
         (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared by every layer;
-        ``"device"`` builds one on the GPU inside this call (not yet verified on hardware); None
+        ``"device"`` builds one on the GPU inside this call; None
         plans inside the call on the host, which reads ``seq_lens`` back (a device sync) and
         cannot be captured in a CUDA graph.
 
@@ -42,14 +42,14 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       out [B, q_len, H, kv_lora_rank] in ``query.dtype``; with ``return_lse`` a tuple
       ``(out, lse)`` with lse float32 [B, q_len, H].
     """
-    batch, _, _, kv_lora_rank, _, _ = _validate.check_decode_args(
+    _, _, _, kv_lora_rank, _, _ = _validate.check_decode_args(
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
     softmax_scale = _validate.check_finite_scale("softmax_scale", softmax_scale)
     output_scale = _validate.check_finite_scale("output_scale", output_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     platform = backends.platform_of(query, kv_cache)
-    chosen = backends.resolve(backend, platform, batch, query.dtype)
+    chosen = backends.resolve(backend, platform, query.dtype)
     # The kernel runs once per device on its shard when the arrays are sharded (jax_mla.sharding).
     if chosen == backends.XLA:
         if plan is not None:

@@ -14,10 +14,6 @@ TRTLLM_GEN = "trtllm-gen"
 ALL_BACKENDS = (XLA, FA3, FA2, TRTLLM_GEN)
 GPU_BACKENDS = (FA3, FA2, TRTLLM_GEN)
 
-# Auto prefers fa2 over fa3 up to this batch size (fa2 measured faster at batch 1 on the H200).
-FA2_PREFERRED_MAX_BATCH = 1
-
-
 def arch_supports(backend: str, capability: tuple[int, int]) -> bool:
     """Whether a GPU of compute ``capability`` (major, minor) can run ``backend``'s kernels."""
     if backend == FA3:
@@ -66,11 +62,12 @@ def available_backends(platform: str | None = None) -> list[str]:
     return [b for b in GPU_BACKENDS if arch_supports(b, capability)] + [XLA]
 
 
-def resolve(backend: str, platform: str, batch: int, dtype=jnp.bfloat16) -> str:
+def resolve(backend: str, platform: str, dtype=jnp.bfloat16) -> str:
     """The concrete backend to run for a ``backend=`` argument on ``platform``.
 
     "auto" takes the first available backend that runs ``dtype`` (the GPU kernels take bfloat16
-    only, so other dtypes get "xla"); at batch 1 it prefers fa2 over fa3 (measured faster there).
+    only, so other dtypes get "xla"). On the H200 fa3 was as fast as fa2 or faster at every point
+    measured, B=1 included (benchmarks/results/2026-11-30-h200.md), so Hopper always gets fa3.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
@@ -78,8 +75,6 @@ def resolve(backend: str, platform: str, batch: int, dtype=jnp.bfloat16) -> str:
     if backend == "auto":
         if jnp.dtype(dtype) != jnp.bfloat16:
             return XLA
-        if FA2 in available and FA3 in available and batch <= FA2_PREFERRED_MAX_BATCH:
-            return FA2
         return available[0]
     if backend not in ALL_BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
