@@ -14,7 +14,7 @@ namespace ffi = xla::ffi;
 namespace jax_mla {
 namespace {
 
-constexpr int kThreads = 1024;
+constexpr int kThreads = 512;
 
 struct SumCounts {
   __device__ ItemCounts operator()(const ItemCounts& a, const ItemCounts& b) const { return a + b; }
@@ -24,21 +24,24 @@ ScheduleOffsets OffsetsFromPlanInfo(const int64_t* p) {
   return {p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]};
 }
 
-// One block walks the (request, tile) items in rounds of kThreads: totals, then rest-work
-// clusters, then the writes, each round scanning its items' counts on top of the carry.
+// One block walks the (request, tile) items in rounds of kThreads, three times, each round scanning
+// its items' counts on top of the carry: pass 1 deals the big works (every variant), pass 2 places
+// the small ones (every variant) and picks the variant, pass 3 writes the picked schedule.
 __global__ void __launch_bounds__(kThreads)
     PlanKernel(ScheduleShape s, ScheduleOffsets o, const int32_t* seq_lens, uint8_t* ws) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
-  using Scan = cub::BlockScan<ItemCounts, kThreads>;
+  using Scan = cub::BlockScan<ItemCounts, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // small temp storage
   __shared__ union {
     typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } temp;
   __shared__ int64_t total_kv;
   __shared__ ItemCounts carry;
-  __shared__ double budget_prefix[kMaxClusters + 1];
-  __shared__ unsigned long long big_load[kMaxClusters];
-  __shared__ int rest_count[kMaxClusters], rest_start[kMaxClusters], cluster_start[kMaxClusters + 1];
+  __shared__ int chosen;
+  __shared__ double budget_prefix[kVariants][kMaxClusters + 1];
+  __shared__ unsigned long long load[kVariants * kMaxClusters];  // [variant][cluster] costs
+  __shared__ int rest_count[kVariants][kMaxClusters];
+  __shared__ int rest_start[kMaxClusters], cluster_start[kMaxClusters + 1];
   const int items = s.num_items(), n = s.num_clusters, t = threadIdx.x;
 
   int64_t kv_sum = 0;
@@ -47,48 +50,54 @@ __global__ void __launch_bounds__(kThreads)
   }
   kv_sum = Reduce(temp.reduce).Sum(kv_sum);
   if (t == 0) total_kv = kv_sum;
-  for (int c = t; c < n; c += kThreads) rest_count[c] = 0, big_load[c] = 0;
+  for (int i = t; i < kVariants * kMaxClusters; i += kThreads) {
+    load[i] = 0;
+    rest_count[i / kMaxClusters][i % kMaxClusters] = 0;
+  }
   __syncthreads();
   const int limit = KvLenLimit(total_kv, n);
 
-  // Pass 1: totals. Pass 2: rest clusters. Pass 3: writes.
   for (int pass = 1; pass <= 3; ++pass) {
-    if (t == 0) carry = ItemCounts{};
+    if (t == 0) carry = ZeroCounts();
     __syncthreads();
     for (int round = 0; round * kThreads < items; ++round) {
       const int i = round * kThreads + t;
       Item it{};
-      ItemCounts own{};
+      ItemCounts own = ZeroCounts();
       if (i < items) {
         it = DescribeItem(s, seq_lens, i, limit);
         own = CountItem(s, it, limit);
       }
       ItemCounts before, aggregate;
-      Scan(temp.scan).ExclusiveScan(own, before, ItemCounts{}, SumCounts(), aggregate);
+      Scan(temp.scan).ExclusiveScan(own, before, ZeroCounts(), SumCounts(), aggregate);
       before = before + carry;
-      if (i < items && pass == 1) {
-        DealBigWorks(s, it, before, own, limit, big_load);
-      }
-      if (i < items && own.rest && pass == 2) {
-        atomicAdd(&rest_count[RestCluster(budget_prefix, n, RestMidpoint(before, own))], 1);
+      for (int v = 0; v < kVariants && i < items; ++v) {
+        if (pass == 1) DealBigWorks(s, it, before, own, v, limit, &load[v * kMaxClusters]);
+        if (pass == 2 && own.rest[v]) {
+          const int c = RestCluster(budget_prefix[v], n, RestMidpoint(before, own, v));
+          atomicAdd(&rest_count[v][c], 1);
+          AddLoad(&load[v * kMaxClusters + c], own.rest_cost[v]);
+        }
       }
       if (i < items && pass == 3) {
+        const int v = chosen;
         int rest_slot = -1;
-        if (own.rest) {
-          const int c = RestCluster(budget_prefix, n, RestMidpoint(before, own));
-          rest_slot = RestSlot(c, before, rest_count, cluster_start, rest_start);
+        if (own.rest[v]) {
+          const int c = RestCluster(budget_prefix[v], n, RestMidpoint(before, own, v));
+          rest_slot = RestSlot(c, before.rest[v], rest_count[v], cluster_start, rest_start);
         }
-        WriteItem(s, o, ws, it, before, limit, cluster_start, rest_slot);
+        WriteItem(s, o, ws, it, before, own, v, cluster_start, rest_slot, limit);
       }
       __syncthreads();
       if (t == 0) carry = carry + aggregate;
       __syncthreads();
     }
-    if (t == 0 && pass == 1) {
-      RestBudgets(s, carry, big_load, budget_prefix);
+    if (pass == 1 && t < kVariants) {
+      RestBudgets(s, carry, t, &load[t * kMaxClusters], budget_prefix[t]);
     }
-    if (t == 0 && pass == 2) {
-      ClusterStarts(s, carry, rest_count, cluster_start, rest_start);
+    if (pass == 2 && t == 0) {
+      chosen = BestVariant(s, load);
+      ClusterStarts(s, carry, chosen, rest_count[chosen], cluster_start, rest_start);
       ClearUnusedMerges(o, ws, carry.merge, s.num_sm);
     }
     __syncthreads();
@@ -102,7 +111,7 @@ ffi::Error DevicePlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
                           ffi::Span<const int64_t> plan_info) {
   if (plan_info.size() != 18 || plan_info[1] > kMaxClusters) {
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                      "jax_mla: device plan needs an 18-entry plan_info and at most 512 clusters");
+                      "jax_mla: device plan needs an 18-entry plan_info and at most 256 clusters");
   }
   ScheduleShape s{static_cast<int>(seq_lens.element_count()), static_cast<int>(q_len),
                   static_cast<int>(num_heads), static_cast<int>(max_pages), static_cast<int>(num_sm),
@@ -121,7 +130,7 @@ ffi::Error DevicePlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
 }  // namespace jax_mla
 
 // The sequential twin of PlanKernel, for tests on machines without a GPU. Returns the number of
-// works, or -1 when a capacity (16384 works, #SM merge CTAs, 512 clusters) would be exceeded.
+// works, or -1 when a capacity (16384 works, #SM merge CTAs, 256 clusters) would be exceeded.
 extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_len, int num_heads,
                                       int max_pages, int num_sm, int causal,
                                       const int64_t* plan_info, uint8_t* ws) {
@@ -138,31 +147,47 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   const int limit = KvLenLimit(total_kv, n);
   std::vector<Item> its(items);
   std::vector<ItemCounts> own(items), before(items);
-  std::vector<unsigned long long> big_load(n, 0);
-  ItemCounts total{};
+  std::vector<unsigned long long> load(kVariants * kMaxClusters, 0);
+  ItemCounts total = ZeroCounts();
   for (int i = 0; i < items; ++i) {
     its[i] = DescribeItem(s, seq_lens, i, limit);
     own[i] = CountItem(s, its[i], limit);
     before[i] = total;
     total = total + own[i];
-    DealBigWorks(s, its[i], before[i], own[i], limit, big_load.data());
+    for (int v = 0; v < kVariants; ++v) {
+      DealBigWorks(s, its[i], before[i], own[i], v, limit, &load[v * kMaxClusters]);
+    }
   }
-  if (total.full + total.rest > kMaxTotalWorks || total.merge > num_sm) return -1;
-  std::vector<double> budget_prefix(n + 1);
-  RestBudgets(s, total, big_load.data(), budget_prefix.data());
-  std::vector<int> rest_cluster(items, -1), rest_count(n, 0), rest_start(n), cluster_start(n + 1);
+  for (int v = 0; v < kVariants; ++v) {
+    if (total.full[v] + total.rest[v] > kMaxTotalWorks) return -1;
+  }
+  if (total.merge > num_sm) return -1;
+  std::vector<double> budget_prefix(kVariants * (n + 1));
+  std::vector<int> rest_count(kVariants * n, 0);
+  for (int v = 0; v < kVariants; ++v) {
+    RestBudgets(s, total, v, &load[v * kMaxClusters], &budget_prefix[v * (n + 1)]);
+  }
   for (int i = 0; i < items; ++i) {
-    if (!own[i].rest) continue;
-    rest_cluster[i] = RestCluster(budget_prefix.data(), n, RestMidpoint(before[i], own[i]));
-    ++rest_count[rest_cluster[i]];
+    for (int v = 0; v < kVariants; ++v) {
+      if (!own[i].rest[v]) continue;
+      const int c = RestCluster(&budget_prefix[v * (n + 1)], n, RestMidpoint(before[i], own[i], v));
+      ++rest_count[v * n + c];
+      AddLoad(&load[v * kMaxClusters + c], own[i].rest_cost[v]);
+    }
   }
-  ClusterStarts(s, total, rest_count.data(), cluster_start.data(), rest_start.data());
+  const int v = BestVariant(s, load.data());
+  const double* prefix = &budget_prefix[v * (n + 1)];
+  const int* counts = &rest_count[v * n];
+  std::vector<int> rest_start(n), cluster_start(n + 1);
+  ClusterStarts(s, total, v, counts, cluster_start.data(), rest_start.data());
   ClearUnusedMerges(o, ws, total.merge, num_sm);
   for (int i = 0; i < items; ++i) {
-    const int c = rest_cluster[i];
-    const int rest_slot =
-        c < 0 ? -1 : RestSlot(c, before[i], rest_count.data(), cluster_start.data(), rest_start.data());
-    WriteItem(s, o, ws, its[i], before[i], limit, cluster_start.data(), rest_slot);
+    int rest_slot = -1;
+    if (own[i].rest[v]) {
+      const int c = RestCluster(prefix, n, RestMidpoint(before[i], own[i], v));
+      rest_slot = RestSlot(c, before[i].rest[v], counts, cluster_start.data(), rest_start.data());
+    }
+    WriteItem(s, o, ws, its[i], before[i], own[i], v, cluster_start.data(), rest_slot, limit);
   }
   for (int c = 0; c <= n; ++c) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
   return cluster_start[n];

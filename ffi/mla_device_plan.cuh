@@ -4,11 +4,14 @@
 // the same work items: each request's packed query rows are cut into tiles of cluster_tile_q rows,
 // each tile's kv range into chunks of at most kv_len_limit tokens (FlashInfer's formula), a split
 // tile gets partial-output rows and merge entries (at most #SM merge CTAs), and every chunk becomes
-// one work of some cluster. Only the balancing differs from MLAPlan's min-heap: "big" works (at
-// least half of kv_len_limit tokens: every chunk but a tile's last, and long last chunks) are dealt
-// round-robin over the clusters, and the small ones (at most one per tile) fill the clusters'
-// leftover cost budget in order. The per-tile arithmetic is shared by the kernel and a sequential host driver that the
-// CPU tests check.
+// one work of some cluster. Only the balancing differs from MLAPlan's (sequential) min-heap. Every
+// chunk but a tile's last has kv_len_limit tokens; these "big" works are dealt round-robin over the
+// clusters. A tile's last chunk is big too when it has at least a fraction f of the limit, else
+// "small": the small works (at most one per tile) fill the clusters' leftover cost budgets, laid
+// along them in order. No single f suits every length mix, so the planner builds the schedule for
+// kVariants fractions at once (one counter set each) and keeps the one whose busiest cluster costs
+// least (MLAPlan's cost model). The per-tile arithmetic is shared by the kernel and a sequential
+// host driver that the CPU tests check.
 #pragma once
 
 #include <cstdint>
@@ -17,7 +20,11 @@ namespace jax_mla {
 
 constexpr int kCtaTileQ = 64;
 constexpr int kMaxTotalWorks = 16384;  // MLAPlan's capacity of every per-work array
-constexpr int kMaxClusters = 512;
+constexpr int kMaxClusters = 256;
+// A tile's last chunk of t tokens is big for variant v when 4 * t >= BigQuarters(v) * limit: at
+// least the whole limit, 3/4, 1/2 or 1/4 of it.
+constexpr int kVariants = 4;
+__host__ __device__ constexpr int BigQuarters(int v) { return 4 - v; }
 
 // Where MLAPlan's arrays live in the int workspace: plan_info entries 2..15, in bytes.
 struct ScheduleOffsets {
@@ -59,17 +66,32 @@ __host__ __device__ inline int KvLenLimit(int64_t total_kv, int num_clusters) {
   return CeilDiv(x, 256) * 256;
 }
 
-// The work counts of one (request, query tile) item.
+// The work counts of one (request, query tile) item, per balancing variant where they differ.
 struct ItemCounts {
-  int full;        // big works: chunks of at least limit / 2 tokens, dealt round-robin
-  int rest;        // 0 or 1: the last chunk when smaller than that (or a zero-length tile)
-  int partial;     // partial-output rows (split tiles only)
-  int merge;       // merge CTAs (split tiles only)
-  int64_t rest_cost;
+  int full[kVariants];        // big works: dealt round-robin
+  int rest[kVariants];        // 0 or 1: the last chunk when small (or a zero-length tile)
+  int partial;                // partial-output rows (split tiles only)
+  int merge;                  // merge CTAs (split tiles only)
+  int64_t rest_cost[kVariants];
   __host__ __device__ ItemCounts operator+(const ItemCounts& o) const {
-    return {full + o.full, rest + o.rest, partial + o.partial, merge + o.merge, rest_cost + o.rest_cost};
+    ItemCounts sum;
+    for (int v = 0; v < kVariants; ++v) {
+      sum.full[v] = full[v] + o.full[v];
+      sum.rest[v] = rest[v] + o.rest[v];
+      sum.rest_cost[v] = rest_cost[v] + o.rest_cost[v];
+    }
+    sum.partial = partial + o.partial;
+    sum.merge = merge + o.merge;
+    return sum;
   }
 };
+
+__host__ __device__ inline ItemCounts ZeroCounts() {
+  ItemCounts c;
+  for (int v = 0; v < kVariants; ++v) c.full[v] = c.rest[v] = 0, c.rest_cost[v] = 0;
+  c.partial = c.merge = 0;
+  return c;
+}
 
 __host__ __device__ inline int WorkCost(const ScheduleShape& s, int kv_tokens) {
   return 2 * s.cluster_tile_q() + kv_tokens;  // MLAPlan's cost_function
@@ -102,16 +124,21 @@ __host__ __device__ inline int ChunkTokens(const Item& it, int chunk, int limit)
   return left < limit ? left : limit;
 }
 
-__host__ __device__ inline bool IsSmall(int kv_tokens, int limit) { return 2 * kv_tokens < limit; }
+// Whether a tile's last chunk of `kv_tokens` is a small work under balancing variant v.
+__host__ __device__ inline bool IsSmall(int kv_tokens, int limit, int v) {
+  return 4 * static_cast<int64_t>(kv_tokens) < static_cast<int64_t>(BigQuarters(v)) * limit;
+}
 
 __host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const Item& it, int limit) {
   const int last = ChunkTokens(it, it.chunks - 1, limit);
-  ItemCounts c{};
-  c.rest = IsSmall(last, limit) ? 1 : 0;
-  c.full = it.chunks - c.rest;
+  ItemCounts c = ZeroCounts();
+  for (int v = 0; v < kVariants; ++v) {
+    c.rest[v] = IsSmall(last, limit, v) ? 1 : 0;
+    c.full[v] = it.chunks - c.rest[v];
+    c.rest_cost[v] = c.rest[v] ? WorkCost(s, last) : 0;
+  }
   c.partial = it.split ? it.chunks * it.row_tile : 0;
   c.merge = it.split ? CeilDiv(it.row_tile, it.row_chunk) : 0;
-  c.rest_cost = c.rest ? WorkCost(s, last) : 0;
   return c;
 }
 
@@ -120,19 +147,19 @@ __host__ __device__ inline T* At(uint8_t* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
-// Writes one item's works (given their slots) and merge entries. `before` holds the exclusive
-// prefix of every count over the items before this one.
+// Writes one item's works (given their slots) under variant v, and its merge entries. `before`
+// holds the exclusive prefix of every count over the items before this one.
 __host__ __device__ inline void WriteItem(const ScheduleShape& s, const ScheduleOffsets& o,
                                           uint8_t* ws, const Item& it, const ItemCounts& before,
-                                          int limit, const int* cluster_start, int rest_slot) {
+                                          const ItemCounts& own, int v, const int* cluster_start,
+                                          int rest_slot, int limit) {
   const int n = s.num_clusters;
   for (int chunk = 0; chunk < it.chunks; ++chunk) {
-    const bool is_rest = chunk == it.chunks - 1 && IsSmall(ChunkTokens(it, chunk, limit), limit);
     int slot;
-    if (is_rest) {
+    if (chunk >= own.full[v]) {  // the small last chunk
       slot = rest_slot;
     } else {
-      const int full = before.full + chunk;  // dealt round-robin: cluster full % n, place full / n
+      const int full = before.full[v] + chunk;  // dealt round-robin: cluster full % n, place full / n
       slot = cluster_start[full % n] + full / n;
     }
     At<int32_t>(ws, o.q_indptr)[slot] = it.request * s.q_len;
@@ -157,31 +184,34 @@ __host__ __device__ inline void WriteItem(const ScheduleShape& s, const Schedule
   }
 }
 
-// Adds an item's big works to the load of the clusters they are dealt to (big work g -> g % n).
+__host__ __device__ inline void AddLoad(unsigned long long* load, unsigned long long cost) {
+#ifdef __CUDA_ARCH__
+  atomicAdd(load, cost);  // the kernel's threads share the loads
+#else
+  *load += cost;
+#endif
+}
+
+// Adds an item's big works under variant v to the load of the clusters they are dealt to (big
+// work g -> cluster g % n).
 __host__ __device__ inline void DealBigWorks(const ScheduleShape& s, const Item& it,
                                              const ItemCounts& before, const ItemCounts& own,
-                                             int limit, unsigned long long* load) {
-  for (int chunk = 0; chunk < own.full; ++chunk) {
-    const int c = (before.full + chunk) % s.num_clusters;
-    const unsigned long long cost = WorkCost(s, ChunkTokens(it, chunk, limit));
-#ifdef __CUDA_ARCH__
-    atomicAdd(&load[c], cost);  // the kernel's threads share `load`
-#else
-    load[c] += cost;
-#endif
+                                             int v, int limit, unsigned long long* load) {
+  for (int chunk = 0; chunk < own.full[v]; ++chunk) {
+    AddLoad(&load[(before.full[v] + chunk) % s.num_clusters], WorkCost(s, ChunkTokens(it, chunk, limit)));
   }
 }
 
-// Cluster c's leftover cost budget once the big works are dealt (their cost per cluster in
-// `big_load`): capacity prefix `budget_prefix` (num_clusters + 1 entries) over which the small
-// works are laid in order.
-__host__ __device__ inline void RestBudgets(const ScheduleShape& s, const ItemCounts& total,
+// Cluster c's leftover cost budget under variant v once the big works are dealt (their cost per
+// cluster in `big_load`): capacity prefix `budget_prefix` (num_clusters + 1 entries) over which
+// the small works are laid in order.
+__host__ __device__ inline void RestBudgets(const ScheduleShape& s, const ItemCounts& total, int v,
                                             const unsigned long long* big_load,
                                             double* budget_prefix) {
   const int n = s.num_clusters;
   double dealt = 0;
   for (int c = 0; c < n; ++c) dealt += static_cast<double>(big_load[c]);
-  const double target = (dealt + static_cast<double>(total.rest_cost)) / n;
+  const double target = (dealt + static_cast<double>(total.rest_cost[v])) / n;
   budget_prefix[0] = 0;
   for (int c = 0; c < n; ++c) {
     const double left = target - static_cast<double>(big_load[c]);
@@ -199,14 +229,30 @@ __host__ __device__ inline int RestCluster(const double* budget_prefix, int n, d
   return lo;
 }
 
-__host__ __device__ inline double RestMidpoint(const ItemCounts& before, const ItemCounts& own) {
-  return static_cast<double>(before.rest_cost) + 0.5 * static_cast<double>(own.rest_cost);
+__host__ __device__ inline double RestMidpoint(const ItemCounts& before, const ItemCounts& own, int v) {
+  return static_cast<double>(before.rest_cost[v]) + 0.5 * static_cast<double>(own.rest_cost[v]);
 }
 
-// Lays the clusters' work lists out one after another: cluster c holds its dealt big works, then
-// its `rest_count[c]` small ones, from `cluster_start[c]` (num_clusters + 1 entries); `rest_start[c]`
-// is the small works' running count before cluster c.
-__host__ __device__ inline void ClusterStarts(const ScheduleShape& s, const ItemCounts& total,
+// The variant whose busiest cluster costs least (the first such); `load` holds kVariants rows of
+// kMaxClusters final cluster costs.
+__host__ __device__ inline int BestVariant(const ScheduleShape& s, const unsigned long long* load) {
+  int best = 0;
+  unsigned long long best_makespan = ~0ull;
+  for (int v = 0; v < kVariants; ++v) {
+    unsigned long long makespan = 0;
+    for (int c = 0; c < s.num_clusters; ++c) {
+      const unsigned long long cost = load[v * kMaxClusters + c];
+      makespan = cost > makespan ? cost : makespan;
+    }
+    if (makespan < best_makespan) best = v, best_makespan = makespan;
+  }
+  return best;
+}
+
+// Lays the clusters' work lists out one after another under variant v: cluster c holds its dealt
+// big works, then its `rest_count[c]` small ones, from `cluster_start[c]` (num_clusters + 1
+// entries); `rest_start[c]` is the small works' running count before cluster c.
+__host__ __device__ inline void ClusterStarts(const ScheduleShape& s, const ItemCounts& total, int v,
                                               const int* rest_count, int* cluster_start,
                                               int* rest_start) {
   const int n = s.num_clusters;
@@ -214,16 +260,16 @@ __host__ __device__ inline void ClusterStarts(const ScheduleShape& s, const Item
   for (int c = 0; c < n; ++c) {
     cluster_start[c] = works;
     rest_start[c] = rests;
-    works += total.full / n + (c < total.full % n ? 1 : 0) + rest_count[c];
+    works += total.full[v] / n + (c < total.full[v] % n ? 1 : 0) + rest_count[c];
     rests += rest_count[c];
   }
   cluster_start[n] = works;
 }
 
 // The slot of a tile's small work: after its cluster's big works and the small ones before it.
-__host__ __device__ inline int RestSlot(int cluster, const ItemCounts& before, const int* rest_count,
+__host__ __device__ inline int RestSlot(int cluster, int rests_before, const int* rest_count,
                                         const int* cluster_start, const int* rest_start) {
-  return cluster_start[cluster + 1] - rest_count[cluster] + (before.rest - rest_start[cluster]);
+  return cluster_start[cluster + 1] - rest_count[cluster] + (rests_before - rest_start[cluster]);
 }
 
 // Merge CTAs past the used ones do nothing: their row ranges are empty.

@@ -23,6 +23,7 @@ import numpy as np
 MAX_TOTAL_WORKS = 16384  # MLAPlan's fixed capacity of each per-work array
 CTA_TILE_Q = 64
 ALIGNMENT = 16
+DEVICE_PLAN_MAX_CLUSTERS = 256  # kMaxClusters in ffi/mla_device_plan.cuh
 INT32_BYTES = 4
 
 
@@ -183,6 +184,9 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
     sm_count = gpu_sm_count()
     layout = schedule_layout(sm_count, q_len, num_heads, kv_lora_rank)
     cluster_size, num_clusters = layout.plan_info[:2]
+    if num_clusters > DEVICE_PLAN_MAX_CLUSTERS:
+        raise ValueError(f"the GPU planner handles at most {DEVICE_PLAN_MAX_CLUSTERS} clusters, this "
+                         f"GPU has {num_clusters} ({sm_count} SMs); use jax_mla.plan")
     if not max_works_fit(batch, q_len, num_heads, num_clusters, cluster_size):
         raise ValueError(f"batch {batch} x q_len {q_len} x {num_heads} heads may exceed FlashInfer's "
                          f"{MAX_TOTAL_WORKS} scheduled works; split the batch")

@@ -4,7 +4,11 @@ every invariant FlashInfer's fa3/fa2 `run` relies on, and balance against FlashI
 from __future__ import annotations
 
 import ctypes
+import functools
 import heapq
+import importlib.util
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +19,7 @@ from conftest import HAS_TVM_FFI
 from jax_mla import ffi, planning
 
 NUM_SM = 132
+BENCH = Path(__file__).parent.parent / "benchmarks" / "decode.py"
 pytestmark = pytest.mark.skipif(not HAS_TVM_FFI, reason="the FFI library links TVM-FFI's runtime")
 
 
@@ -161,19 +166,38 @@ CASES = {
     "b512-4k": (list(np.random.default_rng(2).integers(2048, 6144, 512)), 1, 128),
     "b512-1k-mtp-h16": (list(np.random.default_rng(3).integers(512, 1536, 512)), 2, 16),
 }
+# Benchmark points where one fixed way of balancing lost 1.22-1.32x to MLAPlan (and ran 1.21-1.27x
+# slower on the H200, benchmarks/results/2026-11-30-h200.md): (B, L, H, q_len) with the benchmark's
+# own lengths.
+BENCH_CASES = [(32, 32768, 128, 2), (32, 32768, 128, 1), (128, 16384, 16, 2), (128, 4096, 16, 1),
+               (32, 16384, 16, 1)]
+
+
+def bench_lengths(batch, mean_len, num_heads, q_len):
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    point = module.Point(B=batch, L=mean_len, H=num_heads, q_len=q_len, page_size=64)
+    return list(module.make_layout(point, 0).lengths)
+
+
+for _b, _l, _h, _q in BENCH_CASES:
+    CASES[f"bench-b{_b}-{_l // 1024}k-h{_h}-q{_q}"] = (functools.partial(bench_lengths, _b, _l, _h, _q),
+                                                        _q, _h)
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_schedule_is_complete_and_balanced(host_planner, case):
     lengths, q_len, num_heads = CASES[case]
-    lengths = np.asarray(lengths, np.int32)
+    lengths = np.asarray(lengths() if callable(lengths) else lengths, np.int32)
     max_pages = int(-(-lengths.max() // 64)) + 1
     layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
     assert works > 0
     makespan = check_schedule(layout, arrays(layout, workspace, works), works, lengths, q_len,
                               num_heads, max_pages)
     reference = host_mlaplan_makespan(lengths, q_len, num_heads)
-    assert makespan <= 1.1 * reference, (makespan, reference)
+    assert makespan <= 1.07 * reference, (makespan, reference)
 
 
 def test_checker_catches_a_broken_schedule(host_planner):

@@ -1,0 +1,37 @@
+"""The GPU planner's kernel time alone, read by Nsight Compute (no host or launch cost in it).
+
+    ncu -k regex:PlanKernel --metrics gpu__time_duration.sum --csv \\
+        python benchmarks/planner_kernel.py > planner_ncu.csv
+
+Runs ``jax_mla.device_plan`` once per configuration (after one warm-up call each, so the JIT
+compile is not profiled twice) and prints the configurations in launch order; the n-th PlanKernel
+row of the CSV (counting the warm-up launches) is configuration n // 2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_mla
+
+CONFIGS = [(batch, num_heads, q_len) for num_heads in (16, 128) for q_len in (1, 2)
+           for batch in (1, 32, 128, 512)]
+MEAN_LEN = 4096
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for batch, num_heads, q_len in CONFIGS:
+        lengths = rng.integers(MEAN_LEN // 2, 3 * MEAN_LEN // 2 + 1, batch).astype(np.int32)
+        max_pages = int(-(-lengths.max() // 64))
+        plan = jax.jit(lambda lens, h=num_heads, q=q_len, p=max_pages: jax_mla.device_plan(
+            lens, num_heads=h, q_len=q, max_pages=p).int_workspace)
+        for _ in range(2):
+            plan(jnp.asarray(lengths)).block_until_ready()
+        print(f"B={batch} H={num_heads} q_len={q_len} L~{MEAN_LEN}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
