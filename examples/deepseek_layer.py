@@ -175,8 +175,7 @@ def step_plan(backend: str, cfg: model.MLAConfig, seq_lens: np.ndarray, max_page
     """The fa3/fa2 work schedule for one step's lengths, built on the host and shared by every
     layer (None for the other backends, which need none). Under tensor parallelism it is built for
     the per-device head count and replicated over the mesh."""
-    if backends.resolve(backend, jax.default_backend()) not in (backends.FA3,
-                                                                             backends.FA2):
+    if backends.resolve(backend, jax.default_backend()) not in (backends.FA3, backends.FA2):
         return None
     tp = 1 if mesh is None else mesh.shape["tp"]
     plan = jax_mla.plan(seq_lens, num_heads=cfg.n_heads // tp, max_pages=max_pages,
