@@ -13,8 +13,11 @@ if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""
         filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]))
 
 import dataclasses
+import functools
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,18 @@ import jax_mla
 from jax_mla import backends, ffi
 
 jax.config.update("jax_enable_x64", False)
+
+BENCH_DECODE = Path(__file__).parent.parent / "benchmarks" / "decode.py"
+
+
+@functools.cache
+def load_bench_decode():
+    """benchmarks/decode.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("bench_decode", BENCH_DECODE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import load_bench_decode
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = os.path.join(REPO, "benchmarks", "decode.py")
@@ -104,16 +105,8 @@ def test_report_png(dry_run, tmp_path):
     assert "![roofline](roofline.png)" in md.read_text()
 
 
-def load_decode_module():
-    spec = importlib.util.spec_from_file_location("bench_decode", DECODE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_layout_floor_and_rotation():
-    bench = load_decode_module()
+    bench = load_bench_decode()
     pt = bench.Point(B=32, L=4096, H=128, q_len=1, page_size=64)
     layout = bench.make_layout(pt, 0)
     lengths = layout.lengths
@@ -141,7 +134,7 @@ def test_layout_floor_and_rotation():
 def test_report_planner_tables(tmp_path):
     """The host- vs device-schedule and whole-step tables and the planner goals, on GPU-shaped
     records (what a GPU run writes; numbers made up so both verdicts occur)."""
-    decode = load_decode_module()
+    decode = load_bench_decode()
     records = []
     for batch, device_run, planner in ((32, 101.5, 6.0), (512, 120.0, 12.0)):
         record = {"key": f"B{batch}-L4096-H128-q1-p64", "B": batch, "L": 4096, "H": 128, "q_len": 1,

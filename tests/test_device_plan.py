@@ -6,20 +6,16 @@ from __future__ import annotations
 import ctypes
 import functools
 import heapq
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HAS_TVM_FFI
+from conftest import HAS_TVM_FFI, load_bench_decode
 
 from jax_mla import ffi, planning
 
 NUM_SM = 132
-BENCH = Path(__file__).parent.parent / "benchmarks" / "decode.py"
 pytestmark = pytest.mark.skipif(not HAS_TVM_FFI, reason="the FFI library links TVM-FFI's runtime")
 
 
@@ -174,10 +170,7 @@ BENCH_CASES = [(32, 32768, 128, 2), (32, 32768, 128, 1), (128, 16384, 16, 2), (1
 
 
 def bench_lengths(batch, mean_len, num_heads, q_len):
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
+    module = load_bench_decode()
     point = module.Point(B=batch, L=mean_len, H=num_heads, q_len=q_len, page_size=64)
     return list(module.make_layout(point, 0).lengths)
 
