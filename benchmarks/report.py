@@ -164,12 +164,18 @@ def max_rel_err(r: dict):
     return max(errs) if errs else None
 
 
+def markdown_table(head: list[str], cell_rows) -> list[str]:
+    """Lines of a markdown table: the header, its rule, one line per row of cells."""
+    return (["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+            + ["| " + " | ".join(str(c) for c in cells) + " |" for cells in cell_rows])
+
+
 def table(rows) -> list[str]:
     head = ["H", "q", "page", "B", "L", "floor µs", "jax_mla µs", "backend", "FI-torch µs", "FI backend",
             "jax/FI", "jax graph µs", "FI graph µs", "plain XLA µs", "× plain XLA", "jax_mla xla µs", "noplan µs",
             "devplan µs", "planner µs", "plan µs", "FI plan µs", "% of floor", "TFLOP/s", "TB/s", "FI TFLOP/s", "max rel err",
             "jax=FI bits"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    cell_rows = []
     for r in rows:
         jm, fi = num(r, "jax_mla_us"), num(r, "flashinfer_torch_us")
         naive = num(r, "xla_naive_us")
@@ -192,8 +198,8 @@ def table(rows) -> list[str]:
                  "–" if err is None else f"{err:.1e}", bits]
         if r.get("skipped"):
             cells[6] = "skipped"
-        out.append("| " + " | ".join(str(c) for c in cells) + " |")
-    return out
+        cell_rows.append(cells)
+    return markdown_table(head, cell_rows)
 
 
 def schedule_table(rows) -> list[str]:
@@ -208,15 +214,15 @@ def schedule_table(rows) -> list[str]:
            "takes the planner's share (GPU planner µs / N) out of the device-planned step "
            "(**step with planner**), so device/host compares the schedules; the planner is timed "
            "apart (a step of 64 planner calls replayed as CUDA graphs, minus the same step without "
-           "them).", "",
-           "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+           "them).", ""]
+    cell_rows = []
     for r in picked:
         host, dev = num(r, "run_with_host_plan_us"), num(r, "run_with_device_plan_us")
-        out.append("| " + " | ".join(str(c) for c in [
+        cell_rows.append([
             r["H"], r["q_len"], r["B"], fmt_len(r["L"]), f(num(r, "floor_us")), f(host), f(dev),
             f(ratio(dev, host), 3), f(num(r, "jax_mla_device_plan_us")), f(num(r, "device_plan_us")),
-            f(num(r, "plan_ready_us"))]) + " |")
-    return out + [""]
+            f(num(r, "plan_ready_us"))])
+    return out + markdown_table(head, cell_rows) + [""]
 
 
 def step_table(rows) -> list[str]:
@@ -230,13 +236,14 @@ def step_table(rows) -> list[str]:
            "One jitted step of all layers, steps dispatched back to back. Host plan: "
            "`jax_mla.plan(lengths)` runs on the host before every step (overlapping the previous "
            "step's GPU work) and is passed in; device plan: `jax_mla.device_plan` inside the step.",
-           "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+           ""]
+    cell_rows = []
     for r in picked:
         host, dev = num(r, "step_host_plan_ms"), num(r, "step_device_plan_ms")
-        out.append("| " + " | ".join(str(c) for c in [
+        cell_rows.append([
             r["H"], r["q_len"], r["B"], fmt_len(r["L"]), r.get("step_layers", "–"), f(host, 2),
-            f(dev, 2), f(ratio(dev, host), 3), f(num(r, "plan_ready_us"))]) + " |")
-    return out + [""]
+            f(dev, 2), f(ratio(dev, host), 3), f(num(r, "plan_ready_us"))])
+    return out + markdown_table(head, cell_rows) + [""]
 
 
 def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[str]) -> str:
