@@ -68,7 +68,7 @@ METHODS = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan", 
 # size; per compile, so one process times the step with and without them.
 GRAPH_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL",
                           "xla_gpu_graph_min_graph_size": "1"}
-GPU_DEFAULT_METHODS = METHODS[:-1]  # jax_mla_step (a whole model step) only when asked
+GPU_DEFAULT_METHODS = tuple(m for m in METHODS if m != "jax_mla_step")  # a whole step: when asked
 DRY_DEFAULT_METHODS = ("jax_mla", "xla_naive", "jax_mla_xla")
 FI_BACKENDS = ("fa3", "fa2")
 
@@ -623,6 +623,13 @@ def name_plan_comparison(record: dict) -> None:
                                          - (record.get("device_plan_us") or 0.0) / layers)
 
 
+def decode_with_plan(query, cache, tables, lens, plan):
+    """One layer: jax_mla.decode with backend "auto" and the step's plan."""
+    import jax_mla
+
+    return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, plan=plan)
+
+
 def layered(decode_one, layers: int, compiler_options: dict | None = None):
     """jit(f)(q, caches, tables, lens, plan) -> one output per layer; layer i reads caches[i]."""
     import jax
@@ -885,12 +892,7 @@ class Bench:
             return self.time_model_step(layout, q, caches, record, outputs)
         if method == "jax_mla_device_plan":
             record["device_plan_us"] = self.time_device_plan(layout)
-
-            def one(query, cache, tables, lens, plan_):
-                return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE,
-                                      plan=plan_)
-
-            fn = device_planned(one, layers, pt, layout.max_pages)
+            fn = device_planned(decode_with_plan, layers, pt, layout.max_pages)
             return self.time_layers(method, fn, layout, q, caches, None, layers, record, outputs)
         if method in ("jax_mla", "jax_mla_graph", "jax_mla_noplan"):
             from jax_mla import backends
@@ -952,18 +954,14 @@ class Bench:
         pt = layout.point
         layers = self.args.step_layers
         lengths = np.asarray(layout.lengths, np.int32)
-
-        def one(query, cache, tables, lens, plan_):
-            return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, plan=plan_)
-
-        planned_step = layered(one, layers)
+        planned_step = layered(decode_with_plan, layers)
 
         def host_planned_step(query, caches_, tables, lens, plan_):
             del plan_
             fresh = jax_mla.plan(lengths, num_heads=pt.H, q_len=pt.q_len, max_pages=layout.max_pages)
             return planned_step(query, caches_, tables, lens, fresh)
 
-        device_step = device_planned(one, layers, pt, layout.max_pages)
+        device_step = device_planned(decode_with_plan, layers, pt, layout.max_pages)
         record["step_layers"] = layers
         for name, fn in (("step_host_plan", host_planned_step), ("step_device_plan", device_step)):
             self.time_layers(name, fn, layout, q, caches, None, layers, record, outputs)
