@@ -158,3 +158,11 @@ def test_report_planner_tables(tmp_path):
     assert "NOT MET at any of the 1 measured point(s)" in planner_goal, planner_goal
     run_goal = next(line for line in text.splitlines() if "device-planned run within 3%" in line)
     assert "met at 1 of 2" in run_goal.lower() or "1 of the 2" in run_goal, run_goal
+
+
+def test_dry_run_refuses_the_gpu_only_methods(capsys):
+    bench = load_bench_decode()
+    for method in ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan", "jax_mla_step"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--dry-run", "--backends", method])
+        assert "--dry-run runs the XLA backends only" in capsys.readouterr().err

@@ -214,3 +214,11 @@ def test_device_plan_lowers_to_one_graph_safe_custom_call(monkeypatch):
     assert f"tensor<{layout.int_workspace_bytes}xui8>" in call
     with pytest.raises(ValueError, match="may exceed FlashInfer's 16384 scheduled works"):
         planning.device_plan(jnp.zeros((9000,), jnp.int32), num_heads=128, max_pages=4, q_len=2)
+
+
+def test_device_plan_rejects_more_clusters_than_the_kernel_holds(monkeypatch):
+    monkeypatch.setattr(planning, "gpu_sm_count", lambda device=None: 2 * 257)
+    with pytest.raises(ValueError, match=r"at most 256 clusters, this GPU has 257 \(514 SMs\); "
+                                         r"use jax_mla.plan"):
+        planning.device_plan(jnp.zeros((4,), jnp.int32), num_heads=128, max_pages=4)
+
