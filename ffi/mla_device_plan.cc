@@ -4,6 +4,7 @@
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <algorithm>
 #include <vector>
 
 #include "mla_device_plan.cuh"
@@ -24,9 +25,44 @@ ScheduleOffsets OffsetsFromPlanInfo(const int64_t* p) {
   return {p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]};
 }
 
+constexpr unsigned kFullMask = 0xffffffffu;
+
+__device__ int64_t WarpSum(int64_t x) {
+  for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(kFullMask, x, offset);
+  return x;
+}
+
+__device__ unsigned long long WarpMax(unsigned long long x) {
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const unsigned long long y = __shfl_xor_sync(kFullMask, x, offset);
+    x = y > x ? y : x;
+  }
+  return x;
+}
+
+// The sum of x over the lanes below this one.
+__device__ int64_t WarpExclusiveSum(int64_t x, int lane) {
+  int64_t inclusive = x;
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int64_t below = __shfl_up_sync(kFullMask, inclusive, offset);
+    if (lane >= offset) inclusive += below;
+  }
+  return inclusive - x;
+}
+
+// The clusters [*first, *end) a lane of a warp walks over (consecutive blocks, so that running
+// sums across lanes follow the cluster order).
+__device__ void LaneClusters(int n, int lane, int* first, int* end) {
+  const int per = (n + 31) / 32;
+  *first = lane * per < n ? lane * per : n;
+  *end = *first + per < n ? *first + per : n;
+}
+
 // One block walks the (request, tile) items in rounds of kThreads, three times, each round scanning
-// its items' counts on top of the carry: pass 1 deals the big works (every variant), pass 2 places
-// the small ones (every variant) and picks the variant, pass 3 writes the picked schedule.
+// its items' counts on top of the carry. Pass 1 notes the big works' shortfalls (every variant);
+// then one warp per variant turns them into cluster costs and lays out the small works' budgets.
+// Pass 2 places the small works (every variant); then the cheapest variant is picked and its work
+// lists laid out. Pass 3 writes the picked schedule. Work per cluster is spread over a warp's lanes.
 __global__ void __launch_bounds__(kThreads)
     PlanKernel(ScheduleShape s, ScheduleOffsets o, const int32_t* seq_lens, uint8_t* ws) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
@@ -38,11 +74,15 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ int64_t total_kv;
   __shared__ ItemCounts carry;
   __shared__ int chosen;
-  __shared__ double budget_prefix[kVariants][kMaxClusters + 1];
-  __shared__ unsigned long long load[kVariants * kMaxClusters];  // [variant][cluster] costs
+  __shared__ unsigned long long load[kVariants][kMaxClusters];  // shortfalls, then costs
+  __shared__ unsigned long long makespan[kVariants];
+  __shared__ int64_t budget_prefix2[kVariants][kMaxClusters];
   __shared__ int rest_count[kVariants][kMaxClusters];
   __shared__ int rest_start[kMaxClusters], cluster_start[kMaxClusters + 1];
   const int items = s.num_items(), n = s.num_clusters, t = threadIdx.x;
+  const int warp = t / 32, lane = t % 32;
+  int lane_first, lane_end;
+  LaneClusters(n, lane, &lane_first, &lane_end);
 
   int64_t kv_sum = 0;
   for (int i = t; i < items; i += kThreads) {
@@ -51,7 +91,7 @@ __global__ void __launch_bounds__(kThreads)
   kv_sum = Reduce(temp.reduce).Sum(kv_sum);
   if (t == 0) total_kv = kv_sum;
   for (int i = t; i < kVariants * kMaxClusters; i += kThreads) {
-    load[i] = 0;
+    load[i / kMaxClusters][i % kMaxClusters] = 0;
     rest_count[i / kMaxClusters][i % kMaxClusters] = 0;
   }
   __syncthreads();
@@ -72,18 +112,22 @@ __global__ void __launch_bounds__(kThreads)
       Scan(temp.scan).ExclusiveScan(own, before, ZeroCounts(), SumCounts(), aggregate);
       before = before + carry;
       for (int v = 0; v < kVariants && i < items; ++v) {
-        if (pass == 1) DealBigWorks(s, it, before, own, v, limit, &load[v * kMaxClusters]);
+        if (pass == 1) {
+          int c = 0;
+          const int64_t shortfall = BigShortfall(s, it, before, own, v, limit, &c);
+          if (shortfall) atomicAdd(&load[v][c], static_cast<unsigned long long>(shortfall));
+        }
         if (pass == 2 && own.rest[v]) {
-          const int c = RestCluster(budget_prefix[v], n, RestMidpoint(before, own, v));
+          const int c = RestCluster(budget_prefix2[v], n, RestMidpoint2(before, own, v));
           atomicAdd(&rest_count[v][c], 1);
-          AddLoad(&load[v * kMaxClusters + c], own.rest_cost[v]);
+          atomicAdd(&load[v][c], static_cast<unsigned long long>(own.rest_cost[v]));
         }
       }
       if (i < items && pass == 3) {
         const int v = chosen;
         int rest_slot = -1;
         if (own.rest[v]) {
-          const int c = RestCluster(budget_prefix[v], n, RestMidpoint(before, own, v));
+          const int c = RestCluster(budget_prefix2[v], n, RestMidpoint2(before, own, v));
           rest_slot = RestSlot(c, before.rest[v], rest_count[v], cluster_start, rest_start);
         }
         WriteItem(s, o, ws, it, before, own, v, cluster_start, rest_slot, limit);
@@ -92,13 +136,51 @@ __global__ void __launch_bounds__(kThreads)
       if (t == 0) carry = carry + aggregate;
       __syncthreads();
     }
-    if (pass == 1 && t < kVariants) {
-      RestBudgets(s, carry, t, &load[t * kMaxClusters], budget_prefix[t]);
+    if (pass == 1 && warp < kVariants) {  // big-work costs, then the small works' budgets
+      const int v = warp;
+      int64_t big_sum = 0;
+      for (int c = lane_first; c < lane_end; ++c) {
+        const int64_t cost = BigLoad(s, carry, v, limit, c, static_cast<int64_t>(load[v][c]));
+        load[v][c] = static_cast<unsigned long long>(cost);
+        big_sum += cost;
+      }
+      const int64_t target = TargetCost(s, carry, v, WarpSum(big_sum));
+      int64_t budgets = 0;
+      for (int c = lane_first; c < lane_end; ++c) budgets += Budget(target, load[v][c]);
+      int64_t position2 = 2 * WarpExclusiveSum(budgets, lane);
+      for (int c = lane_first; c < lane_end; ++c) {
+        budget_prefix2[v][c] = position2;
+        position2 += 2 * Budget(target, load[v][c]);
+      }
     }
-    if (pass == 2 && t == 0) {
-      chosen = BestVariant(s, load);
-      ClusterStarts(s, carry, chosen, rest_count[chosen], cluster_start, rest_start);
-      ClearUnusedMerges(o, ws, carry.merge, s.num_sm);
+    if (pass == 2) {
+      if (warp < kVariants) {
+        unsigned long long busiest = 0;
+        for (int c = lane_first; c < lane_end; ++c) busiest = load[warp][c] > busiest ? load[warp][c] : busiest;
+        busiest = WarpMax(busiest);
+        if (lane == 0) makespan[warp] = busiest;
+      }
+      ClearUnusedMerges(o, ws, carry.merge, s.num_sm, t, kThreads);
+      __syncthreads();
+      if (warp == 0) {  // the cheapest variant (the first of equals), and its work-list layout
+        int v = 0;
+        for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
+        int works = 0, rests = 0;
+        for (int c = lane_first; c < lane_end; ++c) {
+          works += ClusterWorks(s, carry, v, c, rest_count[v][c]);
+          rests += rest_count[v][c];
+        }
+        int works_before = static_cast<int>(WarpExclusiveSum(works, lane));
+        int rests_before = static_cast<int>(WarpExclusiveSum(rests, lane));
+        for (int c = lane_first; c < lane_end; ++c) {
+          cluster_start[c] = works_before;
+          rest_start[c] = rests_before;
+          works_before += ClusterWorks(s, carry, v, c, rest_count[v][c]);
+          rests_before += rest_count[v][c];
+        }
+        const int total_works = static_cast<int>(WarpSum(works));
+        if (lane == 0) chosen = v, cluster_start[n] = total_works;
+      }
     }
     __syncthreads();
   }
@@ -147,7 +229,7 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   const int limit = KvLenLimit(total_kv, n);
   std::vector<Item> its(items);
   std::vector<ItemCounts> own(items), before(items);
-  std::vector<unsigned long long> load(kVariants * kMaxClusters, 0);
+  std::vector<int64_t> load(kVariants * n, 0);  // shortfalls, then costs
   ItemCounts total = ZeroCounts();
   for (int i = 0; i < items; ++i) {
     its[i] = DescribeItem(s, seq_lens, i, limit);
@@ -155,36 +237,55 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
     before[i] = total;
     total = total + own[i];
     for (int v = 0; v < kVariants; ++v) {
-      DealBigWorks(s, its[i], before[i], own[i], v, limit, &load[v * kMaxClusters]);
+      int c = 0;
+      const int64_t shortfall = BigShortfall(s, its[i], before[i], own[i], v, limit, &c);
+      load[v * n + c] += shortfall;
     }
   }
-  for (int v = 0; v < kVariants; ++v) {
-    if (total.full[v] + total.rest[v] > kMaxTotalWorks) return -1;
-  }
-  if (total.merge > num_sm) return -1;
-  std::vector<double> budget_prefix(kVariants * (n + 1));
+  if (total.full[0] + total.rest[0] > kMaxTotalWorks || total.merge > num_sm) return -1;
+  std::vector<int64_t> budget_prefix2(kVariants * n);
   std::vector<int> rest_count(kVariants * n, 0);
   for (int v = 0; v < kVariants; ++v) {
-    RestBudgets(s, total, v, &load[v * kMaxClusters], &budget_prefix[v * (n + 1)]);
+    int64_t big_sum = 0;
+    for (int c = 0; c < n; ++c) {
+      load[v * n + c] = BigLoad(s, total, v, limit, c, load[v * n + c]);
+      big_sum += load[v * n + c];
+    }
+    const int64_t target = TargetCost(s, total, v, big_sum);
+    int64_t position2 = 0;
+    for (int c = 0; c < n; ++c) {
+      budget_prefix2[v * n + c] = position2;
+      position2 += 2 * Budget(target, load[v * n + c]);
+    }
   }
   for (int i = 0; i < items; ++i) {
     for (int v = 0; v < kVariants; ++v) {
       if (!own[i].rest[v]) continue;
-      const int c = RestCluster(&budget_prefix[v * (n + 1)], n, RestMidpoint(before[i], own[i], v));
+      const int c = RestCluster(&budget_prefix2[v * n], n, RestMidpoint2(before[i], own[i], v));
       ++rest_count[v * n + c];
-      AddLoad(&load[v * kMaxClusters + c], own[i].rest_cost[v]);
+      load[v * n + c] += own[i].rest_cost[v];
     }
   }
-  const int v = BestVariant(s, load.data());
-  const double* prefix = &budget_prefix[v * (n + 1)];
+  int v = 0;  // the cheapest variant (the first of equals)
+  std::vector<int64_t> makespan(kVariants, 0);
+  for (int u = 0; u < kVariants; ++u) {
+    for (int c = 0; c < n; ++c) makespan[u] = std::max(makespan[u], load[u * n + c]);
+    if (makespan[u] < makespan[v]) v = u;
+  }
+  const int64_t* prefix2 = &budget_prefix2[v * n];
   const int* counts = &rest_count[v * n];
-  std::vector<int> rest_start(n), cluster_start(n + 1);
-  ClusterStarts(s, total, v, counts, cluster_start.data(), rest_start.data());
+  std::vector<int> rest_start(n), cluster_start(n + 1, 0);
+  int rests = 0;
+  for (int c = 0; c < n; ++c) {
+    rest_start[c] = rests;
+    rests += counts[c];
+    cluster_start[c + 1] = cluster_start[c] + ClusterWorks(s, total, v, c, counts[c]);
+  }
   ClearUnusedMerges(o, ws, total.merge, num_sm);
   for (int i = 0; i < items; ++i) {
     int rest_slot = -1;
     if (own[i].rest[v]) {
-      const int c = RestCluster(prefix, n, RestMidpoint(before[i], own[i], v));
+      const int c = RestCluster(prefix2, n, RestMidpoint2(before[i], own[i], v));
       rest_slot = RestSlot(c, before[i].rest[v], counts, cluster_start.data(), rest_start.data());
     }
     WriteItem(s, o, ws, its[i], before[i], own[i], v, cluster_start.data(), rest_slot, limit);

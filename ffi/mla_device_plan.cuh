@@ -184,98 +184,69 @@ __host__ __device__ inline void WriteItem(const ScheduleShape& s, const Schedule
   }
 }
 
-__host__ __device__ inline void AddLoad(unsigned long long* load, unsigned long long cost) {
-#ifdef __CUDA_ARCH__
-  atomicAdd(load, cost);  // the kernel's threads share the loads
-#else
-  *load += cost;
-#endif
+// Big works dealt round-robin: cluster c gets this many of `full` of them over n clusters.
+__host__ __device__ inline int DealtTo(int full, int n, int c) { return full / n + (c < full % n ? 1 : 0); }
+
+// A big work costs a full chunk's cost, less this shortfall for a tile's last chunk that is big
+// under variant v but shorter than the limit (0 otherwise); *cluster receives its cluster.
+__host__ __device__ inline int64_t BigShortfall(const ScheduleShape& s, const Item& it,
+                                                const ItemCounts& before, const ItemCounts& own,
+                                                int v, int limit, int* cluster) {
+  const int last = ChunkTokens(it, it.chunks - 1, limit);
+  if (own.rest[v] || last >= limit) return 0;
+  *cluster = (before.full[v] + own.full[v] - 1) % s.num_clusters;
+  return limit - last;
 }
 
-// Adds an item's big works under variant v to the load of the clusters they are dealt to (big
-// work g -> cluster g % n).
-__host__ __device__ inline void DealBigWorks(const ScheduleShape& s, const Item& it,
-                                             const ItemCounts& before, const ItemCounts& own,
-                                             int v, int limit, unsigned long long* load) {
-  for (int chunk = 0; chunk < own.full[v]; ++chunk) {
-    AddLoad(&load[(before.full[v] + chunk) % s.num_clusters], WorkCost(s, ChunkTokens(it, chunk, limit)));
-  }
+// Cluster c's cost from its big works: dealt full chunks less the shortfalls that landed there.
+__host__ __device__ inline int64_t BigLoad(const ScheduleShape& s, const ItemCounts& total, int v,
+                                           int limit, int c, int64_t shortfall) {
+  return DealtTo(total.full[v], s.num_clusters, c) * static_cast<int64_t>(WorkCost(s, limit)) - shortfall;
 }
 
-// Cluster c's leftover cost budget under variant v once the big works are dealt (their cost per
-// cluster in `big_load`): capacity prefix `budget_prefix` (num_clusters + 1 entries) over which
-// the small works are laid in order.
-__host__ __device__ inline void RestBudgets(const ScheduleShape& s, const ItemCounts& total, int v,
-                                            const unsigned long long* big_load,
-                                            double* budget_prefix) {
-  const int n = s.num_clusters;
-  double dealt = 0;
-  for (int c = 0; c < n; ++c) dealt += static_cast<double>(big_load[c]);
-  const double target = (dealt + static_cast<double>(total.rest_cost[v])) / n;
-  budget_prefix[0] = 0;
-  for (int c = 0; c < n; ++c) {
-    const double left = target - static_cast<double>(big_load[c]);
-    budget_prefix[c + 1] = budget_prefix[c] + (left > 0 ? left : 0);
-  }
+// The cost every cluster should end with under variant v (all big plus small works, over n), and
+// a cluster's budget for small works given its big works' cost.
+__host__ __device__ inline int64_t TargetCost(const ScheduleShape& s, const ItemCounts& total, int v,
+                                              int64_t big_cost_sum) {
+  return (big_cost_sum + total.rest_cost[v]) / s.num_clusters;
+}
+__host__ __device__ inline int64_t Budget(int64_t target, int64_t big_load) {
+  return target > big_load ? target - big_load : 0;
 }
 
-// The cluster of a rest work whose cost midpoint sits at `x` along the rest works' cost line.
-__host__ __device__ inline int RestCluster(const double* budget_prefix, int n, double x) {
-  int lo = 0, hi = n - 1;  // the last cluster c with budget_prefix[c] <= x
+// The small works are laid in item order along the clusters' budgets, end to end; a small work
+// goes to the cluster whose stretch holds its midpoint. All positions are doubled (integers).
+// `budget_prefix2[c]`: twice the budgets of the clusters before c.
+__host__ __device__ inline int64_t RestMidpoint2(const ItemCounts& before, const ItemCounts& own, int v) {
+  return 2 * before.rest_cost[v] + own.rest_cost[v];
+}
+__host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int n, int64_t x2) {
+  int lo = 0, hi = n - 1;  // the last cluster c with budget_prefix2[c] <= x2
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (budget_prefix[mid] <= x) lo = mid; else hi = mid - 1;
+    if (budget_prefix2[mid] <= x2) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
 
-__host__ __device__ inline double RestMidpoint(const ItemCounts& before, const ItemCounts& own, int v) {
-  return static_cast<double>(before.rest_cost[v]) + 0.5 * static_cast<double>(own.rest_cost[v]);
-}
-
-// The variant whose busiest cluster costs least (the first such); `load` holds kVariants rows of
-// kMaxClusters final cluster costs.
-__host__ __device__ inline int BestVariant(const ScheduleShape& s, const unsigned long long* load) {
-  int best = 0;
-  unsigned long long best_makespan = ~0ull;
-  for (int v = 0; v < kVariants; ++v) {
-    unsigned long long makespan = 0;
-    for (int c = 0; c < s.num_clusters; ++c) {
-      const unsigned long long cost = load[v * kMaxClusters + c];
-      makespan = cost > makespan ? cost : makespan;
-    }
-    if (makespan < best_makespan) best = v, best_makespan = makespan;
-  }
-  return best;
-}
-
-// Lays the clusters' work lists out one after another under variant v: cluster c holds its dealt
-// big works, then its `rest_count[c]` small ones, from `cluster_start[c]` (num_clusters + 1
-// entries); `rest_start[c]` is the small works' running count before cluster c.
-__host__ __device__ inline void ClusterStarts(const ScheduleShape& s, const ItemCounts& total, int v,
-                                              const int* rest_count, int* cluster_start,
-                                              int* rest_start) {
-  const int n = s.num_clusters;
-  int works = 0, rests = 0;
-  for (int c = 0; c < n; ++c) {
-    cluster_start[c] = works;
-    rest_start[c] = rests;
-    works += total.full[v] / n + (c < total.full[v] % n ? 1 : 0) + rest_count[c];
-    rests += rest_count[c];
-  }
-  cluster_start[n] = works;
+// Works in cluster c's list under variant v: its dealt big works, then its small ones.
+__host__ __device__ inline int ClusterWorks(const ScheduleShape& s, const ItemCounts& total, int v,
+                                            int c, int rest_count) {
+  return DealtTo(total.full[v], s.num_clusters, c) + rest_count;
 }
 
 // The slot of a tile's small work: after its cluster's big works and the small ones before it.
+// cluster_start / rest_start: works / small works in the clusters before.
 __host__ __device__ inline int RestSlot(int cluster, int rests_before, const int* rest_count,
                                         const int* cluster_start, const int* rest_start) {
   return cluster_start[cluster + 1] - rest_count[cluster] + (rests_before - rest_start[cluster]);
 }
 
-// Merge CTAs past the used ones do nothing: their row ranges are empty.
+// Merge CTAs past the used ones do nothing: their row ranges are empty. Clears entries
+// used + first, used + first + step, ... (step 1 clears them all).
 __host__ __device__ inline void ClearUnusedMerges(const ScheduleOffsets& o, uint8_t* ws, int used,
-                                                  int num_sm) {
-  for (int m = used; m < num_sm; ++m) {
+                                                  int num_sm, int first = 0, int step = 1) {
+  for (int m = used + first; m < num_sm; m += step) {
     for (int64_t offset : {o.merge_packed_start, o.merge_packed_end, o.merge_partial_start,
                            o.merge_partial_end, o.merge_partial_stride}) {
       At<int32_t>(ws, offset)[m] = 0;
