@@ -6,9 +6,14 @@
 Runs ``jax_mla.device_plan`` once per configuration (after one warm-up call each, so the JIT
 compile is not profiled twice) and prints the configurations in launch order; the n-th PlanKernel
 row of the CSV (counting the warm-up launches) is configuration n // 2.
+
+    python benchmarks/planner_kernel.py --table planner_ncu.csv   # that CSV as a markdown table
 """
 
 from __future__ import annotations
+
+import csv
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,5 +38,27 @@ def main() -> None:
         print(f"B={batch} H={num_heads} q_len={q_len} L~{MEAN_LEN}", flush=True)
 
 
+def kernel_times_us(csv_path: str) -> list[float]:
+    """The PlanKernel durations (µs) in an ``ncu --csv`` file, in launch order."""
+    with open(csv_path) as f:
+        rows = [line for line in f if line.startswith('"')]  # skips the script's own prints
+    return [float(row["Metric Value"].replace(",", "")) / 1e3 for row in csv.DictReader(rows)
+            if "PlanKernel" in row["Kernel Name"] and row["Metric Name"] == "gpu__time_duration.sum"]
+
+
+def markdown_table(csv_path: str) -> str:
+    times = kernel_times_us(csv_path)
+    if len(times) != 2 * len(CONFIGS):
+        raise ValueError(f"{csv_path}: expected {2 * len(CONFIGS)} PlanKernel rows, found {len(times)}")
+    lines = [f"| B | H | q_len | planner µs, warm-up launch | planner µs, second launch |",
+             "|---|---|---|---|---|"]
+    for n, (batch, num_heads, q_len) in enumerate(CONFIGS):
+        lines.append(f"| {batch} | {num_heads} | {q_len} | {times[2 * n]:.1f} | {times[2 * n + 1]:.1f} |")
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--table"]:
+        print(markdown_table(sys.argv[2]))
+    else:
+        main()

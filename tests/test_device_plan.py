@@ -193,6 +193,24 @@ def test_schedule_is_complete_and_balanced(host_planner, case):
     assert makespan <= 1.07 * reference, (makespan, reference)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_kernel_writes_the_host_twins_schedule(host_planner, case):
+    """The kernel (512 threads, warp-parallel budgets and layout, atomics) and its sequential twin
+    share integer math, so on the GPU every schedule word must equal the twin's."""
+    if jax.default_backend() != "gpu" or planning.gpu_sm_count() != NUM_SM:
+        pytest.skip(f"needs a GPU with {NUM_SM} SMs (the twin's schedules are built for an H100/H200)")
+    lengths, q_len, num_heads = CASES[case]
+    lengths = np.asarray(lengths() if callable(lengths) else lengths, np.int32)
+    max_pages = int(-(-lengths.max() // 64)) + 1
+    layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
+    on_gpu = np.asarray(planning.device_plan(jnp.asarray(lengths), num_heads=num_heads,
+                                             max_pages=max_pages, q_len=q_len).int_workspace)
+    by_gpu = arrays(layout, on_gpu, works)
+    for name, expected in arrays(layout, workspace, works).items():
+        np.testing.assert_array_equal(by_gpu[name], expected, err_msg=name)
+
+
 def test_checker_catches_a_broken_schedule(host_planner):
     lengths = np.asarray(CASES["b512-4k"][0], np.int32)
     layout, workspace, works = build(host_planner, lengths, 1, 128, 100)
