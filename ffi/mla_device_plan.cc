@@ -32,9 +32,9 @@ __device__ int64_t WarpSum(int64_t x) {
   return x;
 }
 
-__device__ unsigned long long WarpMax(unsigned long long x) {
+__device__ int64_t WarpMax(int64_t x) {
   for (int offset = 16; offset > 0; offset >>= 1) {
-    const unsigned long long y = __shfl_xor_sync(kFullMask, x, offset);
+    const int64_t y = __shfl_xor_sync(kFullMask, x, offset);
     x = y > x ? y : x;
   }
   return x;
@@ -50,45 +50,34 @@ __device__ int64_t WarpExclusiveSum(int64_t x, int lane) {
   return inclusive - x;
 }
 
-// The clusters [*first, *end) a lane of a warp walks over (consecutive blocks, so that running
-// sums across lanes follow the cluster order).
-__device__ void LaneClusters(int n, int lane, int* first, int* end) {
-  const int per = (n + 31) / 32;
-  *first = lane * per < n ? lane * per : n;
-  *end = *first + per < n ? *first + per : n;
-}
-
-// One block walks the (request, tile) items in rounds of kThreads, three times, each round scanning
-// its items' counts on top of the carry. Pass 1 notes the big works' shortfalls (every variant);
-// then one warp per variant turns them into cluster costs and lays out the small works' budgets.
-// Pass 2 places the small works (every variant); then the cheapest variant is picked and its work
-// lists laid out. Pass 3 writes the picked schedule. Work per cluster is spread over a warp's lanes.
+// Every thread owns a contiguous range of (request, tile) items and walks it with running sums,
+// so a block-wide scan is needed once (each range's prefix), not per item. Pass 1 adds up the
+// short big works per cluster (every variant); then one warp per variant turns them into cluster
+// costs and lays out the small works' budgets. Pass 2 places the small works (every variant, in
+// runs of one cluster); then the cheapest variant is picked and its work lists laid out. Pass 3
+// writes the picked schedule. Work per cluster is spread over a warp's lanes.
 __global__ void __launch_bounds__(kThreads)
     PlanKernel(ScheduleShape s, ScheduleOffsets o, const int32_t* seq_lens, uint8_t* ws) {
   using Reduce = cub::BlockReduce<int64_t, kThreads>;
-  using Scan = cub::BlockScan<ItemCounts, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;  // small temp storage
+  using Scan = cub::BlockScan<ItemCounts, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
   __shared__ union {
     typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } temp;
   __shared__ int64_t total_kv;
-  __shared__ ItemCounts carry;
+  __shared__ ItemCounts total;
   __shared__ int chosen;
   __shared__ unsigned long long load[kVariants][kMaxClusters];  // shortfalls, then costs
-  __shared__ unsigned long long makespan[kVariants];
+  __shared__ int64_t makespan[kVariants];
   __shared__ int64_t budget_prefix2[kVariants][kMaxClusters];
   __shared__ int rest_count[kVariants][kMaxClusters];
   __shared__ int rest_start[kMaxClusters], cluster_start[kMaxClusters + 1];
-  const int items = s.num_items(), n = s.num_clusters, t = threadIdx.x;
-  const int warp = t / 32, lane = t % 32;
-  int lane_first, lane_end;
-  LaneClusters(n, lane, &lane_first, &lane_end);
+  const int n = s.num_clusters, t = threadIdx.x, warp = t / 32, lane = t % 32;
+  int first, end, lane_first, lane_end;
+  ThreadItems(s.num_items(), kThreads, t, &first, &end);
+  ThreadItems(n, 32, lane, &lane_first, &lane_end);  // the clusters a lane of a warp handles
 
-  int64_t kv_sum = 0;
-  for (int i = t; i < items; i += kThreads) {
-    kv_sum += TileKvLen(s, seq_lens[i / s.num_q_tiles()], i % s.num_q_tiles());
-  }
-  kv_sum = Reduce(temp.reduce).Sum(kv_sum);
+  const int64_t kv_sum = Reduce(temp.reduce).Sum(RangeKv(s, seq_lens, first, end));
   if (t == 0) total_kv = kv_sum;
   for (int i = t; i < kVariants * kMaxClusters; i += kThreads) {
     load[i / kMaxClusters][i % kMaxClusters] = 0;
@@ -96,94 +85,73 @@ __global__ void __launch_bounds__(kThreads)
   }
   __syncthreads();
   const int limit = KvLenLimit(total_kv, n);
+  ItemCounts before, aggregate;
+  Scan(temp.scan).ExclusiveScan(RangeCounts(s, seq_lens, first, end, limit), before, ZeroCounts(),
+                                SumCounts(), aggregate);
+  if (t == 0) total = aggregate;
 
-  for (int pass = 1; pass <= 3; ++pass) {
-    if (t == 0) carry = ZeroCounts();
-    __syncthreads();
-    for (int round = 0; round * kThreads < items; ++round) {
-      const int i = round * kThreads + t;
-      Item it{};
-      ItemCounts own = ZeroCounts();
-      if (i < items) {
-        it = DescribeItem(s, seq_lens, i, limit);
-        own = CountItem(s, it, limit);
-      }
-      ItemCounts before, aggregate;
-      Scan(temp.scan).ExclusiveScan(own, before, ZeroCounts(), SumCounts(), aggregate);
-      before = before + carry;
-      for (int v = 0; v < kVariants && i < items; ++v) {
-        if (pass == 1) {
-          int c = 0;
-          const int64_t shortfall = BigShortfall(s, it, before, own, v, limit, &c);
-          if (shortfall) atomicAdd(&load[v][c], static_cast<unsigned long long>(shortfall));
-        }
-        if (pass == 2 && own.rest[v]) {
-          const int c = RestCluster(budget_prefix2[v], n, RestMidpoint2(before, own, v));
-          atomicAdd(&rest_count[v][c], 1);
-          atomicAdd(&load[v][c], static_cast<unsigned long long>(own.rest_cost[v]));
-        }
-      }
-      if (i < items && pass == 3) {
-        const int v = chosen;
-        int rest_slot = -1;
-        if (own.rest[v]) {
-          const int c = RestCluster(budget_prefix2[v], n, RestMidpoint2(before, own, v));
-          rest_slot = RestSlot(c, before.rest[v], rest_count[v], cluster_start, rest_start);
-        }
-        WriteItem(s, o, ws, it, before, own, v, cluster_start, rest_slot, limit);
-      }
-      __syncthreads();
-      if (t == 0) carry = carry + aggregate;
-      __syncthreads();
+  RangeShortfalls(s, seq_lens, first, end, limit, before, [&](int v, int c, int64_t shortfall) {
+    atomicAdd(&load[v][c], static_cast<unsigned long long>(shortfall));
+  });
+  __syncthreads();
+  if (warp < kVariants) {  // big-work costs, then the small works' budgets
+    const int v = warp;
+    int64_t big_sum = 0;
+    for (int c = lane_first; c < lane_end; ++c) {
+      const int64_t cost = BigLoad(s, total, v, limit, c, static_cast<int64_t>(load[v][c]));
+      load[v][c] = static_cast<unsigned long long>(cost);
+      big_sum += cost;
     }
-    if (pass == 1 && warp < kVariants) {  // big-work costs, then the small works' budgets
-      const int v = warp;
-      int64_t big_sum = 0;
-      for (int c = lane_first; c < lane_end; ++c) {
-        const int64_t cost = BigLoad(s, carry, v, limit, c, static_cast<int64_t>(load[v][c]));
-        load[v][c] = static_cast<unsigned long long>(cost);
-        big_sum += cost;
-      }
-      const int64_t target = TargetCost(s, carry, v, WarpSum(big_sum));
-      int64_t budgets = 0;
-      for (int c = lane_first; c < lane_end; ++c) budgets += Budget(target, load[v][c]);
-      int64_t position2 = 2 * WarpExclusiveSum(budgets, lane);
-      for (int c = lane_first; c < lane_end; ++c) {
-        budget_prefix2[v][c] = position2;
-        position2 += 2 * Budget(target, load[v][c]);
-      }
+    const int64_t target = TargetCost(s, total, v, WarpSum(big_sum));
+    int64_t budgets = 0;
+    for (int c = lane_first; c < lane_end; ++c) budgets += Budget(target, load[v][c]);
+    int64_t position2 = 2 * WarpExclusiveSum(budgets, lane);
+    for (int c = lane_first; c < lane_end; ++c) {
+      budget_prefix2[v][c] = position2;
+      position2 += 2 * Budget(target, load[v][c]);
     }
-    if (pass == 2) {
-      if (warp < kVariants) {
-        unsigned long long busiest = 0;
-        for (int c = lane_first; c < lane_end; ++c) busiest = load[warp][c] > busiest ? load[warp][c] : busiest;
-        busiest = WarpMax(busiest);
-        if (lane == 0) makespan[warp] = busiest;
-      }
-      ClearUnusedMerges(o, ws, carry.merge, s.num_sm, t, kThreads);
-      __syncthreads();
-      if (warp == 0) {  // the cheapest variant (the first of equals), and its work-list layout
-        int v = 0;
-        for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
-        int works = 0, rests = 0;
-        for (int c = lane_first; c < lane_end; ++c) {
-          works += ClusterWorks(s, carry, v, c, rest_count[v][c]);
-          rests += rest_count[v][c];
-        }
-        int works_before = static_cast<int>(WarpExclusiveSum(works, lane));
-        int rests_before = static_cast<int>(WarpExclusiveSum(rests, lane));
-        for (int c = lane_first; c < lane_end; ++c) {
-          cluster_start[c] = works_before;
-          rest_start[c] = rests_before;
-          works_before += ClusterWorks(s, carry, v, c, rest_count[v][c]);
-          rests_before += rest_count[v][c];
-        }
-        const int total_works = static_cast<int>(WarpSum(works));
-        if (lane == 0) chosen = v, cluster_start[n] = total_works;
-      }
-    }
-    __syncthreads();
   }
+  __syncthreads();
+
+  RangeRests(s, seq_lens, first, end, limit, before, &budget_prefix2[0][0], kMaxClusters,
+             [&](int v, int c, int works, int64_t cost) {
+               atomicAdd(&rest_count[v][c], works);
+               atomicAdd(&load[v][c], static_cast<unsigned long long>(cost));
+             });
+  ClearUnusedMerges(o, ws, total.merge, s.num_sm, t, kThreads);
+  __syncthreads();
+  if (warp < kVariants) {
+    int64_t busiest = 0;
+    for (int c = lane_first; c < lane_end; ++c) {
+      busiest = static_cast<int64_t>(load[warp][c]) > busiest ? static_cast<int64_t>(load[warp][c]) : busiest;
+    }
+    busiest = WarpMax(busiest);
+    if (lane == 0) makespan[warp] = busiest;
+  }
+  __syncthreads();
+  if (warp == 0) {  // the cheapest variant (the first of equals), and its work-list layout
+    int v = 0;
+    for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
+    int works = 0, rests = 0;
+    for (int c = lane_first; c < lane_end; ++c) {
+      works += ClusterWorks(s, total, v, c, rest_count[v][c]);
+      rests += rest_count[v][c];
+    }
+    int works_before = static_cast<int>(WarpExclusiveSum(works, lane));
+    int rests_before = static_cast<int>(WarpExclusiveSum(rests, lane));
+    for (int c = lane_first; c < lane_end; ++c) {
+      cluster_start[c] = works_before;
+      rest_start[c] = rests_before;
+      works_before += ClusterWorks(s, total, v, c, rest_count[v][c]);
+      rests_before += rest_count[v][c];
+    }
+    if (lane == 31) chosen = v, cluster_start[n] = works_before;
+  }
+  __syncthreads();
+
+  const int v = chosen;
+  RangeWrites(s, o, ws, seq_lens, first, end, limit, before, v, budget_prefix2[v], rest_count[v],
+              cluster_start, rest_start);
   for (int c = t; c <= n; c += kThreads) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
 }
 
@@ -211,8 +179,9 @@ ffi::Error DevicePlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
 }  // namespace
 }  // namespace jax_mla
 
-// The sequential twin of PlanKernel, for tests on machines without a GPU. Returns the number of
-// works, or -1 when a capacity (16384 works, #SM merge CTAs, 256 clusters) would be exceeded.
+// The sequential twin of PlanKernel, for tests on machines without a GPU: the same range walks
+// for each of the kernel's threads in turn, the block-wide steps done in order. Returns the number
+// of works, or -1 when a capacity (16384 works, #SM merge CTAs, 256 clusters) would be exceeded.
 extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_len, int num_heads,
                                       int max_pages, int num_sm, int causal,
                                       const int64_t* plan_info, uint8_t* ws) {
@@ -222,29 +191,26 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   const ScheduleOffsets o = OffsetsFromPlanInfo(plan_info);
   const int items = s.num_items(), n = s.num_clusters;
   if (n > kMaxClusters) return -1;
+  std::vector<int> first(kThreads), end(kThreads);
   int64_t total_kv = 0;
-  for (int i = 0; i < items; ++i) {
-    total_kv += TileKvLen(s, seq_lens[i / s.num_q_tiles()], i % s.num_q_tiles());
+  for (int t = 0; t < kThreads; ++t) {
+    ThreadItems(items, kThreads, t, &first[t], &end[t]);
+    total_kv += RangeKv(s, seq_lens, first[t], end[t]);
   }
   const int limit = KvLenLimit(total_kv, n);
-  std::vector<Item> its(items);
-  std::vector<ItemCounts> own(items), before(items);
-  std::vector<int64_t> load(kVariants * n, 0);  // shortfalls, then costs
+  std::vector<ItemCounts> before(kThreads);
   ItemCounts total = ZeroCounts();
-  for (int i = 0; i < items; ++i) {
-    its[i] = DescribeItem(s, seq_lens, i, limit);
-    own[i] = CountItem(s, its[i], limit);
-    before[i] = total;
-    total = total + own[i];
-    for (int v = 0; v < kVariants; ++v) {
-      int c = 0;
-      const int64_t shortfall = BigShortfall(s, its[i], before[i], own[i], v, limit, &c);
-      load[v * n + c] += shortfall;
-    }
+  for (int t = 0; t < kThreads; ++t) {
+    before[t] = total;
+    total = total + RangeCounts(s, seq_lens, first[t], end[t], limit);
   }
-  if (total.full[0] + total.rest[0] > kMaxTotalWorks || total.merge > num_sm) return -1;
+  if (total.chunks > kMaxTotalWorks || total.merge > num_sm) return -1;
+  std::vector<int64_t> load(kVariants * n, 0);  // shortfalls, then costs
+  for (int t = 0; t < kThreads; ++t) {
+    RangeShortfalls(s, seq_lens, first[t], end[t], limit, before[t],
+                    [&](int v, int c, int64_t shortfall) { load[v * n + c] += shortfall; });
+  }
   std::vector<int64_t> budget_prefix2(kVariants * n);
-  std::vector<int> rest_count(kVariants * n, 0);
   for (int v = 0; v < kVariants; ++v) {
     int64_t big_sum = 0;
     for (int c = 0; c < n; ++c) {
@@ -258,13 +224,13 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
       position2 += 2 * Budget(target, load[v * n + c]);
     }
   }
-  for (int i = 0; i < items; ++i) {
-    for (int v = 0; v < kVariants; ++v) {
-      if (!own[i].rest[v]) continue;
-      const int c = RestCluster(&budget_prefix2[v * n], n, RestMidpoint2(before[i], own[i], v));
-      ++rest_count[v * n + c];
-      load[v * n + c] += own[i].rest_cost[v];
-    }
+  std::vector<int> rest_count(kVariants * n, 0);
+  for (int t = 0; t < kThreads; ++t) {
+    RangeRests(s, seq_lens, first[t], end[t], limit, before[t], budget_prefix2.data(), n,
+               [&](int v, int c, int works, int64_t cost) {
+                 rest_count[v * n + c] += works;
+                 load[v * n + c] += cost;
+               });
   }
   int v = 0;  // the cheapest variant (the first of equals)
   std::vector<int64_t> makespan(kVariants, 0);
@@ -272,7 +238,6 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
     for (int c = 0; c < n; ++c) makespan[u] = std::max(makespan[u], load[u * n + c]);
     if (makespan[u] < makespan[v]) v = u;
   }
-  const int64_t* prefix2 = &budget_prefix2[v * n];
   const int* counts = &rest_count[v * n];
   std::vector<int> rest_start(n), cluster_start(n + 1, 0);
   int rests = 0;
@@ -282,13 +247,9 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
     cluster_start[c + 1] = cluster_start[c] + ClusterWorks(s, total, v, c, counts[c]);
   }
   ClearUnusedMerges(o, ws, total.merge, num_sm);
-  for (int i = 0; i < items; ++i) {
-    int rest_slot = -1;
-    if (own[i].rest[v]) {
-      const int c = RestCluster(prefix2, n, RestMidpoint2(before[i], own[i], v));
-      rest_slot = RestSlot(c, before[i].rest[v], counts, cluster_start.data(), rest_start.data());
-    }
-    WriteItem(s, o, ws, its[i], before[i], own[i], v, cluster_start.data(), rest_slot, limit);
+  for (int t = 0; t < kThreads; ++t) {
+    RangeWrites(s, o, ws, seq_lens, first[t], end[t], limit, before[t], v, &budget_prefix2[v * n],
+                counts, cluster_start.data(), rest_start.data());
   }
   for (int c = 0; c <= n; ++c) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
   return cluster_start[n];

@@ -44,13 +44,17 @@ struct ScheduleShape {
   __host__ __device__ int num_items() const { return batch * num_q_tiles(); }
 };
 
-__host__ __device__ inline int CeilDiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+// ceil(a / b) for 0 <= a, 0 < b in 32-bit arithmetic (no overflow near INT_MAX).
+__host__ __device__ inline int CeilDiv(int a, int b) {
+  return static_cast<int>(static_cast<unsigned>(a) / static_cast<unsigned>(b) +
+                          (static_cast<unsigned>(a) % static_cast<unsigned>(b) != 0));
+}
 
 // MLAPlan's kv range of a query tile: under the causal mask earlier tiles see fewer tokens.
 __host__ __device__ inline int TileKvLen(const ScheduleShape& s, int kv_len, int tile) {
   const int tiles = s.num_q_tiles();
   if (!s.causal || tile + 1 == tiles) return kv_len;
-  int end = kv_len - s.q_len + CeilDiv(static_cast<int64_t>(tile + 1) * s.cluster_tile_q(), s.num_heads);
+  int end = kv_len - s.q_len + CeilDiv((tile + 1) * s.cluster_tile_q(), s.num_heads);
   end = end < kv_len ? end : kv_len;
   return end > 0 ? end : 0;
 }
@@ -66,30 +70,36 @@ __host__ __device__ inline int KvLenLimit(int64_t total_kv, int num_clusters) {
   return CeilDiv(x, 256) * 256;
 }
 
-// The work counts of one (request, query tile) item, per balancing variant where they differ.
+// The work counts of one (request, query tile) item, or summed over items. A tile's last chunk is
+// a small work under variants 0 .. k-1 for some k (IsSmall is monotone in v), so an item's small
+// works per variant are 0/1 counts, kept as 16-bit fields (at most 16384 works in all).
 struct ItemCounts {
-  int full[kVariants];        // big works: dealt round-robin
-  int rest[kVariants];        // 0 or 1: the last chunk when small (or a zero-length tile)
-  int partial;                // partial-output rows (split tiles only)
-  int merge;                  // merge CTAs (split tiles only)
+  int chunks;                  // works: big works dealt round-robin, plus small ones
+  unsigned rest01, rest23;     // small works of variants 0|1 and 2|3, 16 bits each
+  int partial;                 // partial-output rows (split tiles only)
+  int merge;                   // merge CTAs (split tiles only)
   int64_t rest_cost[kVariants];
+  __host__ __device__ int rest(int v) const {
+    return static_cast<int>(((v < 2 ? rest01 : rest23) >> (16 * (v & 1))) & 0xffffu);
+  }
+  __host__ __device__ int full(int v) const { return chunks - rest(v); }
   __host__ __device__ ItemCounts operator+(const ItemCounts& o) const {
     ItemCounts sum;
-    for (int v = 0; v < kVariants; ++v) {
-      sum.full[v] = full[v] + o.full[v];
-      sum.rest[v] = rest[v] + o.rest[v];
-      sum.rest_cost[v] = rest_cost[v] + o.rest_cost[v];
-    }
+    sum.chunks = chunks + o.chunks;
+    sum.rest01 = rest01 + o.rest01;
+    sum.rest23 = rest23 + o.rest23;
     sum.partial = partial + o.partial;
     sum.merge = merge + o.merge;
+    for (int v = 0; v < kVariants; ++v) sum.rest_cost[v] = rest_cost[v] + o.rest_cost[v];
     return sum;
   }
 };
 
 __host__ __device__ inline ItemCounts ZeroCounts() {
   ItemCounts c;
-  for (int v = 0; v < kVariants; ++v) c.full[v] = c.rest[v] = 0, c.rest_cost[v] = 0;
-  c.partial = c.merge = 0;
+  c.chunks = c.partial = c.merge = 0;
+  c.rest01 = c.rest23 = 0;
+  for (int v = 0; v < kVariants; ++v) c.rest_cost[v] = 0;
   return c;
 }
 
@@ -98,25 +108,30 @@ __host__ __device__ inline int WorkCost(const ScheduleShape& s, int kv_tokens) {
 }
 
 struct Item {
-  int request, tile, kv_len, remaining, chunks, row_tile, row_chunk;
+  int request, tile, kv_len, remaining, chunks, row_tile;
   bool split;
 };
 
-__host__ __device__ inline Item DescribeItem(const ScheduleShape& s, const int32_t* seq_lens,
-                                             int index, int limit) {
+// Item `request * num_q_tiles + tile` under chunk size `limit`.
+__host__ __device__ inline Item DescribeItem(const ScheduleShape& s, int request, int tile,
+                                             int kv_len, int limit) {
   Item it;
-  it.request = index / s.num_q_tiles();
-  it.tile = index % s.num_q_tiles();
-  it.kv_len = seq_lens[it.request];
-  it.remaining = TileKvLen(s, it.kv_len, it.tile);
-  it.chunks = it.remaining == 0 ? 1 : CeilDiv(it.remaining, limit);
+  it.request = request;
+  it.tile = tile;
+  it.kv_len = kv_len;
+  it.remaining = TileKvLen(s, kv_len, tile);
+  it.chunks = it.remaining <= limit ? 1 : CeilDiv(it.remaining, limit);
   it.split = it.remaining > limit;
-  const int rows_left = s.packed_q() - it.tile * s.cluster_tile_q();
+  const int rows_left = s.packed_q() - tile * s.cluster_tile_q();
   it.row_tile = rows_left < s.cluster_tile_q() ? rows_left : s.cluster_tile_q();
+  return it;
+}
+
+// The rows each merge CTA of a split item combines (MLAPlan's).
+__host__ __device__ inline int RowChunk(const ScheduleShape& s, const Item& it, int limit) {
   int q_chunks = static_cast<int>(static_cast<int64_t>(it.remaining) * s.cluster_size / limit);
   q_chunks = q_chunks > 1 ? q_chunks : 1;
-  it.row_chunk = CeilDiv(it.row_tile, q_chunks);
-  return it;
+  return CeilDiv(it.row_tile, q_chunks);
 }
 
 __host__ __device__ inline int ChunkTokens(const Item& it, int chunk, int limit) {
@@ -132,14 +147,56 @@ __host__ __device__ inline bool IsSmall(int kv_tokens, int limit, int v) {
 __host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const Item& it, int limit) {
   const int last = ChunkTokens(it, it.chunks - 1, limit);
   ItemCounts c = ZeroCounts();
+  c.chunks = it.chunks;
   for (int v = 0; v < kVariants; ++v) {
-    c.rest[v] = IsSmall(last, limit, v) ? 1 : 0;
-    c.full[v] = it.chunks - c.rest[v];
-    c.rest_cost[v] = c.rest[v] ? WorkCost(s, last) : 0;
+    const bool small = IsSmall(last, limit, v);
+    (v < 2 ? c.rest01 : c.rest23) |= (small ? 1u : 0u) << (16 * (v & 1));
+    c.rest_cost[v] = small ? WorkCost(s, last) : 0;
   }
   c.partial = it.split ? it.chunks * it.row_tile : 0;
-  c.merge = it.split ? CeilDiv(it.row_tile, it.row_chunk) : 0;
+  c.merge = it.split ? CeilDiv(it.row_tile, RowChunk(s, it, limit)) : 0;
   return c;
+}
+
+// Walks the items [first, end) in order (the range one thread owns), each with its counts and
+// the exclusive prefix `before` of every count over all items before it.
+template <typename Visit>
+__host__ __device__ inline void WalkItems(const ScheduleShape& s, const int32_t* seq_lens, int first,
+                                          int end, int limit, ItemCounts before, Visit visit) {
+  const int tiles = s.num_q_tiles();
+  int request = first / tiles, tile = first % tiles;
+  int kv_len = first < end ? seq_lens[request] : 0;
+  for (int i = first; i < end; ++i) {
+    const Item it = DescribeItem(s, request, tile, kv_len, limit);
+    const ItemCounts own = CountItem(s, it, limit);
+    visit(it, own, before);
+    before = before + own;
+    if (++tile == tiles && i + 1 < end) tile = 0, kv_len = seq_lens[++request];
+  }
+}
+
+// The items one of `threads` threads owns: a contiguous range, so running sums follow item order.
+__host__ __device__ inline void ThreadItems(int items, int threads, int t, int* first, int* end) {
+  const int per = (items + threads - 1) / threads;
+  *first = t * per < items ? t * per : items;
+  *end = *first + per < items ? *first + per : items;
+}
+
+// The tile tokens of items [first, end) (their sum over all items sets the chunk size).
+__host__ __device__ inline int64_t RangeKv(const ScheduleShape& s, const int32_t* seq_lens, int first,
+                                           int end) {
+  const int tiles = s.num_q_tiles();
+  int64_t sum = 0;
+  for (int i = first; i < end; ++i) sum += TileKvLen(s, seq_lens[i / tiles], i % tiles);
+  return sum;
+}
+
+__host__ __device__ inline ItemCounts RangeCounts(const ScheduleShape& s, const int32_t* seq_lens,
+                                                  int first, int end, int limit) {
+  ItemCounts sum = ZeroCounts();
+  WalkItems(s, seq_lens, first, end, limit, ZeroCounts(),
+            [&](const Item&, const ItemCounts& own, const ItemCounts&) { sum = sum + own; });
+  return sum;
 }
 
 template <typename T>
@@ -147,61 +204,43 @@ __host__ __device__ inline T* At(uint8_t* base, int64_t offset) {
   return reinterpret_cast<T*>(base + offset);
 }
 
-// Writes one item's works (given their slots) under variant v, and its merge entries. `before`
-// holds the exclusive prefix of every count over the items before this one.
-__host__ __device__ inline void WriteItem(const ScheduleShape& s, const ScheduleOffsets& o,
-                                          uint8_t* ws, const Item& it, const ItemCounts& before,
-                                          const ItemCounts& own, int v, const int* cluster_start,
-                                          int rest_slot, int limit) {
+// The position of the next big work dealt round-robin over n clusters: cluster `cluster`, the
+// `place`-th big work there. Walks advance it item by item instead of dividing per item.
+struct DealPosition {
+  int place, cluster;
+  __host__ __device__ DealPosition(int dealt, int n) : place(dealt / n), cluster(dealt % n) {}
+  __host__ __device__ void Advance(int works, int n) {
+    cluster += works;
+    if (cluster >= n) place += cluster / n, cluster %= n;
+  }
+};
+
+// Pass 1 over a range: add(v, cluster, shortfall) for every big work shorter than the limit (a
+// tile's last chunk that is big under variant v, which costs that much less than a full chunk).
+// Variant 0 has none: there a last chunk shorter than the limit is small.
+template <typename Add>
+__host__ __device__ inline void RangeShortfalls(const ScheduleShape& s, const int32_t* seq_lens,
+                                                int first, int end, int limit,
+                                                const ItemCounts& before, Add add) {
   const int n = s.num_clusters;
-  for (int chunk = 0; chunk < it.chunks; ++chunk) {
-    int slot;
-    if (chunk >= own.full[v]) {  // the small last chunk
-      slot = rest_slot;
-    } else {
-      const int full = before.full[v] + chunk;  // dealt round-robin: cluster full % n, place full / n
-      slot = cluster_start[full % n] + full / n;
-    }
-    At<int32_t>(ws, o.q_indptr)[slot] = it.request * s.q_len;
-    At<int32_t>(ws, o.kv_indptr)[slot] = it.request * s.max_pages;
-    At<int32_t>(ws, o.partial_indptr)[slot] = it.split ? before.partial + chunk * it.row_tile : -1;
-    At<int32_t>(ws, o.q_len)[slot] = s.q_len;
-    At<int32_t>(ws, o.kv_len)[slot] = it.kv_len;
-    At<int32_t>(ws, o.q_start)[slot] = it.tile * s.cluster_tile_q();
-    At<int32_t>(ws, o.kv_start)[slot] = chunk * limit;
-    At<int32_t>(ws, o.kv_end)[slot] = chunk * limit + ChunkTokens(it, chunk, limit);
-  }
-  if (!it.split) return;
-  const int packed_base = it.request * s.packed_q() + it.tile * s.cluster_tile_q();
-  int merge = before.merge;
-  for (int offset = 0; offset < it.row_tile; offset += it.row_chunk, ++merge) {
-    const int end = offset + it.row_chunk < it.row_tile ? offset + it.row_chunk : it.row_tile;
-    At<int32_t>(ws, o.merge_packed_start)[merge] = packed_base + offset;
-    At<int32_t>(ws, o.merge_packed_end)[merge] = packed_base + end;
-    At<int32_t>(ws, o.merge_partial_start)[merge] = before.partial + offset;
-    At<int32_t>(ws, o.merge_partial_end)[merge] = before.partial + it.chunks * it.row_tile;
-    At<int32_t>(ws, o.merge_partial_stride)[merge] = it.row_tile;
-  }
+  DealPosition next[kVariants] = {{0, n}, {before.full(1), n}, {before.full(2), n}, {before.full(3), n}};
+  WalkItems(s, seq_lens, first, end, limit, before,
+            [&](const Item& it, const ItemCounts& own, const ItemCounts&) {
+              const int last = ChunkTokens(it, it.chunks - 1, limit);
+              for (int v = 1; v < kVariants; ++v) {
+                next[v].Advance(own.full(v), n);
+                if (!own.rest(v) && last < limit) add(v, next[v].cluster == 0 ? n - 1 : next[v].cluster - 1, limit - last);
+              }
+            });
 }
 
 // Big works dealt round-robin: cluster c gets this many of `full` of them over n clusters.
 __host__ __device__ inline int DealtTo(int full, int n, int c) { return full / n + (c < full % n ? 1 : 0); }
 
-// A big work costs a full chunk's cost, less this shortfall for a tile's last chunk that is big
-// under variant v but shorter than the limit (0 otherwise); *cluster receives its cluster.
-__host__ __device__ inline int64_t BigShortfall(const ScheduleShape& s, const Item& it,
-                                                const ItemCounts& before, const ItemCounts& own,
-                                                int v, int limit, int* cluster) {
-  const int last = ChunkTokens(it, it.chunks - 1, limit);
-  if (own.rest[v] || last >= limit) return 0;
-  *cluster = (before.full[v] + own.full[v] - 1) % s.num_clusters;
-  return limit - last;
-}
-
 // Cluster c's cost from its big works: dealt full chunks less the shortfalls that landed there.
 __host__ __device__ inline int64_t BigLoad(const ScheduleShape& s, const ItemCounts& total, int v,
                                            int limit, int c, int64_t shortfall) {
-  return DealtTo(total.full[v], s.num_clusters, c) * static_cast<int64_t>(WorkCost(s, limit)) - shortfall;
+  return DealtTo(total.full(v), s.num_clusters, c) * static_cast<int64_t>(WorkCost(s, limit)) - shortfall;
 }
 
 // The cost every cluster should end with under variant v (all big plus small works, over n), and
@@ -220,8 +259,12 @@ __host__ __device__ inline int64_t Budget(int64_t target, int64_t big_load) {
 __host__ __device__ inline int64_t RestMidpoint2(const ItemCounts& before, const ItemCounts& own, int v) {
   return 2 * before.rest_cost[v] + own.rest_cost[v];
 }
-__host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int n, int64_t x2) {
-  int lo = 0, hi = n - 1;  // the last cluster c with budget_prefix2[c] <= x2
+
+// The last cluster c >= from with budget_prefix2[c] <= x2 (or `from`). Midpoints grow along the
+// items, so a walk passes the cluster it found last as `from`.
+__host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int n, int64_t x2, int from = 0) {
+  if (from + 1 >= n || budget_prefix2[from + 1] > x2) return from;
+  int lo = from + 1, hi = n - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (budget_prefix2[mid] <= x2) lo = mid; else hi = mid - 1;
@@ -229,10 +272,73 @@ __host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int n,
   return lo;
 }
 
+// Pass 2 over a range: every small work's cluster under every variant, reported in runs of
+// consecutive works of one cluster as add(v, cluster, works, cost).
+template <typename Add>
+__host__ __device__ inline void RangeRests(const ScheduleShape& s, const int32_t* seq_lens, int first,
+                                           int end, int limit, const ItemCounts& before,
+                                           const int64_t* budget_prefix2, int prefix_stride, Add add) {
+  int cluster[kVariants], works[kVariants];
+  int64_t cost[kVariants];
+  for (int v = 0; v < kVariants; ++v) cluster[v] = works[v] = 0, cost[v] = 0;
+  WalkItems(s, seq_lens, first, end, limit, before,
+            [&](const Item&, const ItemCounts& own, const ItemCounts& b) {
+              for (int v = 0; v < kVariants; ++v) {
+                if (!own.rest(v)) continue;
+                const int c = RestCluster(budget_prefix2 + v * prefix_stride, s.num_clusters,
+                                          RestMidpoint2(b, own, v), cluster[v]);
+                if (c != cluster[v] && works[v]) add(v, cluster[v], works[v], cost[v]), works[v] = 0, cost[v] = 0;
+                cluster[v] = c;
+                ++works[v];
+                cost[v] += own.rest_cost[v];
+              }
+            });
+  for (int v = 0; v < kVariants; ++v) {
+    if (works[v]) add(v, cluster[v], works[v], cost[v]);
+  }
+}
+
 // Works in cluster c's list under variant v: its dealt big works, then its small ones.
 __host__ __device__ inline int ClusterWorks(const ScheduleShape& s, const ItemCounts& total, int v,
                                             int c, int rest_count) {
-  return DealtTo(total.full[v], s.num_clusters, c) + rest_count;
+  return DealtTo(total.full(v), s.num_clusters, c) + rest_count;
+}
+
+// Writes one item's works under variant v, its big works from deal position *next on (advanced
+// past them), its small one at rest_slot, and its merge entries. `before` holds the exclusive
+// prefix of every count over the items before this one.
+__host__ __device__ inline void WriteItem(const ScheduleShape& s, const ScheduleOffsets& o,
+                                          uint8_t* ws, const Item& it, const ItemCounts& before,
+                                          const ItemCounts& own, int v, DealPosition* next,
+                                          const int* cluster_start, int rest_slot, int limit) {
+  const int n = s.num_clusters, full = own.full(v);
+  for (int chunk = 0; chunk < it.chunks; ++chunk) {
+    int slot = rest_slot;  // the small last chunk
+    if (chunk < full) {
+      slot = cluster_start[next->cluster] + next->place;
+      next->Advance(1, n);
+    }
+    At<int32_t>(ws, o.q_indptr)[slot] = it.request * s.q_len;
+    At<int32_t>(ws, o.kv_indptr)[slot] = it.request * s.max_pages;
+    At<int32_t>(ws, o.partial_indptr)[slot] = it.split ? before.partial + chunk * it.row_tile : -1;
+    At<int32_t>(ws, o.q_len)[slot] = s.q_len;
+    At<int32_t>(ws, o.kv_len)[slot] = it.kv_len;
+    At<int32_t>(ws, o.q_start)[slot] = it.tile * s.cluster_tile_q();
+    At<int32_t>(ws, o.kv_start)[slot] = chunk * limit;
+    At<int32_t>(ws, o.kv_end)[slot] = chunk * limit + ChunkTokens(it, chunk, limit);
+  }
+  if (!it.split) return;
+  const int packed_base = it.request * s.packed_q() + it.tile * s.cluster_tile_q();
+  const int row_chunk = RowChunk(s, it, limit);
+  int merge = before.merge;
+  for (int offset = 0; offset < it.row_tile; offset += row_chunk, ++merge) {
+    const int end = offset + row_chunk < it.row_tile ? offset + row_chunk : it.row_tile;
+    At<int32_t>(ws, o.merge_packed_start)[merge] = packed_base + offset;
+    At<int32_t>(ws, o.merge_packed_end)[merge] = packed_base + end;
+    At<int32_t>(ws, o.merge_partial_start)[merge] = before.partial + offset;
+    At<int32_t>(ws, o.merge_partial_end)[merge] = before.partial + it.chunks * it.row_tile;
+    At<int32_t>(ws, o.merge_partial_stride)[merge] = it.row_tile;
+  }
 }
 
 // The slot of a tile's small work: after its cluster's big works and the small ones before it.
@@ -240,6 +346,25 @@ __host__ __device__ inline int ClusterWorks(const ScheduleShape& s, const ItemCo
 __host__ __device__ inline int RestSlot(int cluster, int rests_before, const int* rest_count,
                                         const int* cluster_start, const int* rest_start) {
   return cluster_start[cluster + 1] - rest_count[cluster] + (rests_before - rest_start[cluster]);
+}
+
+// Pass 3 over a range: writes its items' works and merge entries under the chosen variant v.
+__host__ __device__ inline void RangeWrites(const ScheduleShape& s, const ScheduleOffsets& o,
+                                            uint8_t* ws, const int32_t* seq_lens, int first, int end,
+                                            int limit, const ItemCounts& before, int v,
+                                            const int64_t* budget_prefix2, const int* rest_count,
+                                            const int* cluster_start, const int* rest_start) {
+  int cluster = 0;
+  DealPosition next(before.full(v), s.num_clusters);
+  WalkItems(s, seq_lens, first, end, limit, before,
+            [&](const Item& it, const ItemCounts& own, const ItemCounts& b) {
+              int rest_slot = -1;
+              if (own.rest(v)) {
+                cluster = RestCluster(budget_prefix2, s.num_clusters, RestMidpoint2(b, own, v), cluster);
+                rest_slot = RestSlot(cluster, b.rest(v), rest_count, cluster_start, rest_start);
+              }
+              WriteItem(s, o, ws, it, b, own, v, &next, cluster_start, rest_slot, limit);
+            });
 }
 
 // Merge CTAs past the used ones do nothing: their row ranges are empty. Clears entries
