@@ -15,7 +15,7 @@ namespace ffi = xla::ffi;
 namespace jax_mla {
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = 256;
 
 struct SumCounts {
   __device__ ItemCounts operator()(const ItemCounts& a, const ItemCounts& b) const { return a + b; }
@@ -96,9 +96,10 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (warp < kVariants) {  // big-work costs, then the small works' budgets
     const int v = warp;
+    const Deal deal(total.full(v), n);
     int64_t big_sum = 0;
     for (int c = lane_first; c < lane_end; ++c) {
-      const int64_t cost = BigLoad(s, total, v, limit, c, static_cast<int64_t>(load[v][c]));
+      const int64_t cost = BigLoad(s, deal, limit, c, static_cast<int64_t>(load[v][c]));
       load[v][c] = static_cast<unsigned long long>(cost);
       big_sum += cost;
     }
@@ -132,9 +133,10 @@ __global__ void __launch_bounds__(kThreads)
   if (warp == 0) {  // the cheapest variant (the first of equals), and its work-list layout
     int v = 0;
     for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
+    const Deal deal(total.full(v), n);
     int works = 0, rests = 0;
     for (int c = lane_first; c < lane_end; ++c) {
-      works += ClusterWorks(s, total, v, c, rest_count[v][c]);
+      works += ClusterWorks(deal, c, rest_count[v][c]);
       rests += rest_count[v][c];
     }
     int works_before = static_cast<int>(WarpExclusiveSum(works, lane));
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int c = lane_first; c < lane_end; ++c) {
       cluster_start[c] = works_before;
       rest_start[c] = rests_before;
-      works_before += ClusterWorks(s, total, v, c, rest_count[v][c]);
+      works_before += ClusterWorks(deal, c, rest_count[v][c]);
       rests_before += rest_count[v][c];
     }
     if (lane == 31) chosen = v, cluster_start[n] = works_before;
@@ -212,9 +214,10 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   }
   std::vector<int64_t> budget_prefix2(kVariants * n);
   for (int v = 0; v < kVariants; ++v) {
+    const Deal deal(total.full(v), n);
     int64_t big_sum = 0;
     for (int c = 0; c < n; ++c) {
-      load[v * n + c] = BigLoad(s, total, v, limit, c, load[v * n + c]);
+      load[v * n + c] = BigLoad(s, deal, limit, c, load[v * n + c]);
       big_sum += load[v * n + c];
     }
     const int64_t target = TargetCost(s, total, v, big_sum);
@@ -240,11 +243,12 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   }
   const int* counts = &rest_count[v * n];
   std::vector<int> rest_start(n), cluster_start(n + 1, 0);
+  const Deal deal(total.full(v), n);
   int rests = 0;
   for (int c = 0; c < n; ++c) {
     rest_start[c] = rests;
     rests += counts[c];
-    cluster_start[c + 1] = cluster_start[c] + ClusterWorks(s, total, v, c, counts[c]);
+    cluster_start[c + 1] = cluster_start[c] + ClusterWorks(deal, c, counts[c]);
   }
   ClearUnusedMerges(o, ws, total.merge, num_sm);
   for (int t = 0; t < kThreads; ++t) {

@@ -187,7 +187,10 @@ __host__ __device__ inline int64_t RangeKv(const ScheduleShape& s, const int32_t
                                            int end) {
   const int tiles = s.num_q_tiles();
   int64_t sum = 0;
-  for (int i = first; i < end; ++i) sum += TileKvLen(s, seq_lens[i / tiles], i % tiles);
+  for (int i = first, request = first / tiles, tile = first % tiles; i < end; ++i) {
+    sum += TileKvLen(s, seq_lens[request], tile);
+    if (++tile == tiles) tile = 0, ++request;
+  }
   return sum;
 }
 
@@ -223,6 +226,7 @@ __host__ __device__ inline void RangeShortfalls(const ScheduleShape& s, const in
                                                 int first, int end, int limit,
                                                 const ItemCounts& before, Add add) {
   const int n = s.num_clusters;
+  if (first >= end) return;
   DealPosition next[kVariants] = {{0, n}, {before.full(1), n}, {before.full(2), n}, {before.full(3), n}};
   WalkItems(s, seq_lens, first, end, limit, before,
             [&](const Item& it, const ItemCounts& own, const ItemCounts&) {
@@ -234,13 +238,17 @@ __host__ __device__ inline void RangeShortfalls(const ScheduleShape& s, const in
             });
 }
 
-// Big works dealt round-robin: cluster c gets this many of `full` of them over n clusters.
-__host__ __device__ inline int DealtTo(int full, int n, int c) { return full / n + (c < full % n ? 1 : 0); }
+// `full` big works dealt round-robin over n clusters: cluster c gets To(c) of them.
+struct Deal {
+  int per, extra;
+  __host__ __device__ Deal(int full, int n) : per(full / n), extra(full % n) {}
+  __host__ __device__ int To(int c) const { return per + (c < extra ? 1 : 0); }
+};
 
 // Cluster c's cost from its big works: dealt full chunks less the shortfalls that landed there.
-__host__ __device__ inline int64_t BigLoad(const ScheduleShape& s, const ItemCounts& total, int v,
-                                           int limit, int c, int64_t shortfall) {
-  return DealtTo(total.full(v), s.num_clusters, c) * static_cast<int64_t>(WorkCost(s, limit)) - shortfall;
+__host__ __device__ inline int64_t BigLoad(const ScheduleShape& s, const Deal& deal, int limit, int c,
+                                           int64_t shortfall) {
+  return deal.To(c) * static_cast<int64_t>(WorkCost(s, limit)) - shortfall;
 }
 
 // The cost every cluster should end with under variant v (all big plus small works, over n), and
@@ -298,10 +306,9 @@ __host__ __device__ inline void RangeRests(const ScheduleShape& s, const int32_t
   }
 }
 
-// Works in cluster c's list under variant v: its dealt big works, then its small ones.
-__host__ __device__ inline int ClusterWorks(const ScheduleShape& s, const ItemCounts& total, int v,
-                                            int c, int rest_count) {
-  return DealtTo(total.full(v), s.num_clusters, c) + rest_count;
+// Works in cluster c's list: its dealt big works, then its small ones.
+__host__ __device__ inline int ClusterWorks(const Deal& deal, int c, int rest_count) {
+  return deal.To(c) + rest_count;
 }
 
 // Writes one item's works under variant v, its big works from deal position *next on (advanced
@@ -354,6 +361,7 @@ __host__ __device__ inline void RangeWrites(const ScheduleShape& s, const Schedu
                                             int limit, const ItemCounts& before, int v,
                                             const int64_t* budget_prefix2, const int* rest_count,
                                             const int* cluster_start, const int* rest_start) {
+  if (first >= end) return;
   int cluster = 0;
   DealPosition next(before.full(v), s.num_clusters);
   WalkItems(s, seq_lens, first, end, limit, before,
