@@ -175,7 +175,7 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
       A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU.
 
     Its own balancing of the work (not MLAPlan's) runs within 3% of the host plan's schedule at
-    B >= 32, L <= 16k on the H200, but the planner kernel costs ~50 µs per step
+    B >= 32, L >= 4k on the H200, but the planner kernel costs ~15-30 µs per step
     (benchmarks/results/2026-11-30-h200-planner.md); the host ``plan`` remains the default.
     """
     from jax_mla import ffi

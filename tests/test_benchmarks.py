@@ -166,3 +166,20 @@ def test_dry_run_refuses_the_gpu_only_methods(capsys):
         with pytest.raises(SystemExit):
             bench.parse_args(["--dry-run", "--backends", method])
         assert "--dry-run runs the XLA backends only" in capsys.readouterr().err
+
+
+def test_planner_kernel_table_reads_the_committed_ncu_csv(tmp_path):
+    csv_path = os.path.join(REPO, "benchmarks", "results", "2026-11-30-h200-planner-ncu.csv")
+    table = run_script(os.path.join(REPO, "benchmarks", "planner_kernel.py"), "--table", csv_path).stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 16
+    assert rows[0].split("|")[1:4] == [" 1 ", " 16 ", " 1 "]
+    times = [float(row.split("|")[5]) for row in rows]
+    assert all(5 < t < 100 for t in times), times  # µs, read from "ns" with thousands separators
+    short = tmp_path / "short.csv"
+    with open(csv_path) as f:
+        short.write_text("".join(f.readlines()[:-3]))  # a profile cut short: rows missing
+    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "planner_kernel.py"),
+                             "--table", str(short)], capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert result.returncode != 0 and "expected 32 PlanKernel rows, found 29" in result.stderr
