@@ -61,9 +61,7 @@ __host__ __device__ inline int TileKvLen(const ScheduleShape& s, int kv_len, int
 
 // MLAPlan's chunk size for a total of `total_kv` tile tokens.
 __host__ __device__ inline int KvLenLimit(int64_t total_kv, int num_clusters) {
-  const int64_t per_cluster = total_kv < (int64_t{1} << 31)  // a 32-bit division where it fits
-                                  ? CeilDiv(static_cast<int>(total_kv), num_clusters)
-                                  : (total_kv + num_clusters - 1) / num_clusters;
+  int64_t per_cluster = (total_kv + num_clusters - 1) / num_clusters;
   int x = static_cast<int>(per_cluster > 1 ? per_cluster : 1);
   if (x <= 8) return 32;
   if (x <= 16) return 64;
@@ -282,26 +280,15 @@ __host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int n,
   return lo;
 }
 
-// The cluster where a range's small works can start: the one holding the range's first position
-// along the budgets (its small works' midpoints all lie at or past it).
-__host__ __device__ inline int StartCluster(const int64_t* budget_prefix2, int n, const ItemCounts& before,
-                                            int v) {
-  return RestCluster(budget_prefix2, n, 2 * before.rest_cost[v]);
-}
-
 // Pass 2 over a range: every small work's cluster under every variant, reported in runs of
 // consecutive works of one cluster as add(v, cluster, works, cost).
 template <typename Add>
 __host__ __device__ inline void RangeRests(const ScheduleShape& s, const int32_t* seq_lens, int first,
                                            int end, int limit, const ItemCounts& before,
                                            const int64_t* budget_prefix2, int prefix_stride, Add add) {
-  if (first >= end) return;
   int cluster[kVariants], works[kVariants];
   int64_t cost[kVariants];
-  for (int v = 0; v < kVariants; ++v) {  // independent searches, so their latencies overlap
-    cluster[v] = StartCluster(budget_prefix2 + v * prefix_stride, s.num_clusters, before, v);
-    works[v] = 0, cost[v] = 0;
-  }
+  for (int v = 0; v < kVariants; ++v) cluster[v] = works[v] = 0, cost[v] = 0;
   WalkItems(s, seq_lens, first, end, limit, before,
             [&](const Item&, const ItemCounts& own, const ItemCounts& b) {
               for (int v = 0; v < kVariants; ++v) {
@@ -375,7 +362,7 @@ __host__ __device__ inline void RangeWrites(const ScheduleShape& s, const Schedu
                                             const int64_t* budget_prefix2, const int* rest_count,
                                             const int* cluster_start, const int* rest_start) {
   if (first >= end) return;
-  int cluster = StartCluster(budget_prefix2, s.num_clusters, before, v);
+  int cluster = 0;
   DealPosition next(before.full(v), s.num_clusters);
   WalkItems(s, seq_lens, first, end, limit, before,
             [&](const Item& it, const ItemCounts& own, const ItemCounts& b) {
