@@ -18,6 +18,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from report import markdown_table  # benchmarks/report.py, beside this script
 
 import jax_mla
 
@@ -46,19 +47,18 @@ def kernel_times_us(csv_path: str) -> list[float]:
             if "PlanKernel" in row["Kernel Name"] and row["Metric Name"] == "gpu__time_duration.sum"]
 
 
-def markdown_table(csv_path: str) -> str:
+def ncu_table(csv_path: str) -> str:
+    """The configurations and their PlanKernel times in an ``ncu --csv`` file, as a markdown table."""
     times = kernel_times_us(csv_path)
     if len(times) != 2 * len(CONFIGS):
         raise ValueError(f"{csv_path}: expected {2 * len(CONFIGS)} PlanKernel rows, found {len(times)}")
-    lines = [f"| B | H | q_len | planner µs, warm-up launch | planner µs, second launch |",
-             "|---|---|---|---|---|"]
-    for n, (batch, num_heads, q_len) in enumerate(CONFIGS):
-        lines.append(f"| {batch} | {num_heads} | {q_len} | {times[2 * n]:.1f} | {times[2 * n + 1]:.1f} |")
-    return "\n".join(lines)
+    head = ["B", "H", "q_len", "planner µs, warm-up launch", "planner µs, second launch"]
+    return "\n".join(markdown_table(head, [(batch, num_heads, q_len, f"{times[2 * n]:.1f}", f"{times[2 * n + 1]:.1f}")
+                                           for n, (batch, num_heads, q_len) in enumerate(CONFIGS)]))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--table"]:
-        print(markdown_table(sys.argv[2]))
+        print(ncu_table(sys.argv[2]))
     else:
         main()

@@ -180,11 +180,16 @@ for _b, _l, _h, _q in BENCH_CASES:
                                                         _q, _h)
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_schedule_is_complete_and_balanced(host_planner, case):
+def case_inputs(case):
+    """CASES[case] as (int32 lengths, q_len, num_heads, max_pages with one spare page)."""
     lengths, q_len, num_heads = CASES[case]
     lengths = np.asarray(lengths() if callable(lengths) else lengths, np.int32)
-    max_pages = int(-(-lengths.max() // 64)) + 1
+    return lengths, q_len, num_heads, int(-(-lengths.max() // 64)) + 1
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_is_complete_and_balanced(host_planner, case):
+    lengths, q_len, num_heads, max_pages = case_inputs(case)
     layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
     assert works > 0
     makespan = check_schedule(layout, arrays(layout, workspace, works), works, lengths, q_len,
@@ -196,13 +201,11 @@ def test_schedule_is_complete_and_balanced(host_planner, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_gpu_kernel_writes_the_host_twins_schedule(host_planner, case):
-    """The kernel (512 threads, warp-parallel budgets and layout, atomics) and its sequential twin
-    share integer math, so on the GPU every schedule word must equal the twin's."""
+    """The kernel (threads walking item ranges, warp-parallel budgets and layout, shared-memory
+    atomics) and its sequential twin share integer math, so every schedule word must be equal."""
     if jax.default_backend() != "gpu" or planning.gpu_sm_count() != NUM_SM:
         pytest.skip(f"needs a GPU with {NUM_SM} SMs (the twin's schedules are built for an H100/H200)")
-    lengths, q_len, num_heads = CASES[case]
-    lengths = np.asarray(lengths() if callable(lengths) else lengths, np.int32)
-    max_pages = int(-(-lengths.max() // 64)) + 1
+    lengths, q_len, num_heads, max_pages = case_inputs(case)
     layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
     on_gpu = np.asarray(planning.device_plan(jnp.asarray(lengths), num_heads=num_heads,
                                              max_pages=max_pages, q_len=q_len).int_workspace)
