@@ -17,7 +17,8 @@ Methods (``--backends``):
   jax_mla_graph   jax_mla with XLA command buffers (CUDA graphs) forced on for the step; B <= 32
   jax_mla_noplan  jax_mla without a plan (plans inside each call); on a small sub-grid only
   jax_mla_device_plan  the schedule built on the GPU inside the jitted step (jax_mla.device_plan),
-                  shared by its layers; also times the planner kernel alone (device_plan_us)
+                  shared by its layers (as a CUDA graph where jax_mla_graph is timed too); also
+                  times the planner kernels alone, in a graph (device_plan_us)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
@@ -614,11 +615,14 @@ def xla_naive_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale):
 def name_plan_comparison(record: dict) -> None:
     """The host- vs device-schedule fields under the names the planner's goal uses: µs per layer of
     the decode run with either schedule, from steps of N layers. The device-planned step also runs
-    the planner once, so its share (device_plan_us / N, timed apart) is taken out of the run."""
+    the planner once, so its share (device_plan_us / N, timed apart) is taken out of the run. Where
+    the device-planned step was replayed as a CUDA graph, it is compared with the host-planned step
+    replayed the same way (jax_mla_graph_us)."""
     if record.get("plan_us") is None or record.get("jax_mla_device_plan_us") is None:
         return
     layers = record.get("jax_mla_device_plan_layers") or record["layers"]
-    record["run_with_host_plan_us"] = record["jax_mla_us"]
+    host_field = "jax_mla_graph_us" if record.get("jax_mla_device_plan_in_graph") else "jax_mla_us"
+    record["run_with_host_plan_us"] = record[host_field]
     record["run_with_device_plan_us"] = (record["jax_mla_device_plan_us"]
                                          - (record.get("device_plan_us") or 0.0) / layers)
 
@@ -640,7 +644,7 @@ def layered(decode_one, layers: int, compiler_options: dict | None = None):
     return jax.jit(step, compiler_options=compiler_options)
 
 
-def device_planned(decode_one, layers: int, pt, max_pages: int):
+def device_planned(decode_one, layers: int, pt, max_pages: int, compiler_options: dict | None = None):
     """Like ``layered``, but the step builds its schedule on the GPU once and shares it."""
     import jax
     import jax_mla
@@ -650,7 +654,7 @@ def device_planned(decode_one, layers: int, pt, max_pages: int):
         device = jax_mla.device_plan(lens, num_heads=pt.H, q_len=pt.q_len, max_pages=max_pages)
         return tuple(decode_one(query, caches[i], tables, lens, device) for i in range(layers))
 
-    return jax.jit(step)
+    return jax.jit(step, compiler_options=compiler_options)
 
 
 def rotation_sets(caches: list, layers: int) -> list[tuple]:
@@ -892,7 +896,12 @@ class Bench:
             return self.time_model_step(layout, q, caches, record, outputs)
         if method == "jax_mla_device_plan":
             record["device_plan_us"] = self.time_device_plan(layout)
-            fn = device_planned(decode_with_plan, layers, pt, layout.max_pages)
+            # Where the host-planned step is also replayed as a CUDA graph (small batches, where
+            # host launches would otherwise dominate both), compare the schedules that way.
+            in_graph = "jax_mla_graph" in self.args.methods and method_applies("jax_mla_graph", pt, self.args)
+            record["jax_mla_device_plan_in_graph"] = in_graph
+            fn = device_planned(decode_with_plan, layers, pt, layout.max_pages,
+                                GRAPH_COMPILER_OPTIONS if in_graph else None)
             return self.time_layers(method, fn, layout, q, caches, None, layers, record, outputs)
         if method in ("jax_mla", "jax_mla_graph", "jax_mla_noplan"):
             from jax_mla import backends
@@ -971,36 +980,31 @@ class Bench:
             record["methods_done"].append("jax_mla_step")
 
     def time_device_plan(self, layout: Layout, calls: int = 64) -> float:
-        """µs per jax_mla.device_plan call on the GPU: one step of ``calls`` planner calls on
-        distinct lengths (each schedule reduced to a few bytes so none can be dropped), replayed as
-        CUDA graphs so host launch costs drop out, minus the same step without the planner."""
+        """µs per jax_mla.device_plan call on the GPU: one jitted step of ``calls`` planner calls,
+        each on its own lengths array (no slicing kernel before it) and each schedule returned (no
+        kernel after it), replayed as a CUDA graph so host launch costs drop out; minus the same
+        step without the planner (it returns its inputs). What remains is the planner kernels and
+        their launches inside a graph."""
         import jax
         import jax.numpy as jnp
         import jax_mla
 
         pt = layout.point
-        lens = jnp.asarray(np.stack([np.roll(layout.lengths, i) for i in range(calls)]), jnp.int32)
+        lens = [jnp.asarray(np.roll(layout.lengths, i), jnp.int32) for i in range(calls)]
 
-        def step(with_planner):
-            def body(all_lens):
-                total = jnp.int32(0)
-                for i in range(calls):
-                    if with_planner:
-                        ws = jax_mla.device_plan(all_lens[i], num_heads=pt.H, q_len=pt.q_len,
-                                                 max_pages=layout.max_pages).int_workspace
-                        total = total + ws[:64].astype(jnp.int32).sum()
-                    else:
-                        total = total + all_lens[i, :64].sum()
-                return total
-            return jax.jit(body, compiler_options=GRAPH_COMPILER_OPTIONS)
+        def with_planner(*all_lens):
+            return tuple(jax_mla.device_plan(x, num_heads=pt.H, q_len=pt.q_len,
+                                             max_pages=layout.max_pages).int_workspace
+                         for x in all_lens)
 
         timings = []
-        for fn in (step(True), step(False)):
-            fn(lens).block_until_ready()
+        for body in (with_planner, lambda *all_lens: all_lens):
+            fn = jax.jit(body, compiler_options=GRAPH_COMPILER_OPTIONS)
+            jax.block_until_ready(fn(*lens))
             samples = []
             for _ in range(21):
                 t0 = time.perf_counter()
-                fn(lens).block_until_ready()
+                jax.block_until_ready(fn(*lens))
                 samples.append(time.perf_counter() - t0)
             timings.append(median(samples))
         return max(timings[0] - timings[1], 0.0) / calls * 1e6

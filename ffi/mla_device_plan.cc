@@ -2,8 +2,6 @@
 // sequential host driver (JaxMlaDevicePlanOnHost) for the CPU tests. See mla_device_plan.cuh.
 #include <cuda_runtime.h>
 
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
 #include <algorithm>
 #include <vector>
 
@@ -12,14 +10,17 @@
 
 namespace ffi = xla::ffi;
 
+// Marks the kernel's start and the end of each barrier-separated phase; empty unless a timing
+// harness (benchmarks/planner_harness.cu) defines it to record clock stamps.
+#ifndef JAX_MLA_PLAN_STAMP
+#define JAX_MLA_PLAN_STAMP(phase)
+#endif
+
 namespace jax_mla {
 namespace {
 
-constexpr int kThreads = 256;
-
-struct SumCounts {
-  __device__ ItemCounts operator()(const ItemCounts& a, const ItemCounts& b) const { return a + b; }
-};
+constexpr int kThreads = 512, kWarps = kThreads / 32;
+constexpr int kClustersPerLane = kMaxClusters / 32;  // when one warp handles every cluster
 
 ScheduleOffsets OffsetsFromPlanInfo(const int64_t* p) {
   return {p[2], p[3], p[4], p[5], p[6], p[7], p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]};
@@ -32,12 +33,31 @@ __device__ int64_t WarpSum(int64_t x) {
   return x;
 }
 
+// The sum of x over the block, in every thread. warp_sums: shared, kWarps entries.
+__device__ int64_t BlockSum(int64_t x, int64_t* warp_sums, int warp, int lane) {
+  x = WarpSum(x);
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  x = lane < kWarps ? warp_sums[lane] : 0;
+  return WarpSum(x);
+}
+
 __device__ int64_t WarpMax(int64_t x) {
   for (int offset = 16; offset > 0; offset >>= 1) {
     const int64_t y = __shfl_xor_sync(kFullMask, x, offset);
     x = y > x ? y : x;
   }
   return x;
+}
+
+// A 64-bit add to shared memory as two native 32-bit atomics: sm_90 has no 64-bit shared atomicAdd
+// (it compiles to a compare-and-swap loop, which lanes of a warp adding to one cluster serialize).
+// The low word's carry is found from its old value and added to the high word.
+__device__ void SharedAdd64(unsigned long long* address, unsigned long long x) {
+  unsigned* words = reinterpret_cast<unsigned*>(address);
+  const unsigned low = static_cast<unsigned>(x), old = atomicAdd(words, low);
+  const unsigned high = static_cast<unsigned>(x >> 32) + (old + low < old ? 1u : 0u);
+  if (high != 0) atomicAdd(words + 1, high);
 }
 
 // The sum of x over the lanes below this one.
@@ -50,111 +70,169 @@ __device__ int64_t WarpExclusiveSum(int64_t x, int lane) {
   return inclusive - x;
 }
 
-// Every thread owns a contiguous range of (request, tile) items and walks it with running sums,
-// so a block-wide scan is needed once (each range's prefix), not per item. Pass 1 adds up the
-// short big works per cluster (every variant); then one warp per variant turns them into cluster
-// costs and lays out the small works' budgets. Pass 2 places the small works (every variant, in
-// runs of one cluster); then the cheapest variant is picked and its work lists laid out. Pass 3
-// writes the picked schedule. Work per cluster is spread over a warp's lanes.
+// One field of ItemCounts from the lane `delta` below (kUp) or from lane `delta` (else). kNarrow:
+// the 64-bit costs are known to stay below 2^31, so they travel as one word instead of two.
+template <bool kNarrow, bool kUp, typename T>
+__device__ T Shuffle(T x, int delta) {
+  if constexpr (kNarrow && sizeof(T) == 8) {
+    const int word = static_cast<int>(x);
+    return static_cast<T>(kUp ? __shfl_up_sync(kFullMask, word, delta) : __shfl_sync(kFullMask, word, delta));
+  } else {
+    return kUp ? __shfl_up_sync(kFullMask, x, delta) : __shfl_sync(kFullMask, x, delta);
+  }
+}
+
+// The exclusive prefix of `own` over the block's threads, and (in *total) the sum over all: warp
+// scans by shuffles, then every warp scans the warp totals. (cub's BlockScan has every thread add
+// up the totals of all warps below its own, one by one: at 16 warps of 12-word counts, thousands
+// of cycles.) warp_totals: shared, kWarps entries.
+template <bool kNarrow>
+__device__ ItemCounts BlockExclusiveScan(const ItemCounts& own, ItemCounts* warp_totals, int warp,
+                                         int lane, ItemCounts* total) {
+  ItemCounts inclusive = own;
+  #pragma unroll
+  for (int offset = 1; offset < 32; offset *= 2) {
+    const ItemCounts below = inclusive.Map([&](auto x) { return Shuffle<kNarrow, true>(x, offset); });
+    if (lane >= offset) inclusive = inclusive + below;
+  }
+  if (lane == 31) warp_totals[warp] = inclusive;
+  __syncthreads();
+  ItemCounts warps = lane < kWarps ? warp_totals[lane] : ZeroCounts();  // then: over warps 0 .. lane
+  #pragma unroll
+  for (int offset = 1; offset < kWarps; offset *= 2) {
+    const ItemCounts below = warps.Map([&](auto x) { return Shuffle<kNarrow, true>(x, offset); });
+    if (lane >= offset) warps = warps + below;
+  }
+  *total = warps.Map([](auto x) { return Shuffle<kNarrow, false>(x, kWarps - 1); });
+  ItemCounts before = warps.Map([&](auto x) { return Shuffle<kNarrow, false>(x, (warp + 31) % 32); });
+  if (warp == 0) before = ZeroCounts();
+  return before + (inclusive - own);
+}
+
+// Every thread owns a contiguous range of (request, tile) items (one item each up to 512 items) and
+// walks it with running sums, so a block-wide scan is needed once (each range's prefix), not per
+// item. Pass 1 adds up the short big works per cluster (every variant); then one warp per variant
+// turns them into cluster costs and lays out the small works' budgets. Pass 2 places the small
+// works (every variant, in runs of one cluster); then one warp per variant finds its busiest
+// cluster and lays out its work lists. Pass 3 writes the cheapest variant's schedule. The kernel
+// is one chain of dependent steps (a few thousand cycles per phase whatever B is), so its code
+// avoids what lengthens the chain: no 64-bit division or compare-and-swap loop, searches without
+// branches, per-lane cluster values kept in registers.
 __global__ void __launch_bounds__(kThreads)
     PlanKernel(ScheduleShape s, ScheduleOffsets o, const int32_t* seq_lens, uint8_t* ws) {
-  using Reduce = cub::BlockReduce<int64_t, kThreads>;
-  using Scan = cub::BlockScan<ItemCounts, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
-  __shared__ union {
-    typename Reduce::TempStorage reduce;
-    typename Scan::TempStorage scan;
-  } temp;
-  __shared__ int64_t total_kv;
+  __shared__ int64_t warp_sums[kWarps];
+  __shared__ ItemCounts warp_totals[kWarps];
   __shared__ ItemCounts total;
-  __shared__ int chosen;
   __shared__ unsigned long long load[kVariants][kMaxClusters];  // shortfalls, then costs
   __shared__ int64_t makespan[kVariants];
   __shared__ int64_t budget_prefix2[kVariants][kMaxClusters];
   __shared__ int rest_count[kVariants][kMaxClusters];
-  __shared__ int rest_start[kMaxClusters], cluster_start[kMaxClusters + 1];
+  __shared__ int rest_start[kVariants][kMaxClusters], cluster_start[kVariants][kMaxClusters + 1];  // per variant
+  JAX_MLA_PLAN_STAMP(0)
   const int n = s.num_clusters, t = threadIdx.x, warp = t / 32, lane = t % 32;
   int first, end, lane_first, lane_end;
   ThreadItems(s.num_items(), kThreads, t, &first, &end);
   ThreadItems(n, 32, lane, &lane_first, &lane_end);  // the clusters a lane of a warp handles
 
-  const int64_t kv_sum = Reduce(temp.reduce).Sum(RangeKv(s, seq_lens, first, end));
-  if (t == 0) total_kv = kv_sum;
   for (int i = t; i < kVariants * kMaxClusters; i += kThreads) {
-    load[i / kMaxClusters][i % kMaxClusters] = 0;
-    rest_count[i / kMaxClusters][i % kMaxClusters] = 0;
+    const int v = i / kMaxClusters, c = i % kMaxClusters;
+    load[v][c] = 0;
+    rest_count[v][c] = 0;
+    if (c >= n) budget_prefix2[v][c] = INT64_MAX;  // RestCluster's searches stop short of these
   }
-  __syncthreads();
-  const int limit = KvLenLimit(total_kv, n);
-  ItemCounts before, aggregate;
-  Scan(temp.scan).ExclusiveScan(RangeCounts(s, seq_lens, first, end, limit), before, ZeroCounts(),
-                                SumCounts(), aggregate);
+  const int64_t total_kv = BlockSum(RangeKv(s, seq_lens, first, end), warp_sums, warp, lane);
+  JAX_MLA_PLAN_STAMP(1)
+  const Divisor clusters(n), limit(KvLenLimit(total_kv, clusters));
+  // Every small work costs at most its tokens plus 2 * cluster_tile_q: when these add up to less
+  // than 2^31, so does every prefix of the costs.
+  const bool narrow = total_kv + 2LL * s.cluster_tile_q() * s.num_items() < (1LL << 31);
+  const ItemCounts own_counts = RangeCounts(s, seq_lens, first, end, limit);
+  ItemCounts aggregate;
+  const ItemCounts before =
+      narrow ? BlockExclusiveScan<true>(own_counts, warp_totals, warp, lane, &aggregate)
+             : BlockExclusiveScan<false>(own_counts, warp_totals, warp, lane, &aggregate);
   if (t == 0) total = aggregate;
 
   RangeShortfalls(s, seq_lens, first, end, limit, before, [&](int v, int c, int64_t shortfall) {
-    atomicAdd(&load[v][c], static_cast<unsigned long long>(shortfall));
+    SharedAdd64(&load[v][c], static_cast<unsigned long long>(shortfall));
   });
   __syncthreads();
+  JAX_MLA_PLAN_STAMP(2)
   if (warp < kVariants) {  // big-work costs, then the small works' budgets
     const int v = warp;
     const Deal deal(total.full(v), n);
-    int64_t big_sum = 0;
-    for (int c = lane_first; c < lane_end; ++c) {
-      const int64_t cost = BigLoad(s, deal, limit, c, static_cast<int64_t>(load[v][c]));
-      load[v][c] = static_cast<unsigned long long>(cost);
+    int64_t budget[kClustersPerLane], big_sum = 0;  // this lane's clusters lane_first + k
+    #pragma unroll
+    for (int k = 0; k < kClustersPerLane; ++k) {
+      const int c = lane_first + k;
+      const int64_t cost = c < lane_end ? BigLoad(s, deal, limit, c, static_cast<int64_t>(load[v][c])) : 0;
+      if (c < lane_end) load[v][c] = static_cast<unsigned long long>(cost);
+      budget[k] = cost;
       big_sum += cost;
     }
-    const int64_t target = TargetCost(s, total, v, WarpSum(big_sum));
+    const int64_t target = TargetCost(clusters, total, v, WarpSum(big_sum));
     int64_t budgets = 0;
-    for (int c = lane_first; c < lane_end; ++c) budgets += Budget(target, load[v][c]);
+    #pragma unroll
+    for (int k = 0; k < kClustersPerLane; ++k) {
+      budget[k] = lane_first + k < lane_end ? Budget(target, budget[k]) : 0;
+      budgets += budget[k];
+    }
     int64_t position2 = 2 * WarpExclusiveSum(budgets, lane);
-    for (int c = lane_first; c < lane_end; ++c) {
-      budget_prefix2[v][c] = position2;
-      position2 += 2 * Budget(target, load[v][c]);
+    #pragma unroll
+    for (int k = 0; k < kClustersPerLane; ++k) {
+      if (lane_first + k < lane_end) budget_prefix2[v][lane_first + k] = position2;
+      position2 += 2 * budget[k];
     }
   }
   __syncthreads();
+  JAX_MLA_PLAN_STAMP(3)
 
-  RangeRests(s, seq_lens, first, end, limit, before, &budget_prefix2[0][0], kMaxClusters,
+  unsigned first_found = 0;
+  RangeRests(s, seq_lens, first, end, limit, before, &budget_prefix2[0][0], &first_found,
              [&](int v, int c, int works, int64_t cost) {
                atomicAdd(&rest_count[v][c], works);
-               atomicAdd(&load[v][c], static_cast<unsigned long long>(cost));
+               SharedAdd64(&load[v][c], static_cast<unsigned long long>(cost));
              });
-  ClearUnusedMerges(o, ws, total.merge, s.num_sm, t, kThreads);
+  ClearUnusedMerges(o, ws, total.merge(), s.num_sm, t, kThreads);
   __syncthreads();
-  if (warp < kVariants) {
+  JAX_MLA_PLAN_STAMP(4)
+  if (warp < kVariants) {  // every variant's busiest cluster and work-list layout, to pick from
+    const int v = warp;
+    const Deal deal(total.full(v), n);
     int64_t busiest = 0;
-    for (int c = lane_first; c < lane_end; ++c) {
-      busiest = static_cast<int64_t>(load[warp][c]) > busiest ? static_cast<int64_t>(load[warp][c]) : busiest;
+    int counts[kClustersPerLane], works = 0, rests = 0;
+    #pragma unroll
+    for (int k = 0; k < kClustersPerLane; ++k) {
+      const int c = lane_first + k;
+      const int64_t cost = c < lane_end ? static_cast<int64_t>(load[v][c]) : 0;
+      counts[k] = c < lane_end ? rest_count[v][c] : 0;
+      busiest = cost > busiest ? cost : busiest;
+      works += c < lane_end ? ClusterWorks(deal, c, counts[k]) : 0;
+      rests += counts[k];
     }
     busiest = WarpMax(busiest);
-    if (lane == 0) makespan[warp] = busiest;
-  }
-  __syncthreads();
-  if (warp == 0) {  // the cheapest variant (the first of equals), and its work-list layout
-    int v = 0;
-    for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
-    const Deal deal(total.full(v), n);
-    int works = 0, rests = 0;
-    for (int c = lane_first; c < lane_end; ++c) {
-      works += ClusterWorks(deal, c, rest_count[v][c]);
-      rests += rest_count[v][c];
-    }
     int works_before = static_cast<int>(WarpExclusiveSum(works, lane));
     int rests_before = static_cast<int>(WarpExclusiveSum(rests, lane));
-    for (int c = lane_first; c < lane_end; ++c) {
-      cluster_start[c] = works_before;
-      rest_start[c] = rests_before;
-      works_before += ClusterWorks(deal, c, rest_count[v][c]);
-      rests_before += rest_count[v][c];
+    #pragma unroll
+    for (int k = 0; k < kClustersPerLane; ++k) {
+      const int c = lane_first + k;
+      if (c >= lane_end) break;
+      cluster_start[v][c] = works_before;
+      rest_start[v][c] = rests_before;
+      works_before += ClusterWorks(deal, c, counts[k]);
+      rests_before += counts[k];
     }
-    if (lane == 31) chosen = v, cluster_start[n] = works_before;
+    if (lane == 31) cluster_start[v][n] = works_before;
+    if (lane == 0) makespan[v] = busiest;
   }
   __syncthreads();
+  JAX_MLA_PLAN_STAMP(5)
 
-  const int v = chosen;
-  RangeWrites(s, o, ws, seq_lens, first, end, limit, before, v, budget_prefix2[v], rest_count[v],
-              cluster_start, rest_start);
-  for (int c = t; c <= n; c += kThreads) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
+  int v = 0;  // the cheapest variant (the first of equals)
+  for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
+  RangeWrites(s, o, ws, seq_lens, first, end, limit, before, v, budget_prefix2[v], first_found,
+              rest_count[v], cluster_start[v], rest_start[v]);
+  for (int c = t; c <= n; c += kThreads) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[v][c];
 }
 
 ffi::Error DevicePlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
@@ -199,20 +277,20 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
     ThreadItems(items, kThreads, t, &first[t], &end[t]);
     total_kv += RangeKv(s, seq_lens, first[t], end[t]);
   }
-  const int limit = KvLenLimit(total_kv, n);
+  const Divisor clusters(n), limit(KvLenLimit(total_kv, clusters));
   std::vector<ItemCounts> before(kThreads);
   ItemCounts total = ZeroCounts();
   for (int t = 0; t < kThreads; ++t) {
     before[t] = total;
     total = total + RangeCounts(s, seq_lens, first[t], end[t], limit);
   }
-  if (total.chunks > kMaxTotalWorks || total.merge > num_sm) return -1;
+  if (total.chunks() > kMaxTotalWorks || total.merge() > num_sm) return -1;
   std::vector<int64_t> load(kVariants * n, 0);  // shortfalls, then costs
   for (int t = 0; t < kThreads; ++t) {
     RangeShortfalls(s, seq_lens, first[t], end[t], limit, before[t],
                     [&](int v, int c, int64_t shortfall) { load[v * n + c] += shortfall; });
   }
-  std::vector<int64_t> budget_prefix2(kVariants * n);
+  std::vector<int64_t> budget_prefix2(kVariants * kMaxClusters, INT64_MAX);
   for (int v = 0; v < kVariants; ++v) {
     const Deal deal(total.full(v), n);
     int64_t big_sum = 0;
@@ -220,16 +298,17 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
       load[v * n + c] = BigLoad(s, deal, limit, c, load[v * n + c]);
       big_sum += load[v * n + c];
     }
-    const int64_t target = TargetCost(s, total, v, big_sum);
+    const int64_t target = TargetCost(clusters, total, v, big_sum);
     int64_t position2 = 0;
     for (int c = 0; c < n; ++c) {
-      budget_prefix2[v * n + c] = position2;
+      budget_prefix2[v * kMaxClusters + c] = position2;
       position2 += 2 * Budget(target, load[v * n + c]);
     }
   }
   std::vector<int> rest_count(kVariants * n, 0);
+  std::vector<unsigned> first_found(kThreads, 0);
   for (int t = 0; t < kThreads; ++t) {
-    RangeRests(s, seq_lens, first[t], end[t], limit, before[t], budget_prefix2.data(), n,
+    RangeRests(s, seq_lens, first[t], end[t], limit, before[t], budget_prefix2.data(), &first_found[t],
                [&](int v, int c, int works, int64_t cost) {
                  rest_count[v * n + c] += works;
                  load[v * n + c] += cost;
@@ -250,10 +329,10 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
     rests += counts[c];
     cluster_start[c + 1] = cluster_start[c] + ClusterWorks(deal, c, counts[c]);
   }
-  ClearUnusedMerges(o, ws, total.merge, num_sm);
+  ClearUnusedMerges(o, ws, total.merge(), num_sm);
   for (int t = 0; t < kThreads; ++t) {
-    RangeWrites(s, o, ws, seq_lens, first[t], end[t], limit, before[t], v, &budget_prefix2[v * n],
-                counts, cluster_start.data(), rest_start.data());
+    RangeWrites(s, o, ws, seq_lens, first[t], end[t], limit, before[t], v,
+                &budget_prefix2[v * kMaxClusters], first_found[t], counts, cluster_start.data(), rest_start.data());
   }
   for (int c = 0; c <= n; ++c) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
   return cluster_start[n];

@@ -50,6 +50,28 @@ __host__ __device__ inline int CeilDiv(int a, int b) {
                           (static_cast<unsigned>(a) % static_cast<unsigned>(b) != 0));
 }
 
+// Exact floor(x / value) for 0 <= x < 2^46 by a multiply with 1/value in double and a correction
+// (the product is within 1 of the quotient), instead of a 64-bit integer division (~70 dependent
+// instructions): the chunk size divides every tile's tokens in every pass.
+struct Divisor {
+  int64_t value;
+  double inverse;
+  __host__ __device__ explicit Divisor(int64_t v) : value(v) {
+#ifdef __CUDA_ARCH__
+    inverse = __drcp_rn(static_cast<double>(v));  // 1.0 / v rounded the same way, without a division
+#else
+    inverse = 1.0 / static_cast<double>(v);
+#endif
+  }
+  __host__ __device__ int64_t Floor(int64_t x) const {
+    int64_t q = static_cast<int64_t>(static_cast<double>(x) * inverse);
+    q -= q * value > x ? 1 : 0;
+    q += (q + 1) * value <= x ? 1 : 0;
+    return q;
+  }
+  __host__ __device__ int64_t Ceil(int64_t x) const { return Floor(x + value - 1); }
+};
+
 // MLAPlan's kv range of a query tile: under the causal mask earlier tiles see fewer tokens.
 __host__ __device__ inline int TileKvLen(const ScheduleShape& s, int kv_len, int tile) {
   const int tiles = s.num_q_tiles();
@@ -60,8 +82,8 @@ __host__ __device__ inline int TileKvLen(const ScheduleShape& s, int kv_len, int
 }
 
 // MLAPlan's chunk size for a total of `total_kv` tile tokens.
-__host__ __device__ inline int KvLenLimit(int64_t total_kv, int num_clusters) {
-  int64_t per_cluster = (total_kv + num_clusters - 1) / num_clusters;
+__host__ __device__ inline int KvLenLimit(int64_t total_kv, const Divisor& num_clusters) {
+  int64_t per_cluster = num_clusters.Ceil(total_kv);
   int x = static_cast<int>(per_cluster > 1 ? per_cluster : 1);
   if (x <= 8) return 32;
   if (x <= 16) return 64;
@@ -70,35 +92,67 @@ __host__ __device__ inline int KvLenLimit(int64_t total_kv, int num_clusters) {
   return CeilDiv(x, 256) * 256;
 }
 
-// The work counts of one (request, query tile) item, or summed over items. A tile's last chunk is
+// The work counts of one (request, query tile) item, or summed over items, in as few words as the
+// block-wide scan can carry. Counts of works and merges are 16-bit fields: the chunk size is at
+// least 1/num_clusters of all tile tokens, so there are at most items + num_clusters <= 16384
+// works (the callers keep to max_works_fit) and at most num_sm merge CTAs. A tile's last chunk is
 // a small work under variants 0 .. k-1 for some k (IsSmall is monotone in v), so an item's small
-// works per variant are 0/1 counts, kept as 16-bit fields (at most 16384 works in all).
+// works per variant are 0/1 counts, 16-bit fields too.
 struct ItemCounts {
-  int chunks;                  // works: big works dealt round-robin, plus small ones
+  unsigned works_merges;       // works (big ones dealt round-robin, plus small ones) | merge CTAs << 16
   unsigned rest01, rest23;     // small works of variants 0|1 and 2|3, 16 bits each
   int partial;                 // partial-output rows (split tiles only)
-  int merge;                   // merge CTAs (split tiles only)
   int64_t rest_cost[kVariants];
+  __host__ __device__ int chunks() const { return static_cast<int>(works_merges & 0xffffu); }
+  __host__ __device__ int merge() const { return static_cast<int>(works_merges >> 16); }
   __host__ __device__ int rest(int v) const {
     return static_cast<int>(((v < 2 ? rest01 : rest23) >> (16 * (v & 1))) & 0xffffu);
   }
-  __host__ __device__ int full(int v) const { return chunks - rest(v); }
+  __host__ __device__ int full(int v) const { return chunks() - rest(v); }
+  // rest_cost[v] by selects, so a runtime v does not move the counts to local memory.
+  __host__ __device__ int64_t cost(int v) const {
+    return v == 0 ? rest_cost[0] : v == 1 ? rest_cost[1] : v == 2 ? rest_cost[2] : rest_cost[3];
+  }
   __host__ __device__ ItemCounts operator+(const ItemCounts& o) const {
     ItemCounts sum;
-    sum.chunks = chunks + o.chunks;
+    sum.works_merges = works_merges + o.works_merges;
     sum.rest01 = rest01 + o.rest01;
     sum.rest23 = rest23 + o.rest23;
     sum.partial = partial + o.partial;
-    sum.merge = merge + o.merge;
+    #pragma unroll
     for (int v = 0; v < kVariants; ++v) sum.rest_cost[v] = rest_cost[v] + o.rest_cost[v];
     return sum;
+  }
+  // Field by field (every field of o is at most this one's: o is a part of this sum).
+  __host__ __device__ ItemCounts operator-(const ItemCounts& o) const {
+    ItemCounts difference;
+    difference.works_merges = works_merges - o.works_merges;
+    difference.rest01 = rest01 - o.rest01;
+    difference.rest23 = rest23 - o.rest23;
+    difference.partial = partial - o.partial;
+    #pragma unroll
+    for (int v = 0; v < kVariants; ++v) difference.rest_cost[v] = rest_cost[v] - o.rest_cost[v];
+    return difference;
+  }
+  // Every field through f (a warp shuffle).
+  template <typename F>
+  __host__ __device__ ItemCounts Map(F f) const {
+    ItemCounts mapped;
+    mapped.works_merges = f(works_merges);
+    mapped.rest01 = f(rest01);
+    mapped.rest23 = f(rest23);
+    mapped.partial = f(partial);
+    #pragma unroll
+    for (int v = 0; v < kVariants; ++v) mapped.rest_cost[v] = f(rest_cost[v]);
+    return mapped;
   }
 };
 
 __host__ __device__ inline ItemCounts ZeroCounts() {
   ItemCounts c;
-  c.chunks = c.partial = c.merge = 0;
-  c.rest01 = c.rest23 = 0;
+  c.works_merges = c.rest01 = c.rest23 = 0;
+  c.partial = 0;
+  #pragma unroll
   for (int v = 0; v < kVariants; ++v) c.rest_cost[v] = 0;
   return c;
 }
@@ -114,29 +168,29 @@ struct Item {
 
 // Item `request * num_q_tiles + tile` under chunk size `limit`.
 __host__ __device__ inline Item DescribeItem(const ScheduleShape& s, int request, int tile,
-                                             int kv_len, int limit) {
+                                             int kv_len, const Divisor& limit) {
   Item it;
   it.request = request;
   it.tile = tile;
   it.kv_len = kv_len;
   it.remaining = TileKvLen(s, kv_len, tile);
-  it.chunks = it.remaining <= limit ? 1 : CeilDiv(it.remaining, limit);
-  it.split = it.remaining > limit;
+  it.split = it.remaining > limit.value;
+  it.chunks = it.split ? static_cast<int>(limit.Ceil(it.remaining)) : 1;
   const int rows_left = s.packed_q() - tile * s.cluster_tile_q();
   it.row_tile = rows_left < s.cluster_tile_q() ? rows_left : s.cluster_tile_q();
   return it;
 }
 
 // The rows each merge CTA of a split item combines (MLAPlan's).
-__host__ __device__ inline int RowChunk(const ScheduleShape& s, const Item& it, int limit) {
-  int q_chunks = static_cast<int>(static_cast<int64_t>(it.remaining) * s.cluster_size / limit);
+__host__ __device__ inline int RowChunk(const ScheduleShape& s, const Item& it, const Divisor& limit) {
+  int q_chunks = static_cast<int>(limit.Floor(static_cast<int64_t>(it.remaining) * s.cluster_size));
   q_chunks = q_chunks > 1 ? q_chunks : 1;
   return CeilDiv(it.row_tile, q_chunks);
 }
 
-__host__ __device__ inline int ChunkTokens(const Item& it, int chunk, int limit) {
-  int left = it.remaining - chunk * limit;
-  return left < limit ? left : limit;
+__host__ __device__ inline int ChunkTokens(const Item& it, int chunk, const Divisor& limit) {
+  const int tokens = static_cast<int>(limit.value), left = it.remaining - chunk * tokens;
+  return left < tokens ? left : tokens;
 }
 
 // Whether a tile's last chunk of `kv_tokens` is a small work under balancing variant v.
@@ -144,17 +198,19 @@ __host__ __device__ inline bool IsSmall(int kv_tokens, int limit, int v) {
   return 4 * static_cast<int64_t>(kv_tokens) < static_cast<int64_t>(BigQuarters(v)) * limit;
 }
 
-__host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const Item& it, int limit) {
+__host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const Item& it,
+                                                const Divisor& limit) {
   const int last = ChunkTokens(it, it.chunks - 1, limit);
   ItemCounts c = ZeroCounts();
-  c.chunks = it.chunks;
+  #pragma unroll
   for (int v = 0; v < kVariants; ++v) {
-    const bool small = IsSmall(last, limit, v);
+    const bool small = IsSmall(last, static_cast<int>(limit.value), v);
     (v < 2 ? c.rest01 : c.rest23) |= (small ? 1u : 0u) << (16 * (v & 1));
     c.rest_cost[v] = small ? WorkCost(s, last) : 0;
   }
   c.partial = it.split ? it.chunks * it.row_tile : 0;
-  c.merge = it.split ? CeilDiv(it.row_tile, RowChunk(s, it, limit)) : 0;
+  const int merges = it.split ? CeilDiv(it.row_tile, RowChunk(s, it, limit)) : 0;
+  c.works_merges = static_cast<unsigned>(it.chunks) | static_cast<unsigned>(merges) << 16;
   return c;
 }
 
@@ -162,7 +218,7 @@ __host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const It
 // the exclusive prefix `before` of every count over all items before it.
 template <typename Visit>
 __host__ __device__ inline void WalkItems(const ScheduleShape& s, const int32_t* seq_lens, int first,
-                                          int end, int limit, ItemCounts before, Visit visit) {
+                                          int end, const Divisor& limit, ItemCounts before, Visit visit) {
   const int tiles = s.num_q_tiles();
   int request = first / tiles, tile = first % tiles;
   int kv_len = first < end ? seq_lens[request] : 0;
@@ -195,7 +251,7 @@ __host__ __device__ inline int64_t RangeKv(const ScheduleShape& s, const int32_t
 }
 
 __host__ __device__ inline ItemCounts RangeCounts(const ScheduleShape& s, const int32_t* seq_lens,
-                                                  int first, int end, int limit) {
+                                                  int first, int end, const Divisor& limit) {
   ItemCounts sum = ZeroCounts();
   WalkItems(s, seq_lens, first, end, limit, ZeroCounts(),
             [&](const Item&, const ItemCounts& own, const ItemCounts&) { sum = sum + own; });
@@ -223,17 +279,18 @@ struct DealPosition {
 // Variant 0 has none: there a last chunk shorter than the limit is small.
 template <typename Add>
 __host__ __device__ inline void RangeShortfalls(const ScheduleShape& s, const int32_t* seq_lens,
-                                                int first, int end, int limit,
+                                                int first, int end, const Divisor& limit,
                                                 const ItemCounts& before, Add add) {
   const int n = s.num_clusters;
   if (first >= end) return;
   DealPosition next[kVariants] = {{0, n}, {before.full(1), n}, {before.full(2), n}, {before.full(3), n}};
   WalkItems(s, seq_lens, first, end, limit, before,
             [&](const Item& it, const ItemCounts& own, const ItemCounts&) {
-              const int last = ChunkTokens(it, it.chunks - 1, limit);
+              const int last = ChunkTokens(it, it.chunks - 1, limit), tokens = static_cast<int>(limit.value);
+              #pragma unroll
               for (int v = 1; v < kVariants; ++v) {
                 next[v].Advance(own.full(v), n);
-                if (!own.rest(v) && last < limit) add(v, next[v].cluster == 0 ? n - 1 : next[v].cluster - 1, limit - last);
+                if (!own.rest(v) && last < tokens) add(v, next[v].cluster == 0 ? n - 1 : next[v].cluster - 1, tokens - last);
               }
             });
 }
@@ -246,16 +303,16 @@ struct Deal {
 };
 
 // Cluster c's cost from its big works: dealt full chunks less the shortfalls that landed there.
-__host__ __device__ inline int64_t BigLoad(const ScheduleShape& s, const Deal& deal, int limit, int c,
-                                           int64_t shortfall) {
-  return deal.To(c) * static_cast<int64_t>(WorkCost(s, limit)) - shortfall;
+__host__ __device__ inline int64_t BigLoad(const ScheduleShape& s, const Deal& deal, const Divisor& limit,
+                                           int c, int64_t shortfall) {
+  return deal.To(c) * static_cast<int64_t>(WorkCost(s, static_cast<int>(limit.value))) - shortfall;
 }
 
 // The cost every cluster should end with under variant v (all big plus small works, over n), and
 // a cluster's budget for small works given its big works' cost.
-__host__ __device__ inline int64_t TargetCost(const ScheduleShape& s, const ItemCounts& total, int v,
+__host__ __device__ inline int64_t TargetCost(const Divisor& num_clusters, const ItemCounts& total, int v,
                                               int64_t big_cost_sum) {
-  return (big_cost_sum + total.rest_cost[v]) / s.num_clusters;
+  return num_clusters.Floor(big_cost_sum + total.rest_cost[v]);
 }
 __host__ __device__ inline int64_t Budget(int64_t target, int64_t big_load) {
   return target > big_load ? target - big_load : 0;
@@ -263,44 +320,54 @@ __host__ __device__ inline int64_t Budget(int64_t target, int64_t big_load) {
 
 // The small works are laid in item order along the clusters' budgets, end to end; a small work
 // goes to the cluster whose stretch holds its midpoint. All positions are doubled (integers).
-// `budget_prefix2[c]`: twice the budgets of the clusters before c.
+// `budget_prefix2[c]`: twice the budgets of the clusters before c, kMaxClusters entries per
+// variant, INT64_MAX past the last cluster.
 __host__ __device__ inline int64_t RestMidpoint2(const ItemCounts& before, const ItemCounts& own, int v) {
-  return 2 * before.rest_cost[v] + own.rest_cost[v];
+  return 2 * before.cost(v) + own.cost(v);
 }
 
-// The last cluster c >= from with budget_prefix2[c] <= x2 (or `from`). Midpoints grow along the
-// items, so a walk passes the cluster it found last as `from`.
-__host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int n, int64_t x2, int from = 0) {
-  if (from + 1 >= n || budget_prefix2[from + 1] > x2) return from;
-  int lo = from + 1, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (budget_prefix2[mid] <= x2) lo = mid; else hi = mid - 1;
-  }
-  return lo;
+// The last cluster c with budget_prefix2[c] <= x2 (there is one: budget_prefix2[0] = 0): a binary
+// search of fixed depth (kMaxClusters = 2^8) without branches, so several can run interleaved.
+__host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int64_t x2) {
+  int c = 0;
+  #pragma unroll
+  for (int step = kMaxClusters / 2; step > 0; step /= 2) c += budget_prefix2[c + step] <= x2 ? step : 0;
+  return c;
 }
 
 // Pass 2 over a range: every small work's cluster under every variant, reported in runs of
-// consecutive works of one cluster as add(v, cluster, works, cost).
+// consecutive works of one cluster as add(v, cluster, works, cost). *first_found: the clusters
+// found for the range's first item, 8 bits per variant, which spare pass 3 one search.
 template <typename Add>
 __host__ __device__ inline void RangeRests(const ScheduleShape& s, const int32_t* seq_lens, int first,
-                                           int end, int limit, const ItemCounts& before,
-                                           const int64_t* budget_prefix2, int prefix_stride, Add add) {
+                                           int end, const Divisor& limit, const ItemCounts& before,
+                                           const int64_t* budget_prefix2, unsigned* first_found, Add add) {
   int cluster[kVariants], works[kVariants];
   int64_t cost[kVariants];
+  #pragma unroll
   for (int v = 0; v < kVariants; ++v) cluster[v] = works[v] = 0, cost[v] = 0;
+  bool first_item = true;
   WalkItems(s, seq_lens, first, end, limit, before,
             [&](const Item&, const ItemCounts& own, const ItemCounts& b) {
+              int found[kVariants];  // searched for every variant at once, used where small
+              unsigned packed = 0;
+              #pragma unroll
+              for (int v = 0; v < kVariants; ++v) {
+                found[v] = RestCluster(budget_prefix2 + v * kMaxClusters, RestMidpoint2(b, own, v));
+                packed |= static_cast<unsigned>(found[v]) << (8 * v);
+              }
+              if (first_item) *first_found = packed, first_item = false;
+              #pragma unroll
               for (int v = 0; v < kVariants; ++v) {
                 if (!own.rest(v)) continue;
-                const int c = RestCluster(budget_prefix2 + v * prefix_stride, s.num_clusters,
-                                          RestMidpoint2(b, own, v), cluster[v]);
+                const int c = found[v];
                 if (c != cluster[v] && works[v]) add(v, cluster[v], works[v], cost[v]), works[v] = 0, cost[v] = 0;
                 cluster[v] = c;
                 ++works[v];
                 cost[v] += own.rest_cost[v];
               }
             });
+  #pragma unroll
   for (int v = 0; v < kVariants; ++v) {
     if (works[v]) add(v, cluster[v], works[v], cost[v]);
   }
@@ -317,7 +384,7 @@ __host__ __device__ inline int ClusterWorks(const Deal& deal, int c, int rest_co
 __host__ __device__ inline void WriteItem(const ScheduleShape& s, const ScheduleOffsets& o,
                                           uint8_t* ws, const Item& it, const ItemCounts& before,
                                           const ItemCounts& own, int v, DealPosition* next,
-                                          const int* cluster_start, int rest_slot, int limit) {
+                                          const int* cluster_start, int rest_slot, const Divisor& limit) {
   const int n = s.num_clusters, full = own.full(v);
   for (int chunk = 0; chunk < it.chunks; ++chunk) {
     int slot = rest_slot;  // the small last chunk
@@ -331,13 +398,14 @@ __host__ __device__ inline void WriteItem(const ScheduleShape& s, const Schedule
     At<int32_t>(ws, o.q_len)[slot] = s.q_len;
     At<int32_t>(ws, o.kv_len)[slot] = it.kv_len;
     At<int32_t>(ws, o.q_start)[slot] = it.tile * s.cluster_tile_q();
-    At<int32_t>(ws, o.kv_start)[slot] = chunk * limit;
-    At<int32_t>(ws, o.kv_end)[slot] = chunk * limit + ChunkTokens(it, chunk, limit);
+    const int kv_start = chunk * static_cast<int>(limit.value);
+    At<int32_t>(ws, o.kv_start)[slot] = kv_start;
+    At<int32_t>(ws, o.kv_end)[slot] = kv_start + ChunkTokens(it, chunk, limit);
   }
   if (!it.split) return;
   const int packed_base = it.request * s.packed_q() + it.tile * s.cluster_tile_q();
   const int row_chunk = RowChunk(s, it, limit);
-  int merge = before.merge;
+  int merge = before.merge();
   for (int offset = 0; offset < it.row_tile; offset += row_chunk, ++merge) {
     const int end = offset + row_chunk < it.row_tile ? offset + row_chunk : it.row_tile;
     At<int32_t>(ws, o.merge_packed_start)[merge] = packed_base + offset;
@@ -358,20 +426,24 @@ __host__ __device__ inline int RestSlot(int cluster, int rests_before, const int
 // Pass 3 over a range: writes its items' works and merge entries under the chosen variant v.
 __host__ __device__ inline void RangeWrites(const ScheduleShape& s, const ScheduleOffsets& o,
                                             uint8_t* ws, const int32_t* seq_lens, int first, int end,
-                                            int limit, const ItemCounts& before, int v,
-                                            const int64_t* budget_prefix2, const int* rest_count,
-                                            const int* cluster_start, const int* rest_start) {
+                                            const Divisor& limit, const ItemCounts& before, int v,
+                                            const int64_t* budget_prefix2, unsigned first_found,
+                                            const int* rest_count, const int* cluster_start,
+                                            const int* rest_start) {
   if (first >= end) return;
   int cluster = 0;
+  bool first_item = true;
   DealPosition next(before.full(v), s.num_clusters);
   WalkItems(s, seq_lens, first, end, limit, before,
             [&](const Item& it, const ItemCounts& own, const ItemCounts& b) {
               int rest_slot = -1;
               if (own.rest(v)) {
-                cluster = RestCluster(budget_prefix2, s.num_clusters, RestMidpoint2(b, own, v), cluster);
+                cluster = first_item ? static_cast<int>(first_found >> (8 * v) & 0xffu)
+                                     : RestCluster(budget_prefix2, RestMidpoint2(b, own, v));
                 rest_slot = RestSlot(cluster, b.rest(v), rest_count, cluster_start, rest_start);
               }
               WriteItem(s, o, ws, it, b, own, v, &next, cluster_start, rest_slot, limit);
+              first_item = false;
             });
 }
 

@@ -146,6 +146,9 @@ def test_report_planner_tables(tmp_path):
         assert record["run_with_host_plan_us"] == 100.0
         assert record["run_with_device_plan_us"] == device_run - planner / 12  # its share taken out
         records.append(record)
+    in_graph = dict(records[0], jax_mla_graph_us=90.0, jax_mla_device_plan_in_graph=True)
+    decode.name_plan_comparison(in_graph)
+    assert in_graph["run_with_host_plan_us"] == 90.0  # graph against graph
     src, md = tmp_path / "gpu.json", tmp_path / "gpu.md"
     src.write_text(json.dumps({"env": {"gpu": "NVIDIA H200"}, "records": records}))
     run_script(REPORT, str(src), "--md", str(md), "--png", str(tmp_path / "gpu.png"))

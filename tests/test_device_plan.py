@@ -161,6 +161,8 @@ CASES = {
     "b128-16k-h16": (list(np.random.default_rng(1).integers(8192, 24576, 128)), 1, 16),
     "b512-4k": (list(np.random.default_rng(2).integers(2048, 6144, 512)), 1, 128),
     "b512-1k-mtp-h16": (list(np.random.default_rng(3).integers(512, 1536, 512)), 2, 16),
+    # Small-work costs that add up past 2^31: the kernel's block-wide scan carries them in 64 bits.
+    "huge-64bit-costs": ([2**30 + 7, 2**30 + 1000, 3 * 2**28], 1, 128),
 }
 # Benchmark points where one fixed way of balancing lost 1.22-1.32x to MLAPlan (and ran 1.21-1.27x
 # slower on the H200, benchmarks/results/2026-11-30-h200.md): (B, L, H, q_len) with the benchmark's
