@@ -18,7 +18,7 @@ Methods (``--backends``):
   jax_mla_noplan  jax_mla without a plan (plans inside each call); on a small sub-grid only
   jax_mla_device_plan  the schedule built on the GPU inside the jitted step (jax_mla.device_plan),
                   shared by its layers (as a CUDA graph where jax_mla_graph is timed too); also
-                  times the planner kernels alone, in a graph (device_plan_us)
+                  times the planner kernel alone, back to back in a graph (device_plan_us)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
@@ -979,12 +979,12 @@ class Bench:
         if all(f"{n}_ms" in record for n in ("step_host_plan", "step_device_plan")):
             record["methods_done"].append("jax_mla_step")
 
-    def time_device_plan(self, layout: Layout, calls: int = 64) -> float:
-        """µs per jax_mla.device_plan call on the GPU: one jitted step of ``calls`` planner calls,
-        each on its own lengths array (no slicing kernel before it) and each schedule returned (no
-        kernel after it), replayed as a CUDA graph so host launch costs drop out; minus the same
-        step without the planner (it returns its inputs). What remains is the planner kernels and
-        their launches inside a graph."""
+    def time_device_plan(self, layout: Layout, calls: int = 128, steps: int = 10) -> float:
+        """µs per jax_mla.device_plan call on the GPU: a jitted step of ``calls`` planner calls,
+        each on its own lengths array and each schedule returned (so no other kernel runs),
+        replayed as a CUDA graph ``steps`` times back to back; the GPU (~1 ms per step) outruns the
+        host's dispatch (a few hundred µs), so wall time / (steps * calls) is the planner kernel
+        plus its launch inside a graph (an empty kernel's is ~0.5 µs). Median of 7 rounds."""
         import jax
         import jax.numpy as jnp
         import jax_mla
@@ -992,22 +992,21 @@ class Bench:
         pt = layout.point
         lens = [jnp.asarray(np.roll(layout.lengths, i), jnp.int32) for i in range(calls)]
 
-        def with_planner(*all_lens):
+        def planners(*all_lens):
             return tuple(jax_mla.device_plan(x, num_heads=pt.H, q_len=pt.q_len,
                                              max_pages=layout.max_pages).int_workspace
                          for x in all_lens)
 
-        timings = []
-        for body in (with_planner, lambda *all_lens: all_lens):
-            fn = jax.jit(body, compiler_options=GRAPH_COMPILER_OPTIONS)
-            jax.block_until_ready(fn(*lens))
-            samples = []
-            for _ in range(21):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(*lens))
-                samples.append(time.perf_counter() - t0)
-            timings.append(median(samples))
-        return max(timings[0] - timings[1], 0.0) / calls * 1e6
+        fn = jax.jit(planners, compiler_options=GRAPH_COMPILER_OPTIONS)
+        jax.block_until_ready(fn(*lens))
+        samples = []
+        for _ in range(7):
+            t0 = time.perf_counter()
+            out = [fn(*lens) for _ in range(steps)]
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - t0) / (steps * calls))
+            del out
+        return median(samples) * 1e6
 
     def time_layers(self, method, fn, layout: Layout, q, caches, plan, layers, record, outputs):
         import jax

@@ -213,8 +213,8 @@ def schedule_table(rows) -> list[str]:
            "µs per layer of one jitted step of N layers sharing one schedule. **run, device plan** "
            "takes the planner's share (GPU planner µs / N) out of the device-planned step "
            "(**step with planner**), so device/host compares the schedules; the planner is timed "
-           "apart (a step of 64 planner calls replayed as a CUDA graph, minus the same step without "
-           "them). Where jax_mla_graph was timed (B <= 32), both steps were replayed as CUDA graphs "
+           "apart (steps of 128 planner calls replayed back to back as CUDA graphs: wall time per "
+           "call, its launch in the graph included). Where jax_mla_graph was timed (B <= 32), both steps were replayed as CUDA graphs "
            "(host launches would otherwise set both times); elsewhere neither was.", ""]
     cell_rows = []
     for r in picked:
