@@ -175,8 +175,9 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
       A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU.
 
     Its own balancing of the work (not MLAPlan's) runs within 3% of the host plan's schedule at
-    B >= 32, L >= 4k on the H200, but the planner kernel costs ~15-30 µs per step
-    (benchmarks/results/2026-11-30-h200-planner.md); the host ``plan`` remains the default.
+    22 of 26 measured points on the H200 (at most 4.7% slower), and the planner kernel costs
+    ~10 µs per step at B=512 (benchmarks/results/2026-11-30-h200-planner.md); the host ``plan``
+    remains the default.
     """
     from jax_mla import ffi
 
