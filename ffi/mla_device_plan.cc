@@ -146,14 +146,15 @@ __global__ void __launch_bounds__(kThreads)
   // Every small work costs at most its tokens plus 2 * cluster_tile_q: when these add up to less
   // than 2^31, so does every prefix of the costs.
   const bool narrow = total_kv + 2LL * s.cluster_tile_q() * s.num_items() < (1LL << 31);
-  const ItemCounts own_counts = RangeCounts(s, seq_lens, first, end, limit);
+  FirstItem known;
+  const ItemCounts own_counts = RangeCounts(s, seq_lens, first, end, limit, &known);
   ItemCounts aggregate;
   const ItemCounts before =
       narrow ? BlockExclusiveScan<true>(own_counts, warp_totals, warp, lane, &aggregate)
              : BlockExclusiveScan<false>(own_counts, warp_totals, warp, lane, &aggregate);
   if (t == 0) total = aggregate;
 
-  RangeShortfalls(s, seq_lens, first, end, limit, before, [&](int v, int c, int64_t shortfall) {
+  RangeShortfalls(s, seq_lens, first, end, limit, before, known, [&](int v, int c, int64_t shortfall) {
     SharedAdd64(&load[v][c], static_cast<unsigned long long>(shortfall));
   });
   __syncthreads();
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(kThreads)
   JAX_MLA_PLAN_STAMP(3)
 
   unsigned first_found = 0;
-  RangeRests(s, seq_lens, first, end, limit, before, &budget_prefix2[0][0], &first_found,
+  RangeRests(s, seq_lens, first, end, limit, before, &budget_prefix2[0][0], known, &first_found,
              [&](int v, int c, int works, int64_t cost) {
                atomicAdd(&rest_count[v][c], works);
                SharedAdd64(&load[v][c], static_cast<unsigned long long>(cost));
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(kThreads)
 
   int v = 0;  // the cheapest variant (the first of equals)
   for (int u = 1; u < kVariants; ++u) v = makespan[u] < makespan[v] ? u : v;
-  RangeWrites(s, o, ws, seq_lens, first, end, limit, before, v, budget_prefix2[v], first_found,
+  RangeWrites(s, o, ws, seq_lens, first, end, limit, before, v, budget_prefix2[v], known, first_found,
               rest_count[v], cluster_start[v], rest_start[v]);
   for (int c = t; c <= n; c += kThreads) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[v][c];
 }
@@ -279,15 +280,16 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   }
   const Divisor clusters(n), limit(KvLenLimit(total_kv, clusters));
   std::vector<ItemCounts> before(kThreads);
+  std::vector<FirstItem> known(kThreads);
   ItemCounts total = ZeroCounts();
   for (int t = 0; t < kThreads; ++t) {
     before[t] = total;
-    total = total + RangeCounts(s, seq_lens, first[t], end[t], limit);
+    total = total + RangeCounts(s, seq_lens, first[t], end[t], limit, &known[t]);
   }
   if (total.chunks() > kMaxTotalWorks || total.merge() > num_sm) return -1;
   std::vector<int64_t> load(kVariants * n, 0);  // shortfalls, then costs
   for (int t = 0; t < kThreads; ++t) {
-    RangeShortfalls(s, seq_lens, first[t], end[t], limit, before[t],
+    RangeShortfalls(s, seq_lens, first[t], end[t], limit, before[t], known[t],
                     [&](int v, int c, int64_t shortfall) { load[v * n + c] += shortfall; });
   }
   std::vector<int64_t> budget_prefix2(kVariants * kMaxClusters, INT64_MAX);
@@ -308,7 +310,7 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   std::vector<int> rest_count(kVariants * n, 0);
   std::vector<unsigned> first_found(kThreads, 0);
   for (int t = 0; t < kThreads; ++t) {
-    RangeRests(s, seq_lens, first[t], end[t], limit, before[t], budget_prefix2.data(), &first_found[t],
+    RangeRests(s, seq_lens, first[t], end[t], limit, before[t], budget_prefix2.data(), known[t], &first_found[t],
                [&](int v, int c, int works, int64_t cost) {
                  rest_count[v * n + c] += works;
                  load[v * n + c] += cost;
@@ -332,7 +334,7 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   ClearUnusedMerges(o, ws, total.merge(), num_sm);
   for (int t = 0; t < kThreads; ++t) {
     RangeWrites(s, o, ws, seq_lens, first[t], end[t], limit, before[t], v,
-                &budget_prefix2[v * kMaxClusters], first_found[t], counts, cluster_start.data(), rest_start.data());
+                &budget_prefix2[v * kMaxClusters], known[t], first_found[t], counts, cluster_start.data(), rest_start.data());
   }
   for (int c = 0; c <= n; ++c) At<int32_t>(ws, o.work_indptr)[c] = cluster_start[c];
   return cluster_start[n];

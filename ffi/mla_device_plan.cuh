@@ -214,17 +214,32 @@ __host__ __device__ inline ItemCounts CountItem(const ScheduleShape& s, const It
   return c;
 }
 
+// A range's first item and its counts, described by the first walk and reused by the later ones
+// (with one item per thread, as at B <= 512 and q_len * H <= 128, the only item).
+struct FirstItem {
+  Item it;
+  ItemCounts own;
+};
+
 // Walks the items [first, end) in order (the range one thread owns), each with its counts and
-// the exclusive prefix `before` of every count over all items before it.
+// the exclusive prefix `before` of every count over all items before it. `known`: the first
+// item, when an earlier walk described it.
 template <typename Visit>
 __host__ __device__ inline void WalkItems(const ScheduleShape& s, const int32_t* seq_lens, int first,
-                                          int end, const Divisor& limit, ItemCounts before, Visit visit) {
+                                          int end, const Divisor& limit, ItemCounts before, Visit visit,
+                                          const FirstItem* known = nullptr) {
+  if (first >= end) return;
   const int tiles = s.num_q_tiles();
-  int request = first / tiles, tile = first % tiles;
-  int kv_len = first < end ? seq_lens[request] : 0;
+  int request, tile, kv_len;
+  if (known) {
+    request = known->it.request, tile = known->it.tile, kv_len = known->it.kv_len;
+  } else {
+    request = first / tiles, tile = first % tiles, kv_len = seq_lens[request];
+  }
   for (int i = first; i < end; ++i) {
-    const Item it = DescribeItem(s, request, tile, kv_len, limit);
-    const ItemCounts own = CountItem(s, it, limit);
+    const bool cached = known && i == first;
+    const Item it = cached ? known->it : DescribeItem(s, request, tile, kv_len, limit);
+    const ItemCounts own = cached ? known->own : CountItem(s, it, limit);
     visit(it, own, before);
     before = before + own;
     if (++tile == tiles && i + 1 < end) tile = 0, kv_len = seq_lens[++request];
@@ -250,11 +265,17 @@ __host__ __device__ inline int64_t RangeKv(const ScheduleShape& s, const int32_t
   return sum;
 }
 
+// The counts of items [first, end), and (*known) the first one, for the later walks.
 __host__ __device__ inline ItemCounts RangeCounts(const ScheduleShape& s, const int32_t* seq_lens,
-                                                  int first, int end, const Divisor& limit) {
+                                                  int first, int end, const Divisor& limit,
+                                                  FirstItem* known) {
   ItemCounts sum = ZeroCounts();
+  bool first_item = true;
   WalkItems(s, seq_lens, first, end, limit, ZeroCounts(),
-            [&](const Item&, const ItemCounts& own, const ItemCounts&) { sum = sum + own; });
+            [&](const Item& it, const ItemCounts& own, const ItemCounts&) {
+              if (first_item) known->it = it, known->own = own, first_item = false;
+              sum = sum + own;
+            });
   return sum;
 }
 
@@ -280,7 +301,7 @@ struct DealPosition {
 template <typename Add>
 __host__ __device__ inline void RangeShortfalls(const ScheduleShape& s, const int32_t* seq_lens,
                                                 int first, int end, const Divisor& limit,
-                                                const ItemCounts& before, Add add) {
+                                                const ItemCounts& before, const FirstItem& known, Add add) {
   const int n = s.num_clusters;
   if (first >= end) return;
   DealPosition next[kVariants] = {{0, n}, {before.full(1), n}, {before.full(2), n}, {before.full(3), n}};
@@ -292,7 +313,7 @@ __host__ __device__ inline void RangeShortfalls(const ScheduleShape& s, const in
                 next[v].Advance(own.full(v), n);
                 if (!own.rest(v) && last < tokens) add(v, next[v].cluster == 0 ? n - 1 : next[v].cluster - 1, tokens - last);
               }
-            });
+            }, &known);
 }
 
 // `full` big works dealt round-robin over n clusters: cluster c gets To(c) of them.
@@ -341,7 +362,8 @@ __host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int64_
 template <typename Add>
 __host__ __device__ inline void RangeRests(const ScheduleShape& s, const int32_t* seq_lens, int first,
                                            int end, const Divisor& limit, const ItemCounts& before,
-                                           const int64_t* budget_prefix2, unsigned* first_found, Add add) {
+                                           const int64_t* budget_prefix2, const FirstItem& known,
+                                           unsigned* first_found, Add add) {
   int cluster[kVariants], works[kVariants];
   int64_t cost[kVariants];
   #pragma unroll
@@ -366,7 +388,7 @@ __host__ __device__ inline void RangeRests(const ScheduleShape& s, const int32_t
                 ++works[v];
                 cost[v] += own.rest_cost[v];
               }
-            });
+            }, &known);
   #pragma unroll
   for (int v = 0; v < kVariants; ++v) {
     if (works[v]) add(v, cluster[v], works[v], cost[v]);
@@ -427,9 +449,9 @@ __host__ __device__ inline int RestSlot(int cluster, int rests_before, const int
 __host__ __device__ inline void RangeWrites(const ScheduleShape& s, const ScheduleOffsets& o,
                                             uint8_t* ws, const int32_t* seq_lens, int first, int end,
                                             const Divisor& limit, const ItemCounts& before, int v,
-                                            const int64_t* budget_prefix2, unsigned first_found,
-                                            const int* rest_count, const int* cluster_start,
-                                            const int* rest_start) {
+                                            const int64_t* budget_prefix2, const FirstItem& known,
+                                            unsigned first_found, const int* rest_count,
+                                            const int* cluster_start, const int* rest_start) {
   if (first >= end) return;
   int cluster = 0;
   bool first_item = true;
@@ -444,7 +466,7 @@ __host__ __device__ inline void RangeWrites(const ScheduleShape& s, const Schedu
               }
               WriteItem(s, o, ws, it, b, own, v, &next, cluster_start, rest_slot, limit);
               first_item = false;
-            });
+            }, &known);
 }
 
 // Merge CTAs past the used ones do nothing: their row ranges are empty. Clears entries
