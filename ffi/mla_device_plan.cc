@@ -260,6 +260,21 @@ ffi::Error DevicePlanImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
 }  // namespace
 }  // namespace jax_mla
 
+namespace {
+// The twin's sums per (variant, cluster), in host arrays. (A functor rather than a lambda: a host
+// lambda called from the shared __host__ __device__ walks draws an nvcc warning.)
+struct HostAdd {
+  int64_t* load;
+  int* rest_count;
+  int n;
+  __host__ __device__ void operator()(int v, int c, int64_t shortfall) const { load[v * n + c] += shortfall; }
+  __host__ __device__ void operator()(int v, int c, int works, int64_t cost) const {
+    rest_count[v * n + c] += works;
+    load[v * n + c] += cost;
+  }
+};
+}  // namespace
+
 // The sequential twin of PlanKernel, for tests on machines without a GPU: the same range walks
 // for each of the kernel's threads in turn, the block-wide steps done in order. Returns the number
 // of works, or -1 when a capacity (16384 works, #SM merge CTAs, 256 clusters) would be exceeded.
@@ -290,7 +305,7 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   std::vector<int64_t> load(kVariants * n, 0);  // shortfalls, then costs
   for (int t = 0; t < kThreads; ++t) {
     RangeShortfalls(s, seq_lens, first[t], end[t], limit, before[t], known[t],
-                    [&](int v, int c, int64_t shortfall) { load[v * n + c] += shortfall; });
+                    HostAdd{load.data(), nullptr, n});
   }
   std::vector<int64_t> budget_prefix2(kVariants * kMaxClusters, INT64_MAX);
   for (int v = 0; v < kVariants; ++v) {
@@ -311,10 +326,7 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
   std::vector<unsigned> first_found(kThreads, 0);
   for (int t = 0; t < kThreads; ++t) {
     RangeRests(s, seq_lens, first[t], end[t], limit, before[t], budget_prefix2.data(), known[t], &first_found[t],
-               [&](int v, int c, int works, int64_t cost) {
-                 rest_count[v * n + c] += works;
-                 load[v * n + c] += cost;
-               });
+               HostAdd{load.data(), rest_count.data(), n});
   }
   int v = 0;  // the cheapest variant (the first of equals)
   std::vector<int64_t> makespan(kVariants, 0);
