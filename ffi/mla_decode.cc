@@ -345,15 +345,21 @@ ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   });
 }
 
+// What every decode handler binds first: the stream and device, then the query (fa: [N, H, D];
+// trtllm: [B, q_len, H, D]), the paged kv_cache and the block_tables.
+auto PagedDecodeBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecode, FaDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()          // query [N, H, D]
-                                  .Arg<ffi::AnyBuffer>()          // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                              PagedDecodeBinding()
                                   .Arg<ffi::AnyBuffer>()          // int_workspace (the plan)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
@@ -366,12 +372,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecode, FaDecodeImpl,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlan, FaDecodeSelfPlanImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()          // query [N, H, D]
-                                  .Arg<ffi::AnyBuffer>()          // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                              PagedDecodeBinding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
@@ -386,12 +387,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlan, FaDecodeSelfPlanImpl,
                                   .Attr<ffi::Span<const int64_t>>("plan_info"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecode, TrtllmDecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()          // query [B, q_len, H, D]
-                                  .Arg<ffi::AnyBuffer>()          // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // block_tables
+                              PagedDecodeBinding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::U8>>()    // multi-CTA counter
                                   .Ret<ffi::AnyBuffer>()          // out
