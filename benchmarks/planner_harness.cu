@@ -6,7 +6,7 @@
 //        -I$(python -c 'import jax; print(jax.ffi.include_dir())') \
 //        benchmarks/planner_harness.cu -o planner_harness
 //   ./planner_harness check 1000   # kernel == twin on 1000 random cases (exit 1 on a mismatch)
-//   ./planner_harness time         # markdown table: µs per launch and phase stamps
+//   ./planner_harness time [B ...] # markdown table: µs per launch and phase stamps (all or these B)
 //   ./planner_harness one B H q L  # two launches of one case (for ncu or compute-sanitizer)
 //
 // The layout below mirrors jax_mla.planning.schedule_layout (kv_lora_rank 512).
@@ -20,7 +20,7 @@
 #include <random>
 #include <vector>
 
-__device__ long long g_stamps[8];
+__device__ long long g_stamps[16];  // 0..5: the kernel's phases; 6..15: a build's own marks
 #define JAX_MLA_PLAN_STAMP(phase) \
   if (threadIdx.x == 0) g_stamps[phase] = clock64();
 #include "mla_device_plan.cc"
@@ -175,7 +175,8 @@ int Check(int cases, int num_sm) {
   return mismatches != 0;
 }
 
-int Time(int num_sm) {
+// only_batches: the batch sizes to time (all when empty).
+int Time(int num_sm, const std::vector<int>& only_batches) {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
   const double empty = GraphMicroseconds(stream, 200, [&] { EmptyKernel<<<1, kThreads, 0, stream>>>(); });
@@ -187,12 +188,14 @@ int Time(int num_sm) {
       for (int batch : {1, 32, 128, 512}) {
         for (int mean : {4096, 32768}) {
           if (mean == 32768 && batch > 32) continue;
+          if (!only_batches.empty() &&
+              std::find(only_batches.begin(), only_batches.end(), batch) == only_batches.end()) continue;
           std::mt19937 rng(batch * 7 + num_heads + q_len);
           const Case c{batch, q_len, num_heads, Lengths(rng, batch, 0, mean, q_len)};
           const bool same = KernelMatchesTwin(c, num_sm);
           const Launch launch(c, num_sm);
           const double us = GraphMicroseconds(stream, 200, [&] { launch(stream); });
-          long long stamps[8] = {};
+          long long stamps[16] = {};
           CHECK_CUDA(cudaMemcpyToSymbol(g_stamps, stamps, sizeof(stamps)));
           launch(stream);
           CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -200,6 +203,9 @@ int Time(int num_sm) {
           printf("| %d | %d | %d | %dk | %.2f%s |", batch, num_heads, q_len, mean / 1024, us,
                  same ? "" : " (differs from the twin)");
           for (int phase = 1; phase <= 5; ++phase) printf(" %lld", stamps[phase] - stamps[0]);
+          for (int mark = 6; mark < 16; ++mark) {
+            if (stamps[mark]) printf(" %s%d:%lld", mark == 6 ? "/ " : "", mark, stamps[mark] - stamps[0]);
+          }
           printf(" |\n");
         }
       }
@@ -223,7 +229,11 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaDeviceSynchronize());
     return 0;
   }
-  if (!strcmp(mode, "time")) return Time(num_sm);
-  printf("usage: %s check [cases] | time | one B H q_len L\n", argv[0]);
+  if (!strcmp(mode, "time")) {
+    std::vector<int> only_batches;
+    for (int i = 2; i < argc; ++i) only_batches.push_back(atoi(argv[i]));
+    return Time(num_sm, only_batches);
+  }
+  printf("usage: %s check [cases] | time [B ...] | one B H q_len L\n", argv[0]);
   return 2;
 }

@@ -82,10 +82,11 @@ __device__ T Shuffle(T x, int delta) {
   }
 }
 
-// The exclusive prefix of `own` over the block's threads, and (in *total) the sum over all: warp
-// scans by shuffles, then every warp scans the warp totals. (cub's BlockScan has every thread add
-// up the totals of all warps below its own, one by one: at 16 warps of 12-word counts, thousands
-// of cycles.) warp_totals: shared, kWarps entries.
+// The exclusive prefix of `own` over the block's threads, and the sum over all in *total (shared):
+// warp scans by shuffles, then one warp scans the warp totals. (cub's BlockScan has every thread
+// add up the totals of all warps below its own, one by one: at 16 warps of 12-word counts,
+// thousands of cycles; every warp scanning them by shuffles costs ~250 cycles more than one warp
+// and a barrier.) warp_totals: shared, kWarps entries.
 template <bool kNarrow>
 __device__ ItemCounts BlockExclusiveScan(const ItemCounts& own, ItemCounts* warp_totals, int warp,
                                          int lane, ItemCounts* total) {
@@ -97,16 +98,20 @@ __device__ ItemCounts BlockExclusiveScan(const ItemCounts& own, ItemCounts* warp
   }
   if (lane == 31) warp_totals[warp] = inclusive;
   __syncthreads();
-  ItemCounts warps = lane < kWarps ? warp_totals[lane] : ZeroCounts();  // then: over warps 0 .. lane
-  #pragma unroll
-  for (int offset = 1; offset < kWarps; offset *= 2) {
-    const ItemCounts below = warps.Map([&](auto x) { return Shuffle<kNarrow, true>(x, offset); });
-    if (lane >= offset) warps = warps + below;
+  if (warp == 0) {  // the warp totals become each warp's exclusive prefix
+    const ItemCounts warp_total = lane < kWarps ? warp_totals[lane] : ZeroCounts();
+    ItemCounts warps = warp_total;  // then: over warps 0 .. lane
+    #pragma unroll
+    for (int offset = 1; offset < kWarps; offset *= 2) {
+      const ItemCounts below = warps.Map([&](auto x) { return Shuffle<kNarrow, true>(x, offset); });
+      if (lane >= offset) warps = warps + below;
+    }
+    __syncwarp();
+    if (lane < kWarps) warp_totals[lane] = warps - warp_total;
+    if (lane == kWarps - 1) *total = warps;
   }
-  *total = warps.Map([](auto x) { return Shuffle<kNarrow, false>(x, kWarps - 1); });
-  ItemCounts before = warps.Map([&](auto x) { return Shuffle<kNarrow, false>(x, (warp + 31) % 32); });
-  if (warp == 0) before = ZeroCounts();
-  return before + (inclusive - own);
+  __syncthreads();
+  return warp_totals[warp] + (inclusive - own);
 }
 
 // Every thread owns a contiguous range of (request, tile) items (one item each up to 512 items) and
@@ -124,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ ItemCounts warp_totals[kWarps];
   __shared__ ItemCounts total;
   __shared__ unsigned long long load[kVariants][kMaxClusters];  // shortfalls, then costs
-  __shared__ int64_t makespan[kVariants];
+  __shared__ int64_t makespan[kVariants], rest_shift2[kVariants];
   __shared__ int64_t budget_prefix2[kVariants][kMaxClusters];
   __shared__ int rest_count[kVariants][kMaxClusters];
   __shared__ int rest_start[kVariants][kMaxClusters], cluster_start[kVariants][kMaxClusters + 1];  // per variant
@@ -148,18 +153,23 @@ __global__ void __launch_bounds__(kThreads)
   const bool narrow = total_kv + 2LL * s.cluster_tile_q() * s.num_items() < (1LL << 31);
   FirstItem known;
   const ItemCounts own_counts = RangeCounts(s, seq_lens, first, end, limit, &known);
-  ItemCounts aggregate;
-  const ItemCounts before =
-      narrow ? BlockExclusiveScan<true>(own_counts, warp_totals, warp, lane, &aggregate)
-             : BlockExclusiveScan<false>(own_counts, warp_totals, warp, lane, &aggregate);
-  if (t == 0) total = aggregate;
+  const ItemCounts before = narrow ? BlockExclusiveScan<true>(own_counts, warp_totals, warp, lane, &total)
+                                   : BlockExclusiveScan<false>(own_counts, warp_totals, warp, lane, &total);
 
   RangeShortfalls(s, seq_lens, first, end, limit, before, known, [&](int v, int c, int64_t shortfall) {
     SharedAdd64(&load[v][c], static_cast<unsigned long long>(shortfall));
   });
   __syncthreads();
   JAX_MLA_PLAN_STAMP(2)
-  if (warp < kVariants) {  // big-work costs, then the small works' budgets
+  // Warp v < kVariants: variant v's big-work costs, then its small works' budgets. Warp
+  // kVariants + v meanwhile finds the variant's RestShift2 (its division would lengthen warp v's
+  // chain by ~250 cycles) and hands it over at named barrier 1 + v.
+  if (warp >= kVariants && warp < 2 * kVariants) {
+    const int v = warp - kVariants;
+    if (lane == 0) rest_shift2[v] = RestShift2(total, v);
+    asm volatile("bar.arrive %0, %1;" ::"r"(1 + v), "r"(64) : "memory");
+  }
+  if (warp < kVariants) {
     const int v = warp;
     const Deal deal(total.full(v), n);
     int64_t budget[kClustersPerLane], big_sum = 0;  // this lane's clusters lane_first + k
@@ -179,6 +189,8 @@ __global__ void __launch_bounds__(kThreads)
       budgets += budget[k];
     }
     int64_t position2 = 2 * WarpExclusiveSum(budgets, lane);
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + v), "r"(64) : "memory");
+    position2 -= rest_shift2[v];
     #pragma unroll
     for (int k = 0; k < kClustersPerLane; ++k) {
       if (lane_first + k < lane_end) budget_prefix2[v][lane_first + k] = position2;
@@ -316,7 +328,7 @@ extern "C" int JaxMlaDevicePlanOnHost(const int32_t* seq_lens, int batch, int q_
       big_sum += load[v * n + c];
     }
     const int64_t target = TargetCost(clusters, total, v, big_sum);
-    int64_t position2 = 0;
+    int64_t position2 = -RestShift2(total, v);
     for (int c = 0; c < n; ++c) {
       budget_prefix2[v * kMaxClusters + c] = position2;
       position2 += 2 * Budget(target, load[v * n + c]);

@@ -223,12 +223,17 @@ struct FirstItem {
 
 // Walks the items [first, end) in order (the range one thread owns), each with its counts and
 // the exclusive prefix `before` of every count over all items before it. `known`: the first
-// item, when an earlier walk described it.
+// item, when an earlier walk described it; a range of that item alone (one item per thread, the
+// common case) is visited without the loop, whose running state lengthens every walk.
 template <typename Visit>
 __host__ __device__ inline void WalkItems(const ScheduleShape& s, const int32_t* seq_lens, int first,
                                           int end, const Divisor& limit, ItemCounts before, Visit visit,
                                           const FirstItem* known = nullptr) {
   if (first >= end) return;
+  if (known && end == first + 1) {
+    visit(known->it, known->own, before);
+    return;
+  }
   const int tiles = s.num_q_tiles();
   int request, tile, kv_len;
   if (known) {
@@ -341,14 +346,28 @@ __host__ __device__ inline int64_t Budget(int64_t target, int64_t big_load) {
 
 // The small works are laid in item order along the clusters' budgets, end to end; a small work
 // goes to the cluster whose stretch holds its midpoint. All positions are doubled (integers).
-// `budget_prefix2[c]`: twice the budgets of the clusters before c, kMaxClusters entries per
-// variant, INT64_MAX past the last cluster.
+// `budget_prefix2[c]`: twice the budgets of the clusters before c less the variant's RestShift2,
+// kMaxClusters entries per variant, INT64_MAX past the last cluster.
 __host__ __device__ inline int64_t RestMidpoint2(const ItemCounts& before, const ItemCounts& own, int v) {
   return 2 * before.cost(v) + own.cost(v);
 }
 
-// The last cluster c with budget_prefix2[c] <= x2 (there is one: budget_prefix2[0] = 0): a binary
-// search of fixed depth (kMaxClusters = 2^8) without branches, so several can run interleaved.
+// How far (doubled) variant v's small works are shifted along the budgets before the midpoint
+// rule places them. IsSmall is monotone in v, so variants with as many small works have the same
+// ones and would build the same schedule (every work is small when all tiles are short against
+// the chunk size): the j-th of such equals shifts them by 1/2, 1/4 or 3/4 of their mean cost,
+// another phase of the rule, whose overshoot (up to half a work per cluster) then falls elsewhere.
+__host__ __device__ inline int64_t RestShift2(const ItemCounts& total, int v) {
+  int equals_before = 0;
+  #pragma unroll
+  for (int u = 0; u < kVariants - 1; ++u) equals_before += u < v && total.rest(u) == total.rest(v) ? 1 : 0;
+  if (equals_before == 0 || total.rest(v) == 0) return 0;
+  const int quarters = equals_before == 1 ? 2 : equals_before == 2 ? 1 : 3;
+  return Divisor(2 * total.rest(v)).Floor(quarters * total.cost(v));
+}
+
+// The last cluster c with budget_prefix2[c] <= x2, or 0 (budget_prefix2[0] is never read): a
+// binary search of fixed depth (kMaxClusters = 2^8) without branches, so several can run interleaved.
 __host__ __device__ inline int RestCluster(const int64_t* budget_prefix2, int64_t x2) {
   int c = 0;
   #pragma unroll
