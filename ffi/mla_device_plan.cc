@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ ItemCounts warp_totals[kWarps];
   __shared__ ItemCounts total;
   __shared__ unsigned long long load[kVariants][kMaxClusters];  // shortfalls, then costs
-  __shared__ int64_t makespan[kVariants], rest_shift2[kVariants];
+  __shared__ int64_t makespan[kVariants];
   __shared__ int64_t budget_prefix2[kVariants][kMaxClusters];
   __shared__ int rest_count[kVariants][kMaxClusters];
   __shared__ int rest_start[kVariants][kMaxClusters], cluster_start[kVariants][kMaxClusters + 1];  // per variant
@@ -161,16 +161,9 @@ __global__ void __launch_bounds__(kThreads)
   });
   __syncthreads();
   JAX_MLA_PLAN_STAMP(2)
-  // Warp v < kVariants: variant v's big-work costs, then its small works' budgets. Warp
-  // kVariants + v meanwhile finds the variant's RestShift2 (its division would lengthen warp v's
-  // chain by ~250 cycles) and hands it over at named barrier 1 + v.
-  if (warp >= kVariants && warp < 2 * kVariants) {
-    const int v = warp - kVariants;
-    if (lane == 0) rest_shift2[v] = RestShift2(total, v);
-    asm volatile("bar.arrive %0, %1;" ::"r"(1 + v), "r"(64) : "memory");
-  }
-  if (warp < kVariants) {
+  if (warp < kVariants) {  // big-work costs, then the small works' budgets
     const int v = warp;
+    const int64_t shift2 = RestShift2(total, v);  // first, so its latency overlaps the sums
     const Deal deal(total.full(v), n);
     int64_t budget[kClustersPerLane], big_sum = 0;  // this lane's clusters lane_first + k
     #pragma unroll
@@ -188,9 +181,7 @@ __global__ void __launch_bounds__(kThreads)
       budget[k] = lane_first + k < lane_end ? Budget(target, budget[k]) : 0;
       budgets += budget[k];
     }
-    int64_t position2 = 2 * WarpExclusiveSum(budgets, lane);
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + v), "r"(64) : "memory");
-    position2 -= rest_shift2[v];
+    int64_t position2 = 2 * WarpExclusiveSum(budgets, lane) - shift2;
     #pragma unroll
     for (int k = 0; k < kClustersPerLane; ++k) {
       if (lane_first + k < lane_end) budget_prefix2[v][lane_first + k] = position2;

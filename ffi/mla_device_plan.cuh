@@ -58,7 +58,15 @@ struct Divisor {
   double inverse;
   __host__ __device__ explicit Divisor(int64_t v) : value(v) {
 #ifdef __CUDA_ARCH__
-    inverse = __drcp_rn(static_cast<double>(v));  // 1.0 / v rounded the same way, without a division
+    // 1 / v to within an ulp or two without a branch (__drcp_rn's check for special inputs, which
+    // a positive integer never is, keeps the compiler from interleaving it with other work): the
+    // hardware approximation and two Newton steps. The twin's division may differ in the last
+    // bit; Floor's correction makes both exact.
+    const double d = static_cast<double>(v);
+    double r;
+    asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(d));
+    r = fma(r, fma(-d, r, 1.0), r);
+    inverse = fma(r, fma(-d, r, 1.0), r);
 #else
     inverse = 1.0 / static_cast<double>(v);
 #endif
