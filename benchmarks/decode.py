@@ -18,7 +18,8 @@ Methods (``--backends``):
   jax_mla_noplan  jax_mla without a plan (plans inside each call); on a small sub-grid only
   jax_mla_device_plan  the schedule built on the GPU inside the jitted step (jax_mla.device_plan),
                   shared by its layers (as a CUDA graph where jax_mla_graph is timed too); also
-                  times the planner kernel alone, back to back in a graph (device_plan_us)
+                  times the planner kernel alone (device_plan_us, from a profiler trace) and per
+                  call in CUDA graphs of 128 planner calls (device_plan_graph_us)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
@@ -612,19 +613,51 @@ def xla_naive_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale):
     return out.astype(query.dtype)
 
 
+def kernel_durations_us(trace_dir: str, kernel_name: str) -> list[float]:
+    """Durations (µs) of the events named like ``kernel_name`` in the perfetto traces under
+    ``trace_dir`` (what ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes)."""
+    import glob
+    import gzip
+
+    durations = []
+    for path in glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True):
+        with gzip.open(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        durations += [float(e["dur"]) for e in events
+                      if kernel_name in str(e.get("name", "")) and "dur" in e]
+    return durations
+
+
+def profiled_kernel_us(run, kernel_name: str) -> tuple[list[float], str | None]:
+    """(durations in µs of every launch of the GPU kernel named like ``kernel_name`` while
+    ``run()`` executes under the JAX profiler, why there are none or None)."""
+    import tempfile
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        try:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                run()
+        except RuntimeError as e:  # e.g. no CUPTI, or another trace running
+            return [], f"profiler: {e}"
+        durations = kernel_durations_us(trace_dir, kernel_name)
+    return durations, None if durations else f"no {kernel_name} events in the profiler trace"
+
+
 def name_plan_comparison(record: dict) -> None:
     """The host- vs device-schedule fields under the names the planner's goal uses: µs per layer of
     the decode run with either schedule, from steps of N layers. The device-planned step also runs
-    the planner once, so its share (device_plan_us / N, timed apart) is taken out of the run. Where
+    the planner once, so its share (its graph node's time / N, timed apart) is taken out. Where
     the device-planned step was replayed as a CUDA graph, it is compared with the host-planned step
     replayed the same way (jax_mla_graph_us)."""
     if record.get("plan_us") is None or record.get("jax_mla_device_plan_us") is None:
         return
     layers = record.get("jax_mla_device_plan_layers") or record["layers"]
     host_field = "jax_mla_graph_us" if record.get("jax_mla_device_plan_in_graph") else "jax_mla_us"
+    planner = record.get("device_plan_graph_us") or record.get("device_plan_us") or 0.0
     record["run_with_host_plan_us"] = record[host_field]
-    record["run_with_device_plan_us"] = (record["jax_mla_device_plan_us"]
-                                         - (record.get("device_plan_us") or 0.0) / layers)
+    record["run_with_device_plan_us"] = record["jax_mla_device_plan_us"] - planner / layers
 
 
 def decode_with_plan(query, cache, tables, lens, plan):
@@ -895,7 +928,7 @@ class Bench:
         if method == "jax_mla_step":
             return self.time_model_step(layout, q, caches, record, outputs)
         if method == "jax_mla_device_plan":
-            record["device_plan_us"] = self.time_device_plan(layout)
+            self.time_device_plan(layout, record)
             # Where the host-planned step is also replayed as a CUDA graph (small batches, where
             # host launches would otherwise dominate both), compare the schedules that way.
             in_graph = "jax_mla_graph" in self.args.methods and method_applies("jax_mla_graph", pt, self.args)
@@ -979,12 +1012,17 @@ class Bench:
         if all(f"{n}_ms" in record for n in ("step_host_plan", "step_device_plan")):
             record["methods_done"].append("jax_mla_step")
 
-    def time_device_plan(self, layout: Layout, calls: int = 128, steps: int = 10) -> float:
-        """µs per jax_mla.device_plan call on the GPU: a jitted step of ``calls`` planner calls,
-        each on its own lengths array and each schedule returned (so no other kernel runs),
-        replayed as a CUDA graph ``steps`` times back to back; the GPU (~1 ms per step) outruns the
-        host's dispatch (a few hundred µs), so wall time / (steps * calls) is the planner kernel
-        plus its launch inside a graph (an empty kernel's is ~0.5 µs). Median of 7 rounds."""
+    def time_device_plan(self, layout: Layout, record: dict, calls: int = 128, steps: int = 10):
+        """The jax_mla.device_plan kernel's time, two ways, from a jitted step of ``calls``
+        planner calls, each on its own lengths array and each schedule returned (so no other
+        kernel runs), replayed as a CUDA graph:
+
+        - ``device_plan_us``: the kernel alone, the median duration of its launches in a profiler
+          trace of 3 steps (CUPTI, as Nsight Systems sees it);
+        - ``device_plan_graph_us``: wall time per call over ``steps`` steps back to back (the GPU,
+          ~1 ms per step, outruns the host's dispatch), median of 7 rounds: the kernel plus what
+          its node in XLA's CUDA graph adds (on the H200 a node costs ~9.3 µs even when its kernel
+          takes 6.8). Without profiler events device_plan_us falls back to this."""
         import jax
         import jax.numpy as jnp
         import jax_mla
@@ -1006,7 +1044,17 @@ class Bench:
             jax.block_until_ready(out)
             samples.append((time.perf_counter() - t0) / (steps * calls))
             del out
-        return median(samples) * 1e6
+        record["device_plan_graph_us"] = median(samples) * 1e6
+
+        def three_steps():
+            for _ in range(3):
+                jax.block_until_ready(fn(*lens))
+
+        durations, skip = profiled_kernel_us(three_steps, "PlanKernel")
+        record["device_plan_kernel_launches"] = len(durations)
+        if skip:
+            record["device_plan_kernel_skip"] = skip
+        record["device_plan_us"] = median(durations) if durations else record["device_plan_graph_us"]
 
     def time_layers(self, method, fn, layout: Layout, q, caches, plan, layers, record, outputs):
         import jax
@@ -1293,6 +1341,7 @@ def summary_line(record: dict) -> str:
     for name, field in (("jax_mla", "jax_mla_us"), ("graph", "jax_mla_graph_us"),
                         ("noplan", "jax_mla_noplan_us"),
                         ("devplan", "jax_mla_device_plan_us"), ("planner", "device_plan_us"),
+                        ("planner-node", "device_plan_graph_us"),
                         ("step-host", "step_host_plan_ms"), ("step-dev", "step_device_plan_ms"),
                         ("FI", "flashinfer_torch_us"), ("FI-graph", "flashinfer_graph_us"),
                         ("naive", "xla_naive_us"), ("jax_mla_xla", "jax_mla_xla_us")):

@@ -208,21 +208,24 @@ def schedule_table(rows) -> list[str]:
     if not picked:
         return []
     head = ["H", "q", "B", "L", "floor µs", "run, host plan µs", "run, device plan µs", "device/host",
-            "step with planner µs/layer", "GPU planner µs", "host plan() µs"]
+            "step with planner µs/layer", "GPU planner µs", "planner's graph node µs", "host plan() µs"]
     out = ["## Host schedule vs GPU schedule", "",
            "µs per layer of one jitted step of N layers sharing one schedule. **run, device plan** "
-           "takes the planner's share (GPU planner µs / N) out of the device-planned step "
-           "(**step with planner**), so device/host compares the schedules; the planner is timed "
-           "apart (steps of 128 planner calls replayed back to back as CUDA graphs: wall time per "
-           "call, its launch in the graph included). Where jax_mla_graph was timed (B <= 32), both steps were replayed as CUDA graphs "
-           "(host launches would otherwise set both times); elsewhere neither was.", ""]
+           "takes the planner's share (its graph node's µs / N) out of the device-planned step "
+           "(**step with planner**), so device/host compares the schedules. The planner is timed "
+           "apart, in steps of 128 planner calls replayed as CUDA graphs: **GPU planner µs** is "
+           "the kernel alone (median launch in a profiler trace), **planner's graph node µs** the "
+           "wall time per call with the steps replayed back to back (the kernel plus what a node "
+           "of XLA's graph adds). Where jax_mla_graph was timed (B <= 32), both steps were "
+           "replayed as CUDA graphs (host launches would otherwise set both times); elsewhere "
+           "neither was.", ""]
     cell_rows = []
     for r in picked:
         host, dev = num(r, "run_with_host_plan_us"), num(r, "run_with_device_plan_us")
         cell_rows.append([
             r["H"], r["q_len"], r["B"], fmt_len(r["L"]), f(num(r, "floor_us")), f(host), f(dev),
             f(ratio(dev, host), 3), f(num(r, "jax_mla_device_plan_us")), f(num(r, "device_plan_us")),
-            f(num(r, "plan_ready_us"))])
+            f(num(r, "device_plan_graph_us")), f(num(r, "plan_ready_us"))])
     return out + markdown_table(head, cell_rows) + [""]
 
 
@@ -316,7 +319,7 @@ def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[st
               "- **noplan µs**: jax_mla without a plan (plans inside each call; small sub-grid).",
               "- **devplan µs**: jax_mla with its schedule built on the GPU inside the jitted step "
               "(`jax_mla.device_plan`, once, shared by the layers); **planner µs**: that planner "
-              "kernel alone.",
+              "kernel alone (median launch duration in a profiler trace).",
               "- **plan µs** / **FI plan µs**: host time of `jax_mla.plan(...)` / of FlashInfer's "
               "`plan()` (+ synchronize), median; once per step, shared by all layers.",
               "- **% of floor**: floor µs / jax_mla µs. **TFLOP/s**, **TB/s**: jax_mla's achieved "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import json
 import os
@@ -155,12 +156,36 @@ def test_report_planner_tables(tmp_path):
     text = md.read_text()
     assert "## Host schedule vs GPU schedule" in text
     assert "## Whole decode step, host plan vs GPU plan" in text
-    assert "| 128 | 1 | 32 | 4k | 80.0 | 100.0 | 101.0 | 1.010 | 101.5 | 6.0 | 450.0 |" in text
+    assert "| 128 | 1 | 32 | 4k | 80.0 | 100.0 | 101.0 | 1.010 | 101.5 | 6.0 | – | 450.0 |" in text
     assert "| 128 | 1 | 512 | 4k | 61 | 6.50 | 6.20 | 0.954 | 450.0 |" in text
     planner_goal = next(line for line in text.splitlines() if "GPU planner at most 10 us" in line)
     assert "NOT MET at any of the 1 measured point(s)" in planner_goal, planner_goal
     run_goal = next(line for line in text.splitlines() if "device-planned run within 3%" in line)
     assert "met at 1 of 2" in run_goal.lower() or "1 of the 2" in run_goal, run_goal
+
+
+def test_planner_share_uses_its_graph_node_time_when_measured():
+    decode = load_bench_decode()
+    record = {"plan_us": 400.0, "jax_mla_us": 100.0, "jax_mla_device_plan_us": 101.0,
+              "device_plan_us": 6.0, "device_plan_graph_us": 9.0, "layers": 12}
+    decode.name_plan_comparison(record)
+    assert record["run_with_device_plan_us"] == 101.0 - 9.0 / 12
+
+
+def test_kernel_durations_come_from_the_perfetto_trace(tmp_path):
+    """Only the named kernel's complete events count (not its launch API calls, not other kernels)."""
+    decode = load_bench_decode()
+    events = [{"ph": "X", "name": "void jax_mla::PlanKernel(ScheduleShape)", "dur": 8.5},
+              {"ph": "X", "name": "cudaLaunchKernel", "dur": 3.0, "args": {"kernel": "PlanKernel"}},
+              {"ph": "X", "name": "BatchMLAPageAttentionHopperKernel", "dur": 300.0},
+              {"ph": "i", "name": "PlanKernel marker"},
+              {"ph": "X", "name": "jax_mla::PlanKernel", "dur": 7.5}]
+    nested = tmp_path / "plugins" / "profile" / "run1"
+    nested.mkdir(parents=True)
+    with gzip.open(nested / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert decode.kernel_durations_us(str(tmp_path), "PlanKernel") == [8.5, 7.5]
+    assert decode.kernel_durations_us(str(tmp_path), "NoSuchKernel") == []
 
 
 def test_dry_run_refuses_the_gpu_only_methods(capsys):
