@@ -174,10 +174,10 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
     Returns:
       A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU.
 
-    Its own balancing of the work (not MLAPlan's) runs within 3% of the host plan's schedule at
-    22 of 26 measured points on the H200 (at most 4.7% slower), and the planner kernel costs
-    ~10 µs per step at B=512 (benchmarks/results/2026-11-30-h200-planner.md); the host ``plan``
-    remains the default.
+    Its own balancing of the work (not MLAPlan's) runs within 3% of the host plan's schedule on
+    the H200 at every measured point with q_len 1 (B 1-512, L 1k-16k, H 16/128; 3.7% slower at
+    B=32, L=32k, q_len 2), and the planner kernel takes 7.8-8.4 µs at B=512
+    (benchmarks/results/2026-11-30-h200-planner.md); the host ``plan`` remains the default.
     """
     from jax_mla import ffi
 
