@@ -1021,8 +1021,8 @@ class Bench:
           trace of 3 steps (CUPTI, as Nsight Systems sees it);
         - ``device_plan_graph_us``: wall time per call over ``steps`` steps back to back (the GPU,
           ~1 ms per step, outruns the host's dispatch), median of 7 rounds: the kernel plus what
-          its node in XLA's CUDA graph adds (on the H200 a node costs ~9.3 µs even when its kernel
-          takes 6.8). Without profiler events device_plan_us falls back to this."""
+          its node in XLA's CUDA graph adds (on the H200 7.8-10.4 µs around a 6.7 µs kernel).
+          Without profiler events device_plan_us falls back to this."""
         import jax
         import jax.numpy as jnp
         import jax_mla
