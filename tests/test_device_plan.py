@@ -182,21 +182,32 @@ for _b, _l, _h, _q in BENCH_CASES:
                                                         _q, _h)
 
 
+def with_spare_page(lengths):
+    """(int32 lengths, a block-table width with one spare page)."""
+    lengths = np.asarray(lengths, np.int32)
+    return lengths, int(-(-lengths.max() // 64)) + 1
+
+
 def case_inputs(case):
     """CASES[case] as (int32 lengths, q_len, num_heads, max_pages with one spare page)."""
     lengths, q_len, num_heads = CASES[case]
-    lengths = np.asarray(lengths() if callable(lengths) else lengths, np.int32)
-    return lengths, q_len, num_heads, int(-(-lengths.max() // 64)) + 1
+    lengths, max_pages = with_spare_page(lengths() if callable(lengths) else lengths)
+    return lengths, q_len, num_heads, max_pages
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_schedule_is_complete_and_balanced(host_planner, case):
-    lengths, q_len, num_heads, max_pages = case_inputs(case)
+def checked_makespans(host_planner, lengths, q_len, num_heads, max_pages):
+    """(the twin's busiest cluster, MLAPlan's) under MLAPlan's cost model, once check_schedule
+    has found the twin's schedule complete and consistent."""
     layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
     assert works > 0
     makespan = check_schedule(layout, arrays(layout, workspace, works), works, lengths, q_len,
                               num_heads, max_pages)
-    reference = host_mlaplan_makespan(lengths, q_len, num_heads)
+    return makespan, host_mlaplan_makespan(lengths, q_len, num_heads)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_schedule_is_complete_and_balanced(host_planner, case):
+    makespan, reference = checked_makespans(host_planner, *case_inputs(case))
     assert makespan <= 1.07 * reference, (makespan, reference)
 
 
@@ -209,12 +220,8 @@ def test_goal_grid_busiest_cluster_within_2_5_percent_of_mlaplans(host_planner, 
                                                                    num_heads):
     """Under MLAPlan's cost model. At B=512, H=128 every work is small under every variant, so the
     four variants coincide unless RestShift2 gives them other phases (without: 1.046x at L=1k)."""
-    lengths = np.asarray(bench_lengths(batch, mean_len, num_heads, 1), np.int32)
-    max_pages = int(-(-lengths.max() // 64)) + 1
-    layout, workspace, works = build(host_planner, lengths, 1, num_heads, max_pages)
-    makespan = check_schedule(layout, arrays(layout, workspace, works), works, lengths, 1, num_heads,
-                              max_pages)
-    reference = host_mlaplan_makespan(lengths, 1, num_heads)
+    lengths, max_pages = with_spare_page(bench_lengths(batch, mean_len, num_heads, 1))
+    makespan, reference = checked_makespans(host_planner, lengths, 1, num_heads, max_pages)
     assert makespan <= 1.025 * reference, (makespan / reference)
 
 
