@@ -188,6 +188,18 @@ def test_kernel_durations_come_from_the_perfetto_trace(tmp_path):
     assert decode.kernel_durations_us(str(tmp_path), "NoSuchKernel") == []
 
 
+def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
+    """On a CPU the profiler runs but sees no GPU kernel: no durations, and the reason recorded
+    (time_device_plan then falls back to the graph wall time and keeps the reason)."""
+    import jax.numpy as jnp
+
+    decode = load_bench_decode()
+    durations, why = decode.profiled_kernel_us(lambda: (jnp.ones(3) + 1).block_until_ready(),
+                                               "PlanKernel")
+    assert durations == []
+    assert why == "no PlanKernel events in the profiler trace"
+
+
 def test_dry_run_refuses_the_gpu_only_methods(capsys):
     bench = load_bench_decode()
     for method in ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan", "jax_mla_step"):
