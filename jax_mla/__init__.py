@@ -1,8 +1,9 @@
 """jax_mla: DeepSeek-style Multi-head Latent Attention decode for JAX.
 
-``decode`` runs FlashInfer's MLA kernels through an XLA FFI custom call on NVIDIA GPUs and a chunked
-pure-XLA implementation everywhere else; ``plan`` builds the fa3/fa2 work schedule once per step;
-``write_kv`` updates the paged cache in place.
+``decode`` runs an MLA decode kernel through an XLA FFI custom call on NVIDIA GPUs and a chunked
+pure-XLA implementation everywhere else (``jax_mla.backends.TABLE`` lists the backends); ``plan`` and
+``device_plan`` build the fa3/fa2 work schedule once per step; ``write_kv`` updates the paged cache
+in place.
 """
 
 from jax_mla.api import decode

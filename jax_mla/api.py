@@ -1,12 +1,15 @@
-"""The public decode entry point: validation, backend choice, dispatch."""
+"""The public decode entry point: argument checks, backend choice, the plan and scale rules."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
+import jax.numpy as jnp
 
-from jax_mla import _validate, backends, sharding, xla_backend
+from jax_mla import backends, planning, sharding, validation
+
+DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
 
 def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
@@ -25,15 +28,14 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       softmax_scale: the pre-absorption scale, e.g. ``192**-0.5 * mscale**2`` for DeepSeek.
       output_scale: multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
-      backend: "auto", "xla", "fa3", "fa2" or "trtllm-gen". "auto" picks the best available one for
-        the platform and dtype (see ``jax_mla.available_backends``): fa3 on Hopper, fa2 on other
-        CUDA GPUs, trtllm-gen on Blackwell, xla on CPU and for non-bfloat16.
+      backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
+        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
-      plan: for the fa3/fa2 backends, the work schedule. A ``jax_mla.Plan`` from ``jax_mla.plan``
-        (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared by every layer;
-        ``"device"`` builds one on the GPU inside this call; None
-        plans inside the call on the host, which reads ``seq_lens`` back (a device sync) and
-        cannot be captured in a CUDA graph.
+      plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
+        ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
+        by every layer; ``"device"`` to build one on the GPU inside this call; None to plan inside
+        the call on the host, which reads ``seq_lens`` back (a device sync) and cannot be captured
+        in a CUDA graph. Other backends take only None.
 
     With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
     ``[0, seq_len - q_len + i]``.
@@ -42,25 +44,46 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       out [B, q_len, H, kv_lora_rank] in ``query.dtype``; with ``return_lse`` a tuple
       ``(out, lse)`` with lse float32 [B, q_len, H].
     """
-    _, _, _, kv_lora_rank, _, _ = _validate.check_decode_args(
+    _, _, _, kv_lora_rank, _, _ = validation.check_decode_args(
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
-    softmax_scale = _validate.check_finite_scale("softmax_scale", softmax_scale)
-    output_scale = _validate.check_finite_scale("output_scale", output_scale)
+    softmax_scale = validation.check_finite_scale("softmax_scale", softmax_scale)
+    output_scale = validation.check_finite_scale("output_scale", output_scale)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
-    platform = backends.platform_of(query, kv_cache)
-    chosen = backends.resolve(backend, platform, query.dtype)
-    # The kernel runs once per device on its shard when the arrays are sharded (jax_mla.sharding).
-    if chosen == backends.XLA:
-        if plan is not None:
-            raise ValueError("plan is only used by the fa3/fa2 backends; the xla backend takes plan=None")
-        kernel = functools.partial(xla_backend.decode, softmax_scale=softmax_scale,
-                                   output_scale=output_scale, kv_lora_rank=kv_lora_rank,
-                                   return_lse=return_lse)
-        return sharding.call(kernel, query, kv_cache, block_tables, seq_lens)
-    from jax_mla import gpu_backend
-
-    kernel = functools.partial(gpu_backend.decode, chosen, softmax_scale=softmax_scale,
+    chosen = backends.BY_NAME[backends.resolve(backend, backends.platform_of(query, kv_cache),
+                                                query.dtype)]
+    check_plan_argument(plan, chosen)
+    kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
-                               return_lse=return_lse)
-    return sharding.call(kernel, query, kv_cache, block_tables, seq_lens, plan=plan)
+                               device_plan=isinstance(plan, str))
+    # The kernel runs once per device on its shard when the arrays are sharded (jax_mla.sharding).
+    schedule = None if isinstance(plan, str) else plan
+    out, lse = sharding.call(kernel, query, kv_cache, block_tables, seq_lens, plan=schedule)
+    return (out, lse) if return_lse else out
+
+
+def check_plan_argument(plan, backend: backends.Backend) -> None:
+    """Raise unless ``plan`` is None, "device" or a ``Plan``, and ``backend`` reads one if given."""
+    if not (plan is None or isinstance(plan, planning.Plan)
+            or (isinstance(plan, str) and plan == DEVICE_PLAN)):
+        raise TypeError("plan must be None, 'device' or a jax_mla.Plan from jax_mla.plan(...) or "
+                        f"jax_mla.device_plan(...), got {plan!r}")
+    if plan is not None and not backend.takes_plan:
+        readers = [b.name for b in backends.TABLE if b.takes_plan]
+        raise ValueError(f"plan is only read by the {'/'.join(readers)} backends; backend "
+                         f"{backend.name!r} takes plan=None, got {type(plan).__name__}")
+
+
+def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,
+                softmax_scale: float, output_scale: float, kv_lora_rank: int, device_plan: bool,
+                plan: planning.Plan | None = None):
+    """One device's decode: (out, lse) for its shard of the arrays."""
+    if device_plan:
+        _, q_len, num_heads, _ = query.shape
+        plan = planning.device_plan(seq_lens, num_heads=num_heads, max_pages=block_tables.shape[1],
+                                    q_len=q_len, kv_lora_rank=kv_lora_rank)
+    out, lse = backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
+                              output_scale=output_scale, kv_lora_rank=kv_lora_rank, plan=plan)
+    if not backend.applies_output_scale and output_scale != 1.0:
+        out = (out.astype(jnp.float32) * output_scale).astype(out.dtype)
+    return out, lse

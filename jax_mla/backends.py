@@ -1,28 +1,109 @@
-"""Which decode backends exist, which ones the current platform can run, and what "auto" picks."""
+"""The decode backends: one table of what each runs on and supports, and what "auto" picks.
+
+Every backend's ``decode`` has one signature::
+
+    decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale, kv_lora_rank,
+           plan) -> (out [B, q_len, H, kv_lora_rank] in query.dtype, lse float32 [B, q_len, H])
+
+``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
+there and takes the query's dtype. That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on
+Hopper (SM90), fa2 on other CUDA GPUs from SM80, and xla everywhere else.
+"""
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
+
+from jax_mla import gpu, xla_backend
 
 XLA = "xla"
 FA3 = "fa3"
 FA2 = "fa2"
 TRTLLM_GEN = "trtllm-gen"
-ALL_BACKENDS = (XLA, FA3, FA2, TRTLLM_GEN)
-GPU_BACKENDS = (FA3, FA2, TRTLLM_GEN)
+AUTO = "auto"
 
-def arch_supports(backend: str, capability: tuple[int, int]) -> bool:
-    """Whether a GPU of compute ``capability`` (major, minor) can run ``backend``'s kernels."""
-    if backend == FA3:
-        return capability == (9, 0)
-    if backend == FA2:
-        return capability >= (8, 0)
-    if backend == TRTLLM_GEN:
-        return capability in ((10, 0), (10, 3))
-    return backend == XLA
+Capability = tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One decode implementation.
+
+    Attributes:
+      name: the ``backend=`` string.
+      runs_on: where it runs, in words (for messages and docs).
+      runs_on_capability: whether a CUDA GPU of this compute capability runs it; None for a backend
+        that needs no GPU.
+      dtypes: the query/cache dtypes it takes; empty for any floating dtype.
+      takes_plan: whether it reads a work schedule (``plan=`` a ``jax_mla.Plan`` or "device").
+      applies_output_scale: whether its kernel multiplies by ``output_scale`` itself.
+      decode: the implementation, with the signature in the module docstring.
+    """
+
+    name: str
+    runs_on: str
+    runs_on_capability: Callable[[Capability], bool] | None
+    dtypes: tuple
+    takes_plan: bool
+    applies_output_scale: bool
+    decode: Callable
+
+    def takes_dtype(self, dtype) -> bool:
+        return not self.dtypes or jnp.dtype(dtype) in self.dtypes
+
+    def runs_on_gpu(self, capability: Capability) -> bool:
+        return self.runs_on_capability is not None and self.runs_on_capability(capability)
+
+
+def _xla_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+                kv_lora_rank, plan):
+    del plan
+    return xla_backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
+                              output_scale=output_scale, kv_lora_rank=kv_lora_rank, return_lse=True)
+
+
+def _fa_decode(name: str) -> Callable:
+    def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+               kv_lora_rank, plan):
+        del output_scale  # applied by jax_mla.decode (applies_output_scale=False)
+        return gpu.fa_decode(name, query, kv_cache, block_tables, seq_lens,
+                             softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank, plan=plan)
+
+    decode.__name__ = f"{name}_decode"
+    return decode
+
+
+def _trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+                   kv_lora_rank, plan):
+    del plan
+    return gpu.trtllm_decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
+                             output_scale=output_scale, kv_lora_rank=kv_lora_rank)
+
+
+BF16 = (jnp.dtype(jnp.bfloat16),)
+
+TABLE: tuple[Backend, ...] = (
+    Backend(TRTLLM_GEN, "SM100/SM103 (B200, GB200, B300)", lambda cc: cc in ((10, 0), (10, 3)),
+            BF16, takes_plan=False, applies_output_scale=True, decode=_trtllm_decode),
+    Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
+            BF16, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA3)),
+    Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
+            BF16, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA2)),
+    Backend(XLA, "any JAX platform", None,
+            (), takes_plan=False, applies_output_scale=True, decode=_xla_decode),
+)
+BY_NAME = {backend.name: backend for backend in TABLE}
+ALL_BACKENDS = tuple(BY_NAME)
+
+
+def runnable_on(capability: Capability | None) -> list[str]:
+    """Backends that run on a CUDA GPU of ``capability`` (None: no usable GPU), best first."""
+    return [b.name for b in TABLE
+            if b.runs_on_capability is None or (capability is not None and b.runs_on_gpu(capability))]
 
 
 def platform_of(*arrays) -> str:
@@ -33,60 +114,50 @@ def platform_of(*arrays) -> str:
     return jax.default_backend()
 
 
-def gpu_capability() -> tuple[int, int]:
-    """Compute capability of the first CUDA device."""
-    device = jax.devices("gpu")[0]
-    major, minor = str(device.compute_capability).split(".")
-    return int(major), int(minor)
-
-
-def gpu_runtime_missing() -> str | None:
-    """Why the FFI backends cannot run in this environment, or None when they can."""
-    from jax_mla import ffi
-
-    if ffi.library_path() is None:
-        return ("jax_mla's FFI library was not built (reinstall jax_mla on a machine with nvcc and "
-                "the CUDA toolkit, or set JAX_MLA_FFI_LIB)")
-    for module, package in (("flashinfer", "flashinfer-python"), ("tvm_ffi", "apache-tvm-ffi")):
-        if importlib.util.find_spec(module) is None:
-            return f"{package} is not installed (pip install 'jax_mla[cuda]')"
-    return None
+def _is_cuda(platform: str) -> bool:
+    return platform in ("gpu", "cuda")
 
 
 def available_backends(platform: str | None = None) -> list[str]:
     """Backends that can run on ``platform`` (default: JAX's default platform), best first."""
     platform = platform or jax.default_backend()
-    if platform not in ("gpu", "cuda") or gpu_runtime_missing() is not None:
-        return [XLA]
-    capability = gpu_capability()
-    return [b for b in GPU_BACKENDS if arch_supports(b, capability)] + [XLA]
+    if not _is_cuda(platform) or gpu.runtime_missing() is not None:
+        return runnable_on(None)
+    return runnable_on(gpu.capability())
 
 
 def resolve(backend: str, platform: str, dtype=jnp.bfloat16) -> str:
-    """The concrete backend to run for a ``backend=`` argument on ``platform``.
+    """The name of the backend to run for a ``backend=`` argument on ``platform`` with query/cache ``dtype``.
 
-    "auto" takes the first available backend that runs ``dtype`` (the GPU kernels take bfloat16
-    only, so other dtypes get "xla"). On the H200 fa3 was as fast as fa2 or faster at every point
-    measured, B=1 included (benchmarks/results/2026-11-30-h200.md), so Hopper always gets fa3.
+    "auto" takes the first available backend that takes ``dtype``. A named backend must be
+    available here and take ``dtype``; otherwise the error says why and what is available.
     """
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+        raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
+                        f"{type(backend).__name__}")
     available = available_backends(platform)
-    if backend == "auto":
-        if jnp.dtype(dtype) != jnp.bfloat16:
-            return XLA
-        return available[0]
-    if backend not in ALL_BACKENDS:
+    if backend == AUTO:
+        return next(name for name in available if BY_NAME[name].takes_dtype(dtype))
+    if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")
-    if backend in available:
-        return backend
-    if platform not in ("gpu", "cuda"):
-        raise ValueError(f"backend {backend!r} needs an NVIDIA GPU but the arrays are on {platform!r}; "
-                         f"available here: {available}")
-    missing = gpu_runtime_missing()
+    chosen = BY_NAME[backend]
+    if backend not in available:
+        raise ValueError(f"{_why_unavailable(chosen, platform)}; available here: {available}")
+    if not chosen.takes_dtype(dtype):
+        raise TypeError(f"backend {backend!r} needs query and kv_cache of dtype "
+                        f"{' or '.join(str(d) for d in chosen.dtypes)}, got {jnp.dtype(dtype)}; "
+                        "use backend='xla' for other dtypes")
+    return backend
+
+
+def _why_unavailable(backend: Backend, platform: str) -> str:
+    if not _is_cuda(platform):
+        return (f"backend {backend.name!r} needs an NVIDIA GPU ({backend.runs_on}) but the arrays "
+                f"are on {platform!r}")
+    missing = gpu.runtime_missing()
     if missing:
-        raise ValueError(f"backend {backend!r} is unavailable: {missing}; available here: {available}")
-    major, minor = gpu_capability()
-    raise ValueError(f"backend {backend!r} cannot run on this GPU (compute capability {major}.{minor}); "
-                     f"backends it supports: {available}")
+        return f"backend {backend.name!r} is unavailable: {missing}"
+    major, minor = gpu.capability()
+    return (f"backend {backend.name!r} runs on {backend.runs_on} and cannot run on this GPU "
+            f"(compute capability {major}.{minor})")

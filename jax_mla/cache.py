@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_mla import _validate
+from jax_mla import validation
 
 
 def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, rope_dim: int = 64,
@@ -46,7 +46,7 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     Under ``jax.jit(..., donate_argnums=0)`` the update happens in place: XLA aliases the donated
     cache to the result and copies nothing but the written rows.
     """
-    _validate.check_write_args(kv_cache, latent, k_rope, slot_mapping)
+    validation.check_write_args(kv_cache, latent, k_rope, slot_mapping)
     num_pages, page_size, head_dim = kv_cache.shape
     num_slots = num_pages * page_size
     rows = jnp.concatenate([latent, k_rope], axis=-1).astype(kv_cache.dtype)

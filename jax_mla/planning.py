@@ -1,15 +1,12 @@
-"""FlashInfer's fa3/fa2 MLA work schedule: its fixed layout, and ``plan`` to build it once per step.
+"""FlashInfer's fa3/fa2 MLA work schedule: its fixed layout, and the two ways to build it.
 
-FlashInfer's ``MLAPlan`` (include/flashinfer/attention/scheduler.cuh) splits each request's kv
-range over the SMs' clusters and writes the work lists into an int workspace. Where each array
-lives in that workspace (``plan_info``) depends only on the SM count, ``q_len * num_heads`` and the
-output head dim; the contents depend on the lengths. So the layout is static (a custom-call
-attribute) and the contents are a device array built on the host once per decode step and shared
-by every layer: ``plan = jax_mla.plan(seq_lens_host, ...)`` then ``decode(..., plan=plan)``.
-
-``device_plan`` builds the same kind of schedule on the GPU from traced ``seq_lens`` inside the
-jitted step (ffi/mla_device_plan.cuh), so a step needs no host work at all; ``decode(...,
-plan="device")`` does that per call.
+FlashInfer's ``MLAPlan`` splits each request's kv range over the SMs' clusters and writes the work
+lists into an int workspace. Where each array lives in that workspace (``plan_info``) depends only
+on the SM count, ``q_len * num_heads`` and the output head dim; the contents depend on the lengths.
+So the layout is static (a custom-call attribute) and the contents are a device array built once
+per decode step and shared by every layer: on the host by ``plan`` (FlashInfer's ``MLAPlan``), or
+on the GPU inside the jitted step by ``device_plan`` (``ffi/device_plan.cuh``). docs/gpu-schedule.md
+describes both.
 """
 
 from __future__ import annotations
@@ -102,11 +99,6 @@ def _host_scratch(num_bytes: int) -> np.ndarray:
     return np.zeros(num_bytes, np.uint8)
 
 
-def gpu_sm_count(device=None) -> int:
-    device = device or jax.devices("gpu")[0]
-    return int(device.core_count)
-
-
 def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_rank: int = 512,
          rope_dim: int = 64, device=None) -> Plan:
     """Build the fa3/fa2 work schedule for one decode step on the host.
@@ -121,7 +113,7 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     Returns:
       A ``Plan`` to pass as ``decode(..., plan=plan)`` to every layer of the step.
     """
-    from jax_mla import backends, flashinfer_modules
+    from jax_mla import backends, gpu
 
     if isinstance(seq_lens, jax.core.Tracer):
         raise TypeError("seq_lens must be host values (numpy), not a traced array: plan outside jit")
@@ -140,11 +132,11 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
         raise ValueError(f"jax_mla.plan needs a GPU that runs fa3 or fa2; available here: "
                          f"{backends.available_backends()}")
     device = device or jax.devices("gpu")[0]
-    layout = schedule_layout(gpu_sm_count(device), q_len, num_heads, kv_lora_rank)
+    layout = schedule_layout(gpu.sm_count(device), q_len, num_heads, kv_lora_rank)
     lengths = lengths.astype(np.int32)
     batch = lengths.size
     staging = np.zeros(layout.int_workspace_bytes, np.uint8)
-    planner = flashinfer_modules.fa_plan_function(fa_backends[0], kv_lora_rank, rope_dim)
+    planner = gpu.fa_plan_function(fa_backends[0], kv_lora_rank, rope_dim)
     plan_info, staged_bytes = planner(
         _host_scratch(layout.float_workspace_bytes), staging, staging,
         np.arange(batch + 1, dtype=np.int32) * q_len,
@@ -172,29 +164,21 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
       seq_lens: int32 [B] (traced is fine), the lengths the step passes to ``decode``.
       num_heads: query heads per device; max_pages: the block table's width; q_len: query tokens.
     Returns:
-      A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU.
-
-    Its own balancing of the work (not MLAPlan's) runs within 3% of the host plan's schedule on
-    the H200 at every measured point with q_len 1 (B 1-512, L 1k-16k, H 16/128; 3.7% slower at
-    B=32, L=32k, q_len 2), and the planner kernel takes 7.8-8.4 µs at B=512
-    (benchmarks/results/2026-11-30-h200-planner.md); the host ``plan`` remains the default.
+      A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU. It
+      honours MLAPlan's invariants but balances the work its own way (docs/gpu-schedule.md).
     """
-    from jax_mla import ffi
+    from jax_mla import gpu
 
     batch = seq_lens.shape[0]
-    sm_count = gpu_sm_count()
-    layout = schedule_layout(sm_count, q_len, num_heads, kv_lora_rank)
+    num_sms = gpu.sm_count()
+    layout = schedule_layout(num_sms, q_len, num_heads, kv_lora_rank)
     cluster_size, num_clusters = layout.plan_info[:2]
     if num_clusters > DEVICE_PLAN_MAX_CLUSTERS:
         raise ValueError(f"the GPU planner handles at most {DEVICE_PLAN_MAX_CLUSTERS} clusters, this "
-                         f"GPU has {num_clusters} ({sm_count} SMs); use jax_mla.plan")
+                         f"GPU has {num_clusters} ({num_sms} SMs); use jax_mla.plan")
     if not max_works_fit(batch, q_len, num_heads, num_clusters, cluster_size):
         raise ValueError(f"batch {batch} x q_len {q_len} x {num_heads} heads may exceed FlashInfer's "
                          f"{MAX_TOTAL_WORKS} scheduled works; split the batch")
-    ffi.register_targets()
-    int_workspace = jax.ffi.ffi_call(
-        "jax_mla_device_plan", jax.ShapeDtypeStruct((layout.int_workspace_bytes,), np.uint8))(
-        seq_lens, q_len=np.int64(q_len), num_heads=np.int64(num_heads),
-        max_pages=np.int64(max_pages), num_sm=np.int64(sm_count), causal=q_len > 1,
-        plan_info=np.asarray(layout.plan_info, np.int64))
+    int_workspace = gpu.device_plan_call(seq_lens, q_len=q_len, num_heads=num_heads,
+                                         max_pages=max_pages, num_sms=num_sms, layout=layout)
     return Plan(int_workspace, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)

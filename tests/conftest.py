@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jax_mla
-from jax_mla import backends, ffi
+from jax_mla import backends, gpu
 
 jax.config.update("jax_enable_x64", False)
 
@@ -103,7 +103,7 @@ HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
 @pytest.fixture(scope="session")
 def ffi_library_path(tmp_path_factory):
     """The installed FFI library, else one built here from ffi/ (needs nvcc and apache-tvm-ffi)."""
-    path = ffi.library_path()
+    path = gpu.library_path()
     if path is not None:
         return path
     if shutil.which("nvcc") is None or not HAS_TVM_FFI:
@@ -113,7 +113,7 @@ def ffi_library_path(tmp_path_factory):
     subprocess.run(["cmake", "-S", root, "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90a"],
                    check=True, capture_output=True)
     subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
-    return build / "ffi" / ffi.LIBRARY_NAME
+    return build / "ffi" / gpu.LIBRARY_NAME
 
 
 def gpu_backends_here() -> list[str]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import HAS_TVM_FFI, load_bench_decode
 
-from jax_mla import ffi, planning
+from jax_mla import gpu, planning
 
 NUM_SM = 132
 pytestmark = pytest.mark.skipif(not HAS_TVM_FFI, reason="the FFI library links TVM-FFI's runtime")
@@ -230,7 +230,7 @@ def test_goal_grid_busiest_cluster_within_2_5_percent_of_mlaplans(host_planner, 
 def test_gpu_kernel_writes_the_host_twins_schedule(host_planner, case):
     """The kernel (threads walking item ranges, warp-parallel budgets and layout, shared-memory
     atomics) and its sequential twin share integer math, so every schedule word must be equal."""
-    if jax.default_backend() != "gpu" or planning.gpu_sm_count() != NUM_SM:
+    if jax.default_backend() != "gpu" or gpu.sm_count() != NUM_SM:
         pytest.skip(f"needs a GPU with {NUM_SM} SMs (the twin's schedules are built for an H100/H200)")
     lengths, q_len, num_heads, max_pages = case_inputs(case)
     layout, workspace, works = build(host_planner, lengths, q_len, num_heads, max_pages)
@@ -251,21 +251,22 @@ def test_checker_catches_a_broken_schedule(host_planner):
 
 
 def test_device_plan_lowers_to_one_graph_safe_custom_call(monkeypatch):
-    monkeypatch.setattr(planning, "gpu_sm_count", lambda device=None: NUM_SM)
-    monkeypatch.setattr(ffi, "register_targets", lambda: None)
+    monkeypatch.setattr(gpu, "sm_count", lambda device=None: NUM_SM)
+    monkeypatch.setattr(gpu, "register_targets", lambda: None)
     lengths = jax.ShapeDtypeStruct((512,), jnp.int32)
     text = jax.jit(lambda sl: planning.device_plan(sl, num_heads=128, max_pages=64, q_len=2)
                    .int_workspace).trace(lengths).lower(lowering_platforms=("cuda",)).as_text()
     call = next(line for line in text.splitlines() if "@jax_mla_device_plan(" in line)
     layout = planning.schedule_layout(NUM_SM, 2, 128, 512)
     assert "causal = true" in call and "num_heads = 128" in call and "max_pages = 64" in call
+    assert f"sm_count = {NUM_SM}" in call
     assert f"tensor<{layout.int_workspace_bytes}xui8>" in call
     with pytest.raises(ValueError, match="may exceed FlashInfer's 16384 scheduled works"):
         planning.device_plan(jnp.zeros((9000,), jnp.int32), num_heads=128, max_pages=4, q_len=2)
 
 
 def test_device_plan_rejects_more_clusters_than_the_kernel_holds(monkeypatch):
-    monkeypatch.setattr(planning, "gpu_sm_count", lambda device=None: 2 * 257)
+    monkeypatch.setattr(gpu, "sm_count", lambda device=None: 2 * 257)
     with pytest.raises(ValueError, match=r"at most 256 clusters, this GPU has 257 \(514 SMs\); "
                                          r"use jax_mla.plan"):
         planning.device_plan(jnp.zeros((4,), jnp.int32), num_heads=128, max_pages=4)

@@ -45,7 +45,9 @@ DECODE_ERRORS = [
     (dict(kv_lora_rank=576), ValueError, r"kv_lora_rank must be in \(0, 576\)"),
     (dict(return_lse=1), TypeError, r"return_lse must be a bool"),
     (dict(query=[[1.0]]), TypeError, r"query must be an array, got list"),
-    (dict(plan=object()), ValueError, r"plan is only used by the fa3/fa2 backends"),
+    (dict(plan=object()), TypeError, r"plan must be None, 'device' or a jax_mla.Plan"),
+    (dict(plan="device", backend="xla"), ValueError,
+     r"plan is only read by the fa3/fa2 backends; backend 'xla' takes plan=None, got str"),
 ]
 
 

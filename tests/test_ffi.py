@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +13,7 @@ import pytest
 
 from conftest import HAS_TVM_FFI
 
-from jax_mla import ffi, flashinfer_modules, gpu_backend, planning
+from jax_mla import api, backends, gpu, planning
 
 
 @pytest.mark.skipif(not HAS_TVM_FFI, reason="apache-tvm-ffi provides the runtime the library links to")
@@ -22,7 +21,7 @@ def test_library_exports_every_handler(ffi_library_path):
     import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so, which the library resolves by soname)
 
     library = ctypes.CDLL(str(ffi_library_path))
-    for symbol in ffi.TARGETS.values():
+    for symbol in gpu.TARGETS.values():
         assert getattr(library, symbol) is not None
 
 
@@ -45,10 +44,10 @@ def test_schedule_layout_matches_flashinfer_mlaplan():
 @pytest.fixture
 def lowering_stubs(monkeypatch):
     """Entry-point names and SM count that a GPU would supply, so lowering runs on any machine."""
-    monkeypatch.setattr(flashinfer_modules, "fa_entry_points", lambda b, r, p: (f"t.{b}.run", f"t.{b}.plan"))
-    monkeypatch.setattr(flashinfer_modules, "trtllm_entry_point", lambda: "t.trtllm")
-    monkeypatch.setattr(planning, "gpu_sm_count", lambda device=None: 132)
-    monkeypatch.setattr(ffi, "register_targets", lambda: None)
+    monkeypatch.setattr(gpu, "fa_entry_points", lambda b, r, p: (f"t.{b}.run", f"t.{b}.plan"))
+    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "t.trtllm")
+    monkeypatch.setattr(gpu, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(gpu, "register_targets", lambda: None)
 
 
 def lower_for_cuda(fn, *shapes):
@@ -63,18 +62,24 @@ SHAPES = (
 )
 
 
+def run_backend(name, *arrays, plan=None, **scales):
+    """One device's decode through backend ``name``, as jax_mla.decode runs it once resolved."""
+    return api.run_backend(backends.BY_NAME[name], *arrays, kv_lora_rank=512, device_plan=False,
+                           plan=plan, **scales)
+
+
 def attributes(text, target):
     line = next(line for line in text.splitlines() if f"@{target}(" in line)
     return line
 
 
 def test_fa_lowering_without_a_plan(lowering_stubs):
-    text = lower_for_cuda(lambda *a: gpu_backend.decode(
-        "fa3", *a, softmax_scale=0.135, output_scale=1.0, kv_lora_rank=512, return_lse=True), *SHAPES)
+    text = lower_for_cuda(lambda *a: run_backend("fa3", *a, softmax_scale=0.135, output_scale=1.0),
+                          *SHAPES)
     call = attributes(text, "jax_mla_fa_decode_self_plan")
     layout = planning.schedule_layout(132, 2, 128, 512)
     assert 'run_fn = "t.fa3.run"' in call and 'plan_fn = "t.fa3.plan"' in call
-    assert "mask_mode = 1" in call and "q_len = 2" in call and "sm_scale = 1.350000e-01" in call
+    assert "causal = true" in call and "q_len = 2" in call and "softmax_scale = 1.350000e-01" in call
     assert "tensor<8x128x576xbf16>" in call  # [B * q_len, H, D]: the flattened token axis
     assert f"tensor<{layout.int_workspace_bytes}xui8>" in call
     assert f"tensor<{layout.float_workspace_bytes}xui8>" in call
@@ -83,30 +88,27 @@ def test_fa_lowering_without_a_plan(lowering_stubs):
 def test_fa_lowering_with_a_plan_is_a_pure_device_call(lowering_stubs):
     layout = planning.schedule_layout(132, 2, 128, 512)
     plan = planning.Plan(jnp.zeros((layout.int_workspace_bytes,), jnp.uint8), 4, 2, 128, 8, 512, layout)
-    text = lower_for_cuda(lambda *a: gpu_backend.decode(
-        "fa2", *a, softmax_scale=0.1, output_scale=0.5, kv_lora_rank=512, return_lse=False,
-        plan=plan), *SHAPES)
+    text = lower_for_cuda(lambda *a: run_backend("fa2", *a, softmax_scale=0.1, output_scale=0.5,
+                                                 plan=plan), *SHAPES)
     call = attributes(text, "jax_mla_fa_decode")
     assert "plan_fn" not in call and 'run_fn = "t.fa2.run"' in call
     assert "stablehlo.multiply" in text  # output_scale applied after the kernel
     wrong = planning.Plan(plan.int_workspace, 4, 2, 64, 8, 512, layout)
     with pytest.raises(ValueError, match="plan was built for .*'num_heads': 64"):
-        lower_for_cuda(lambda *a: gpu_backend.decode(
-            "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False,
-            plan=wrong), *SHAPES)
+        lower_for_cuda(lambda *a: run_backend("fa3", *a, softmax_scale=0.1, output_scale=1.0,
+                                              plan=wrong), *SHAPES)
 
 
 def test_trtllm_lowering_carries_flashinfer_scales(lowering_stubs):
-    text = lower_for_cuda(lambda *a: gpu_backend.decode(
-        "trtllm-gen", *a, softmax_scale=0.135, output_scale=0.5, kv_lora_rank=512, return_lse=True),
-        *SHAPES)
+    text = lower_for_cuda(lambda *a: run_backend("trtllm-gen", *a, softmax_scale=0.135,
+                                                 output_scale=0.5), *SHAPES)
     call = attributes(text, "jax_mla_trtllm_decode")
-    assert "bmm1_scale = 1.350000e-01" in call and "bmm2_scale = 5.000000e-01" in call
-    assert re.search(r"lse_scale = 0\.6931471805", call)  # base-2 LSE -> natural log
+    assert "softmax_scale = 1.350000e-01" in call and "output_scale = 5.000000e-01" in call
+    assert "stablehlo.multiply" not in text  # the kernel applies output_scale itself
     assert "max_seq_len = 512" in call and "sm_count = 132" in call and "enable_pdl = true" in call
-    counter = gpu_backend.trtllm_counter_bytes(4, 128, 132)
+    counter = gpu.trtllm_counter_bytes(4, 128, 132)
     assert counter == math.ceil(512 / 8) * 8 * 4 and f"tensor<{counter}xui8>" in call
-    assert f"tensor<{gpu_backend.TRTLLM_WORKSPACE_BYTES}xui8>" in call
+    assert f"tensor<{gpu.TRTLLM_WORKSPACE_BYTES}xui8>" in call
     assert "tensor<4x2x128x512xbf16>" in call
 
 
@@ -119,22 +121,22 @@ def test_trtllm_rejects_unsupported_shapes(shapes, message):
     query = jax.ShapeDtypeStruct(shapes[0], jnp.bfloat16)
     cache = jax.ShapeDtypeStruct(shapes[1], jnp.bfloat16)
     with pytest.raises(ValueError, match=message):
-        gpu_backend.check_trtllm_shapes(query, cache, shapes[0][-1] - 64)
+        gpu.check_trtllm_shapes(query, cache, shapes[0][-1] - 64)
 
 
-def test_gpu_backends_need_bfloat16(lowering_stubs):
-    f32 = [jax.ShapeDtypeStruct(s.shape, jnp.float32 if s.dtype == jnp.bfloat16 else s.dtype)
-           for s in SHAPES]
-    with pytest.raises(TypeError, match="backend 'fa3' needs bfloat16 .* got float32"):
-        lower_for_cuda(lambda *a: gpu_backend.decode(
-            "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False), *f32)
+def test_gpu_backends_need_bfloat16(monkeypatch):
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["fa3", "fa2", "xla"])
+    with pytest.raises(TypeError, match="backend 'fa3' needs query and kv_cache of dtype bfloat16, "
+                                        "got float32"):
+        backends.resolve("fa3", "gpu", jnp.float32)
+    assert backends.resolve("auto", "gpu", jnp.float32) == "xla"
 
 
 def test_missing_library_names_what_to_install(monkeypatch, tmp_path):
     monkeypatch.setenv("JAX_MLA_FFI_LIB", str(tmp_path / "absent.so"))
-    assert ffi.library_path() is None
+    assert gpu.library_path() is None
     with pytest.raises(RuntimeError, match=r"FFI library is not built.*JAX_MLA_FFI_LIB"):
-        ffi.register_targets.__wrapped__()
+        gpu.register_targets.__wrapped__()
 
 
 def test_missing_flashinfer_names_the_package(monkeypatch):
@@ -142,14 +144,12 @@ def test_missing_flashinfer_names_the_package(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import fails as if not installed
     with pytest.raises(RuntimeError, match=r"flashinfer-python==0.7.2.post1.*jax_mla\[cuda\]"):
-        flashinfer_modules._import_flashinfer()
+        gpu._import_flashinfer()
 
 
-def test_a_plan_of_the_wrong_type_is_rejected(lowering_stubs):
+def test_a_plan_of_the_wrong_type_is_rejected():
     with pytest.raises(TypeError, match=r"plan must be None, 'device' or a jax_mla.Plan.*'host'"):
-        lower_for_cuda(lambda *a: gpu_backend.decode(
-            "fa3", *a, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512, return_lse=False,
-            plan="host"), *SHAPES)
+        api.check_plan_argument("host", backends.BY_NAME["fa3"])
 
 
 @pytest.mark.parametrize("seq_lens,kwargs,error,message", [

@@ -18,7 +18,7 @@ import pytest
 from conftest import gpu_backends_here, make_problem, relative_error
 
 import jax_mla
-from jax_mla import backends, flashinfer_modules
+from jax_mla import backends, gpu
 from jax_mla.reference import reference_from_jax
 
 FA_BACKENDS = [b for b in ("fa3", "fa2") if b in gpu_backends_here()]
@@ -142,15 +142,16 @@ def test_plan_mismatch_is_rejected():
 
 
 def test_auto_picks_the_ffi_kernel():
-    capability = backends.gpu_capability()
-    assert jax_mla.available_backends()[0] == ("fa3" if capability == (9, 0) else "fa2")
-    with pytest.raises(ValueError, match=r"cannot run on this GPU \(compute capability 9.0\)"):
-        if capability == (9, 0):
-            jax_mla.decode(*make_problem(0, batch=1, q_len=1, num_heads=16, page_size=64,
-                                         dtype=jnp.bfloat16).arrays,
-                           softmax_scale=0.1, backend="trtllm-gen")
-        else:
-            raise ValueError("cannot run on this GPU (compute capability 9.0)")
+    capability = gpu.capability()
+    expected = {(9, 0): "fa3", (10, 0): "trtllm-gen", (10, 3): "trtllm-gen"}.get(capability, "fa2")
+    assert jax_mla.available_backends()[0] == expected
+    problem = make_problem(0, batch=1, q_len=1, num_heads=16, page_size=64, dtype=jnp.bfloat16)
+    assert backends.resolve("auto", backends.platform_of(problem.query), jnp.bfloat16) == expected
+    unsupported = "fa3" if capability != (9, 0) else "trtllm-gen"
+    major, minor = capability
+    with pytest.raises(ValueError, match=rf"backend '{unsupported}' runs on .* cannot run on this "
+                                         rf"GPU \(compute capability {major}\.{minor}\)"):
+        jax_mla.decode(*problem.arrays, softmax_scale=0.1, backend=unsupported)
 
 
 def run_program(name, env_extra, tmp_path, *args):
@@ -232,9 +233,9 @@ def test_trtllm_gen_marshalling_through_a_test_double(monkeypatch, trtllm_double
     signature: it records every argument and writes out = query[..., :512] and
     lse = seq_len + head, which proves the views alias the right memory and the stream is set.
     The real kernel needs SM100/SM103: this path is not verified on hardware here."""
-    monkeypatch.setattr(flashinfer_modules, "trtllm_entry_point", lambda: "jax_mla.test.trtllm_double")
-    monkeypatch.setattr(backends, "arch_supports",
-                        lambda b, cap: b in ("trtllm-gen", "xla", "fa3", "fa2"))
+    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "jax_mla.test.trtllm_double")
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["trtllm-gen", "fa3", "fa2", "xla"])
     problem = make_problem(16, batch=3, q_len=2, num_heads=128, page_size=64, max_len=700,
                            dtype=jnp.bfloat16)
     out, lse = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=0.135, output_scale=0.5,

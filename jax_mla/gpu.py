@@ -1,0 +1,266 @@
+"""The GPU bridge: jax_mla's XLA FFI library, FlashInfer's compiled entry points, the custom calls.
+
+Every GPU backend is an XLA custom call into ``libjax_mla_ffi.so`` (built from ``ffi/``). The fa3,
+fa2 and trtllm-gen handlers call FlashInfer's kernels: this module loads FlashInfer's modules once,
+publishes their entry points in TVM-FFI's global registry, and passes the names as custom-call
+attributes, so the handlers find them at execute time and no Python runs inside a decode call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_mla import planning
+
+LIBRARY_NAME = "libjax_mla_ffi.so"
+# XLA custom-call target name -> exported handler symbol.
+TARGETS = {
+    "jax_mla_fa_decode": "JaxMlaFaDecode",
+    "jax_mla_fa_decode_self_plan": "JaxMlaFaDecodeSelfPlan",
+    "jax_mla_trtllm_decode": "JaxMlaTrtllmDecode",
+    "jax_mla_device_plan": "JaxMlaDevicePlan",
+}
+FLASHINFER_VERSION = "0.7.2.post1"
+TRTLLM_WORKSPACE_BYTES = 128 * 1024 * 1024  # what FlashInfer and vLLM give trtllm-gen
+TRTLLM_PAGE_SIZES = (32, 64)
+TRTLLM_DIMS = ((512, 64), (256, 64))  # (kv_lora_rank, rope_dim)
+
+
+# ---- the machine ---------------------------------------------------------------------------------
+
+def capability(device=None) -> tuple[int, int]:
+    """Compute capability (major, minor) of ``device`` (default: the first CUDA device)."""
+    device = device or jax.devices("gpu")[0]
+    major, minor = str(device.compute_capability).split(".")
+    return int(major), int(minor)
+
+
+def sm_count(device=None) -> int:
+    """Streaming multiprocessors of ``device`` (default: the first CUDA device)."""
+    device = device or jax.devices("gpu")[0]
+    return int(device.core_count)
+
+
+def library_path() -> Path | None:
+    """The FFI library: $JAX_MLA_FFI_LIB, else next to this package (regular or editable install)."""
+    override = os.environ.get("JAX_MLA_FFI_LIB")
+    if override:
+        return Path(override) if Path(override).is_file() else None
+    candidates = [Path(__file__).with_name(LIBRARY_NAME)]
+    for scheme_path in ("platlib", "purelib"):
+        candidates.append(Path(sysconfig.get_paths()[scheme_path]) / "jax_mla" / LIBRARY_NAME)
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def runtime_missing() -> str | None:
+    """Why the GPU backends cannot run in this environment, or None when they can."""
+    if library_path() is None:
+        return ("jax_mla's FFI library was not built (reinstall jax_mla on a machine with nvcc and "
+                "the CUDA toolkit, or set JAX_MLA_FFI_LIB)")
+    for module, package in (("flashinfer", "flashinfer-python"), ("tvm_ffi", "apache-tvm-ffi")):
+        if importlib.util.find_spec(module) is None:
+            return f"{package} is not installed (pip install 'jax_mla[cuda]')"
+    return None
+
+
+@functools.cache
+def register_targets() -> None:
+    """Load the library (after TVM-FFI, whose runtime it links to) and register every target."""
+    import tvm_ffi  # noqa: F401  loads libtvm_ffi.so globally, which the library resolves by soname
+
+    path = library_path()
+    if path is None:
+        raise RuntimeError("jax_mla's FFI library is not built: reinstall jax_mla where nvcc and the "
+                           "CUDA toolkit are available (pip install 'jax_mla[cuda]'), or set "
+                           "JAX_MLA_FFI_LIB to a built libjax_mla_ffi.so")
+    library = ctypes.CDLL(str(path))
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="CUDA")
+
+
+# ---- FlashInfer's entry points -------------------------------------------------------------------
+
+def _import_flashinfer():
+    try:
+        import flashinfer
+    except ImportError as error:
+        raise RuntimeError(f"the GPU backends need flashinfer-python=={FLASHINFER_VERSION} and "
+                           "apache-tvm-ffi: pip install 'jax_mla[cuda]'") from error
+    if flashinfer.__version__ != FLASHINFER_VERSION:
+        raise RuntimeError(f"jax_mla is built against flashinfer-python=={FLASHINFER_VERSION}, found "
+                           f"{flashinfer.__version__}: its C++ entry points change between releases")
+    return flashinfer
+
+
+def _publish(name: str, function) -> str:
+    import tvm_ffi
+
+    tvm_ffi.register_global_func(name, function, override=True)
+    return name
+
+
+@functools.cache
+def fa_entry_points(backend: str, kv_lora_rank: int, rope_dim: int) -> tuple[str, str]:
+    """Global names of the (run, plan) functions of FlashInfer's ``backend`` batch-MLA module.
+
+    FlashInfer JIT-compiles the module with nvcc on first use and caches it under
+    ``~/.cache/flashinfer``.
+    """
+    import torch
+
+    _import_flashinfer()
+    from flashinfer.mla._batch_mla._backends._fa_common import get_batch_mla_module
+
+    try:
+        module = get_batch_mla_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+                                      torch.int32, kv_lora_rank, rope_dim, False)
+    except Exception as error:  # nvcc missing, wrong arch, compile failure
+        raise RuntimeError(f"building FlashInfer's {backend} MLA module failed (it needs nvcc from the "
+                           f"CUDA toolkit and a GPU that supports {backend}): {error}") from error
+    raw = getattr(module, "_module", module)  # past FlashInfer's torch staging proxy
+    prefix = f"jax_mla.{backend}.mla_{kv_lora_rank}_{rope_dim}"
+    return _publish(f"{prefix}.run", raw.run), _publish(f"{prefix}.plan", raw.plan)
+
+
+@functools.cache
+def fa_plan_function(backend: str, kv_lora_rank: int, rope_dim: int):
+    """FlashInfer's host planner for ``backend`` as a callable (used by ``jax_mla.plan``)."""
+    import tvm_ffi
+
+    return tvm_ffi.get_global_func(fa_entry_points(backend, kv_lora_rank, rope_dim)[1])
+
+
+@functools.cache
+def trtllm_entry_point() -> str:
+    """Global name of FlashInfer's trtllm-gen paged-attention decode (SM100/SM103)."""
+    _import_flashinfer()
+    from flashinfer.mla._batch_mla._backends.trtllm_gen_backend import get_trtllm_gen_fmha_module
+
+    try:
+        module = get_trtllm_gen_fmha_module()
+    except Exception as error:
+        raise RuntimeError("loading FlashInfer's trtllm-gen module failed: it needs its cubins "
+                           "(flashinfer-cubin matching flashinfer-python, or FLASHINFER_CUBIN_DIR): "
+                           f"{error}") from error
+    return _publish("jax_mla.trtllm_gen.decode", module.trtllm_paged_attention_decode)
+
+
+# ---- the custom calls ----------------------------------------------------------------------------
+
+def check_plan(plan: planning.Plan, batch, q_len, num_heads, max_pages, kv_lora_rank, layout) -> None:
+    """Raise ``PlanMismatchError`` unless ``plan`` was built for this call's shapes."""
+    expected = dict(batch=batch, q_len=q_len, num_heads=num_heads, max_pages=max_pages,
+                    kv_lora_rank=kv_lora_rank)
+    actual = {name: getattr(plan, name) for name in expected}
+    if actual != expected or plan.layout != layout:
+        raise planning.PlanMismatchError(
+            f"plan was built for {actual} but decode got {expected}; build the plan with "
+            "the step's seq_lens, local head count and block-table width")
+
+
+def fa_decode(backend: str, query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
+              kv_lora_rank: int, plan: planning.Plan | None):
+    """FlashInfer's fa3 or fa2 kernel.
+
+    Args:
+      backend: "fa3" or "fa2".
+      query: bf16 [B, q_len, H, D]; kv_cache: bf16 [num_pages, page_size, D]; block_tables: int32
+        [B, max_pages]; seq_lens: int32 [B] (D = kv_lora_rank + rope_dim).
+      plan: the step's schedule, or None to plan inside the call (reads ``seq_lens`` back to the
+        host, so the call cannot join a CUDA graph).
+    Returns:
+      out bf16 [B, q_len, H, kv_lora_rank] and lse float32 [B, q_len, H].
+    """
+    register_targets()
+    batch, q_len, num_heads, head_dim = query.shape
+    rope_dim = head_dim - kv_lora_rank
+    max_pages = block_tables.shape[1]
+    run_fn, plan_fn = fa_entry_points(backend, kv_lora_rank, rope_dim)
+    layout = planning.schedule_layout(sm_count(), q_len, num_heads, kv_lora_rank)
+    tokens = batch * q_len
+    results = [
+        jax.ShapeDtypeStruct((tokens, num_heads, kv_lora_rank), query.dtype),
+        jax.ShapeDtypeStruct((tokens, num_heads), jnp.float32),
+        jax.ShapeDtypeStruct((layout.float_workspace_bytes,), jnp.uint8),
+    ]
+    attrs = dict(run_fn=run_fn, kv_lora_rank=np.int64(kv_lora_rank), causal=q_len > 1,
+                 softmax_scale=np.float64(softmax_scale),
+                 plan_info=np.asarray(layout.plan_info, np.int64))
+    flat_query = query.reshape(tokens, num_heads, head_dim)
+    if plan is not None:
+        check_plan(plan, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)
+        out, lse, _ = jax.ffi.ffi_call("jax_mla_fa_decode", results)(
+            flat_query, kv_cache, block_tables, plan.int_workspace, **attrs)
+    else:
+        results.append(jax.ShapeDtypeStruct((layout.int_workspace_bytes,), jnp.uint8))
+        out, lse, _, _ = jax.ffi.ffi_call("jax_mla_fa_decode_self_plan", results)(
+            flat_query, kv_cache, block_tables, seq_lens, plan_fn=plan_fn, q_len=np.int64(q_len),
+            **attrs)
+    return (out.reshape(batch, q_len, num_heads, kv_lora_rank),
+            lse.reshape(batch, q_len, num_heads))
+
+
+def check_trtllm_shapes(query, kv_cache, kv_lora_rank: int) -> None:
+    """Raise ``ValueError`` for the dims, page sizes and head counts trtllm-gen does not run."""
+    _, _, num_heads, head_dim = query.shape
+    page_size = kv_cache.shape[1]
+    if (kv_lora_rank, head_dim - kv_lora_rank) not in TRTLLM_DIMS:
+        raise ValueError(f"trtllm-gen supports (kv_lora_rank, rope_dim) in {TRTLLM_DIMS}, got "
+                         f"({kv_lora_rank}, {head_dim - kv_lora_rank})")
+    if page_size not in TRTLLM_PAGE_SIZES:
+        raise ValueError(f"trtllm-gen needs kv_cache page_size in {TRTLLM_PAGE_SIZES}, got {page_size}")
+    if num_heads > 128 or 64 < num_heads < 128:
+        raise ValueError(f"trtllm-gen supports num_heads <= 64 or exactly 128, got {num_heads}")
+
+
+def trtllm_counter_bytes(batch: int, num_heads: int, num_sms: int) -> int:
+    """Size of the multi-CTA counter buffer, as FlashInfer computes it."""
+    return -(-max(batch * num_heads, num_sms) // 8) * 8 * 4
+
+
+def trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
+                  output_scale: float, kv_lora_rank: int):
+    """FlashInfer's trtllm-gen kernel (SM100/SM103); shapes as in ``fa_decode``.
+
+    Returns out bf16 [B, q_len, H, kv_lora_rank] (scaled by ``output_scale``) and lse float32
+    [B, q_len, H].
+    """
+    check_trtllm_shapes(query, kv_cache, kv_lora_rank)
+    register_targets()
+    batch, q_len, num_heads, _ = query.shape
+    num_sms = sm_count()
+    # The kernel leaves the counters zeroed; XLA zero-fills this operand (graph-safe, no memset here).
+    counter = jnp.zeros((trtllm_counter_bytes(batch, num_heads, num_sms),), jnp.uint8)
+    results = (
+        jax.ShapeDtypeStruct((batch, q_len, num_heads, kv_lora_rank), query.dtype),
+        jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),
+        jax.ShapeDtypeStruct((TRTLLM_WORKSPACE_BYTES,), jnp.uint8),
+    )
+    out, lse, _ = jax.ffi.ffi_call("jax_mla_trtllm_decode", results)(
+        query, kv_cache, block_tables, seq_lens, counter,
+        decode_fn=trtllm_entry_point(), kv_lora_rank=np.int64(kv_lora_rank),
+        max_seq_len=np.int64(block_tables.shape[1] * kv_cache.shape[1]),
+        softmax_scale=np.float64(softmax_scale), output_scale=np.float64(output_scale),
+        sm_count=np.int64(num_sms), enable_pdl=True)
+    return out, lse
+
+
+def device_plan_call(seq_lens, *, q_len: int, num_heads: int, max_pages: int, num_sms: int,
+                     layout: planning.ScheduleLayout):
+    """The GPU planner's custom call: uint8 [layout.int_workspace_bytes], the schedule."""
+    register_targets()
+    return jax.ffi.ffi_call(
+        "jax_mla_device_plan", jax.ShapeDtypeStruct((layout.int_workspace_bytes,), np.uint8))(
+        seq_lens, q_len=np.int64(q_len), num_heads=np.int64(num_heads),
+        max_pages=np.int64(max_pages), sm_count=np.int64(num_sms), causal=q_len > 1,
+        plan_info=np.asarray(layout.plan_info, np.int64))

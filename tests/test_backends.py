@@ -1,0 +1,80 @@
+"""The backend table: what "auto" picks on each architecture, and the rules every backend shares."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jax_mla import api, backends, gpu
+
+
+@pytest.mark.parametrize("capability,expected", [
+    ((8, 0), ["fa2", "xla"]),
+    ((8, 9), ["fa2", "xla"]),
+    ((9, 0), ["fa3", "fa2", "xla"]),
+    ((10, 0), ["trtllm-gen", "fa2", "xla"]),
+    ((10, 3), ["trtllm-gen", "fa2", "xla"]),
+    ((12, 0), ["fa2", "xla"]),
+    ((7, 5), ["xla"]),
+    (None, ["xla"]),
+])
+def test_preference_order_per_architecture(capability, expected):
+    assert backends.runnable_on(capability) == expected
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A CUDA platform whose GPU has the capability the test sets, with the runtime installed."""
+    state = {"capability": (9, 0)}
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
+    monkeypatch.setattr(gpu, "capability", lambda device=None: state["capability"])
+    return state
+
+
+@pytest.mark.parametrize("capability,auto", [
+    ((8, 0), "fa2"), ((9, 0), "fa3"), ((10, 0), "trtllm-gen"), ((10, 3), "trtllm-gen"), ((12, 0), "fa2"),
+])
+def test_auto_on_each_gpu(fake_gpu, capability, auto):
+    fake_gpu["capability"] = capability
+    assert backends.resolve("auto", "gpu", jnp.bfloat16) == auto
+    assert backends.available_backends("gpu")[0] == auto
+    assert backends.resolve("auto", "gpu", jnp.float32) == "xla"  # the GPU kernels take bf16 only
+
+
+def test_auto_on_cpu():
+    assert backends.resolve("auto", "cpu", jnp.bfloat16) == "xla"
+    assert backends.available_backends("cpu") == ["xla"]
+
+
+def test_gpu_without_the_runtime_offers_only_xla(monkeypatch):
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: "flashinfer-python is not installed")
+    assert backends.available_backends("gpu") == ["xla"]
+    with pytest.raises(ValueError, match=r"backend 'fa3' is unavailable: flashinfer-python is not "
+                                         r"installed; available here: \['xla'\]"):
+        backends.resolve("fa3", "gpu")
+
+
+def test_a_backend_the_gpu_cannot_run_names_the_capability(fake_gpu):
+    fake_gpu["capability"] = (8, 0)
+    with pytest.raises(ValueError, match=r"backend 'fa3' runs on SM90 \(H100, H200\) and cannot run "
+                                         r"on this GPU \(compute capability 8.0\); available here: "
+                                         r"\['fa2', 'xla'\]"):
+        backends.resolve("fa3", "gpu")
+
+
+@pytest.mark.parametrize("backend", [None, 3, ("fa3",)])
+def test_backend_must_be_a_string(backend):
+    with pytest.raises(TypeError, match=r"backend must be a str .* got "
+                                        + type(backend).__name__):
+        backends.resolve(backend, "cpu")
+
+
+def test_every_backend_shares_one_plan_rule():
+    readers = sorted(b.name for b in backends.TABLE if b.takes_plan)
+    assert readers == ["fa2", "fa3"]
+    for backend in backends.TABLE:
+        if backend.takes_plan:
+            api.check_plan_argument("device", backend)
+        else:
+            with pytest.raises(ValueError, match=rf"backend '{backend.name}' takes plan=None"):
+                api.check_plan_argument("device", backend)
