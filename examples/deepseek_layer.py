@@ -1,22 +1,24 @@
-"""A DeepSeek MLA attention stack prefilling and decoding on jax_mla, checked at every step.
+"""DeepSeek's MLA attention decoding through jax_mla, each step checked against plain attention.
 
-    python examples/deepseek_layer.py                       # tiny config, seconds on a CPU
+    python examples/deepseek_layer.py                       # embedded tiny config, seconds on a CPU
     python examples/deepseek_layer.py --config v2-lite --layers 4 --steps 32
-    python examples/deepseek_layer.py --config v3 --batch 8 --prompt-len 1024   # wants a GPU
+    python examples/deepseek_layer.py --config path/to/DeepSeek-V3/config.json --batch 8 \\
+        --prompt-len 1024                                   # V3's shapes want a GPU
 
-Requests of different prompt lengths share one pool of pages, handed out in shuffled order. Prompts
-are prefilled with plain (non-absorbed) attention, which also writes their latent rows to the paged
-caches; then every decode step runs the weight-absorbed path through ``jax_mla.decode`` in one jitted
-function whose caches are donated, so ``jax_mla.write_kv`` updates them in place. After each step
-every layer's output is recomputed non-absorbed over a dense copy of its history; the run fails
-(exit 1) when the relative error exceeds bf16 tolerance. Weights are random (seeded); nothing is
-downloaded.
+A stack of MLA attention layers with random (seeded) weights prefills requests of different prompt
+lengths, whose pages come from one shuffled pool, then decodes them greedily: each step runs the
+weight-absorbed attention through ``jax_mla.decode`` in one jitted function that updates the paged
+caches in place. It prints the decode throughput over the steps after the first (which compiles),
+then the check: every layer's output at every step recomputed without absorption over a dense copy
+of its history. The run exits 1 when they differ by more than bf16 tolerance. Needs no torch and
+downloads nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 import time
@@ -34,9 +36,8 @@ def _host_devices_for_tp(argv: list[str]) -> None:
 _host_devices_for_tp(sys.argv[1:])
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +48,23 @@ from jax_mla import backends  # noqa: E402
 
 # Max |absorbed - reference| over max |reference|, per layer and step: bf16 tolerance.
 TOLERANCE = 2e-2
+DEFAULT_CONFIG = "tiny"
+# The backends whose kernels read a work schedule built once per step (jax_mla.plan).
+PLANNED_BACKENDS = (backends.FA3, backends.FA2)
+
+
+def _shapes(cfg: model.MLAConfig) -> str:
+    q_path = f"q_lora_rank {cfg.q_lora_rank}" if cfg.q_lora_rank else "plain wq"
+    return f"dim {cfg.dim}, {cfg.n_heads} heads, {q_path}, kv_lora_rank {cfg.kv_lora_rank}"
+
+
+CONFIG_HELP = (
+    f"the attention's shapes: {DEFAULT_CONFIG!r} (embedded default: "
+    f"{_shapes(model.CONFIGS[DEFAULT_CONFIG])}; seconds on a CPU), "
+    f"'v2-lite' (DeepSeek-V2-Lite: {_shapes(model.CONFIGS['v2-lite'])}), "
+    f"'v3' (DeepSeek-V3/R1: {_shapes(model.CONFIGS['v3'])}; wants a GPU), "
+    "or the path of a DeepSeek-V2/V3 HuggingFace config.json, e.g. DeepSeek-V3's, of which the "
+    "attention hyper-parameters and YaRN scaling are read. Weights are random whatever the config.")
 
 
 def bounded_int(low: int):
@@ -67,29 +85,50 @@ def bounded_int(low: int):
 positive_int = bounded_int(1)
 
 
+def mla_config(text: str) -> model.MLAConfig:
+    """An argparse type: a config name of ``model.CONFIGS`` or the path of a config.json."""
+    if text in model.CONFIGS:
+        return model.CONFIGS[text]
+    if not os.path.isfile(text):
+        raise argparse.ArgumentTypeError(f"expected one of {', '.join(model.CONFIGS)} or the path of "
+                                         f"a config.json, got {text!r}")
+    try:
+        return model.config_from_hf(text)
+    except (ValueError, OSError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+mla_config.__name__ = "config"
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, and the module docstring as written."""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--config", choices=sorted(model.CONFIGS), default="tiny")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--config", type=mla_config, default=DEFAULT_CONFIG, metavar="NAME|CONFIG.JSON",
+                        help=CONFIG_HELP)
     parser.add_argument("--batch", type=positive_int, default=4, help="requests decoded together")
     parser.add_argument("--prompt-len", type=positive_int, default=48,
                         help="longest prompt; the others are shorter, at random")
-    parser.add_argument("--steps", type=positive_int, default=16, help="decode steps")
+    parser.add_argument("--steps", type=positive_int, default=16,
+                        help="decode steps; the first compiles, the others are timed")
     parser.add_argument("--page-size", type=positive_int, default=16, help="tokens per cache page")
     parser.add_argument("--backend", default="auto", choices=["auto", *backends.ALL_BACKENDS],
-                        help="jax_mla backend; auto: the xla one on CPU, the FFI kernels on a GPU")
+                        help="jax_mla backend; auto: the best one available here (xla on a CPU)")
     parser.add_argument("--layers", type=positive_int, default=2, help="stacked attention layers")
     parser.add_argument("--seed", type=bounded_int(0), default=0, help="weights, prompts and pages")
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor parallelism: split the attention heads over this many devices")
     args = parser.parse_args(argv)
 
-    cfg = model.CONFIGS[args.config]
+    cfg = args.config
     if args.prompt_len + args.steps > cfg.max_seq_len:
         parser.error(f"--prompt-len + --steps = {args.prompt_len + args.steps} exceeds the "
-                     f"{args.config} config's max_seq_len {cfg.max_seq_len}")
+                     f"{cfg.name} config's max_seq_len {cfg.max_seq_len}")
     if cfg.n_heads % args.tp:
-        parser.error(f"--tp {args.tp} must divide the {args.config} config's {cfg.n_heads} heads")
+        parser.error(f"--tp {args.tp} must divide the {cfg.name} config's {cfg.n_heads} heads")
     if args.tp > jax.device_count():
         parser.error(f"--tp {args.tp} needs {args.tp} devices, this machine has {jax.device_count()}")
     if args.backend != "auto" and args.backend not in (available := jax_mla.available_backends()):
@@ -99,21 +138,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Progress:
-    """A one-line progress bar on stderr, redrawn in place."""
+    """A loop's progress on stderr: on a terminal one line redrawn in place; elsewhere (a log, a
+    pipe) a plain line at each quarter of the loop."""
 
-    def __init__(self, total: int, label: str, width: int = 24, stream=sys.stderr):
-        self.total, self.label, self.width, self.stream = total, label, width, stream
+    def __init__(self, total: int, label: str, stream=None, width: int = 24):
+        self.total, self.label, self.width = total, label, width
+        self.stream = stream if stream is not None else sys.stderr
+        self.interactive = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.milestones = {math.ceil(total * quarter / 4) for quarter in (1, 2, 3, 4)}
 
     def update(self, done: int, note: str = "") -> None:
-        filled = self.width * done // self.total
-        bar = "#" * filled + "." * (self.width - filled)
-        sys.stdout.flush()  # keep stdout lines ahead of the bar when both go to one terminal
-        self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {note}")
+        if self.interactive:
+            filled = self.width * done // self.total
+            bar = "#" * filled + "." * (self.width - filled)
+            sys.stdout.flush()  # keep stdout lines ahead of the bar when both go to one terminal
+            self.stream.write(f"\r{self.label} [{bar}] {done}/{self.total} {note}")
+        elif done in self.milestones:
+            self.stream.write(f"{self.label} {done}/{self.total} {note}".rstrip() + "\n")
+        else:
+            return
         self.stream.flush()
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        if self.interactive:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def prompt_lengths(rng: np.random.Generator, batch: int, longest: int) -> np.ndarray:
@@ -149,15 +198,17 @@ def relative_error(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
+def concrete_backend(requested: str) -> str:
+    """The backend ``jax_mla.decode(backend=requested)`` runs for this example's bf16 arrays."""
+    return jax_mla.available_backends()[0] if requested == "auto" else requested
+
+
 def describe(cfg: model.MLAConfig, args: argparse.Namespace, backend: str) -> str:
-    q_path = f"q_lora_rank {cfg.q_lora_rank}" if cfg.q_lora_rank else "plain wq"
-    return (f"config {cfg.name}: dim {cfg.dim}, {cfg.n_heads} heads, {q_path}, kv_lora_rank "
-            f"{cfg.kv_lora_rank}, qk_nope {cfg.qk_nope_head_dim}, qk_rope {cfg.qk_rope_head_dim}, "
-            f"v_head {cfg.v_head_dim}; softmax_scale {cfg.softmax_scale:.5f} (YaRN mscale "
-            f"{cfg.yarn_mscale:.4f})\n"
+    return (f"config {cfg.name}: {_shapes(cfg)}, qk_nope {cfg.qk_nope_head_dim}, "
+            f"qk_rope {cfg.qk_rope_head_dim}, v_head {cfg.v_head_dim}; softmax_scale "
+            f"{cfg.softmax_scale:.5f} (YaRN mscale {cfg.yarn_mscale:.4f})\n"
             f"backend {backend} ({args.backend}) on {jax.default_backend()}, tp {args.tp}, "
-            f"{args.layers} layer(s), "
-            f"bf16")
+            f"{args.layers} layer(s), bf16")
 
 
 def make_requests(rng: np.random.Generator, cfg: model.MLAConfig, args: argparse.Namespace):
@@ -170,72 +221,92 @@ def make_requests(rng: np.random.Generator, cfg: model.MLAConfig, args: argparse
     return lens, tokens, tables, num_pages
 
 
-def step_plan(backend: str, cfg: model.MLAConfig, seq_lens: np.ndarray, max_pages: int,
-              mesh=None):
+def placement(tp: int):
+    """(the sharding every array of the steps is committed to, the query's head sharding or None).
+
+    A jitted function's outputs are committed to their devices as soon as one input is (a
+    ``jax_mla.plan`` workspace is), and a committed argument compiles apart from an uncommitted one
+    of the same shape. So everything the steps take is put here before the first step: the steps
+    then see the same placement at every call and compile once.
+    """
+    if tp == 1:
+        return SingleDeviceSharding(jax.devices()[0]), None
+    # Weights, caches and tables replicated; the attention heads split over the "tp" axis.
+    mesh = jax.make_mesh((tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
+    return NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
+
+
+def step_plan(backend: str, cfg: model.MLAConfig, seq_lens: np.ndarray, *, max_pages: int, tp: int,
+              place):
     """The fa3/fa2 work schedule for one step's lengths, built on the host and shared by every
     layer (None for the other backends, which need none). Under tensor parallelism it is built for
-    the per-device head count and replicated over the mesh."""
-    if backends.resolve(backend, jax.default_backend()) not in (backends.FA3, backends.FA2):
+    the per-device head count and replicated like the other arrays."""
+    if backend not in PLANNED_BACKENDS:
         return None
-    tp = 1 if mesh is None else mesh.shape["tp"]
     plan = jax_mla.plan(seq_lens, num_heads=cfg.n_heads // tp, max_pages=max_pages,
                         kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.qk_rope_head_dim)
-    return plan if mesh is None else jax.device_put(plan, NamedSharding(mesh, PartitionSpec()))
+    return jax.device_put(plan, place)
 
 
-def decode_and_check(decode_step, reference_step, make_plan, params, caches, histories, block_tables,
-                     first_tokens, prompt_lens: np.ndarray, steps: int):
-    """Run ``steps`` decode steps, checking every layer after each one against the reference.
+def decode(decode_step, make_plan, params, caches, block_tables, first_tokens, prompt_lens: np.ndarray,
+           steps: int, place):
+    """Run ``steps`` greedy decode steps, reading each step's tokens back as a generator would.
 
     ``make_plan(seq_lens)`` gives the step's ``jax_mla.Plan`` (or None) from host lengths.
 
-    Returns (seconds per step, max relative error per step, generated tokens int32 [B, steps + 1]
-    starting with ``first_tokens``).
+    Returns (seconds of each step, tokens int32 [B, steps + 1] starting with ``first_tokens``, and
+    per step (positions, attention inputs, attention outputs) for the check).
     """
-    step_times, errors, generated = [], [], [np.asarray(first_tokens)]
+    step_times, generated, record = [], [np.asarray(first_tokens)], []
     tokens = first_tokens
     progress = Progress(steps, "decode")
     for step in range(steps):
-        host_positions = prompt_lens + step
-        positions = jnp.asarray(host_positions)
+        host_positions = prompt_lens + np.int32(step)
         start = time.perf_counter()
+        positions = jax.device_put(host_positions, place)
         plan = make_plan(host_positions + 1)
         caches, tokens, attn_inputs, attn_outputs = decode_step(params, caches, block_tables, tokens,
                                                                 positions, plan)
-        jax.block_until_ready(tokens)
+        generated.append(np.asarray(tokens))
         step_times.append(time.perf_counter() - start)
+        record.append((positions, attn_inputs, attn_outputs))
+        progress.update(step + 1)
+    progress.close()
+    return step_times, np.stack(generated, axis=1), record
 
+
+def check(reference_step, params, histories, record) -> list[float]:
+    """Recompute every step's attention without absorption; the max relative error of each step."""
+    errors = []
+    progress = Progress(len(record), "check")
+    for positions, attn_inputs, attn_outputs in record:
         histories, expected = reference_step(params, histories, attn_inputs, positions)
         errors.append(max(relative_error(got, want)
                           for got, want in zip(np.asarray(attn_outputs), np.asarray(expected))))
-        generated.append(np.asarray(tokens))
-        progress.update(step + 1, f"max rel err {max(errors):.2e}")
+        progress.update(len(errors), f"max rel err {max(errors):.2e}")
     progress.close()
-    return step_times, errors, np.stack(generated, axis=1)
+    return errors
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Prefill, decode and check. Returns max_error, ms_per_step, tokens_per_s (NaN for a single
-    step), first_step_s and the generated tokens [B, steps + 1]."""
-    cfg = model.CONFIGS[args.config]
+    """Prefill, decode and check. Returns max_error, first_step_s (compile included), ms_per_step
+    and tokens_per_s over the later steps (NaN for a single step), check_s and the generated tokens
+    [B, steps + 1]."""
+    cfg = args.config
     rng = np.random.default_rng(args.seed)
     lens, tokens, tables, num_pages = make_requests(rng, cfg, args)
-    backend = backends.resolve(args.backend, jax.default_backend())
+    backend = concrete_backend(args.backend)
     print(describe(cfg, args, backend))
     print(f"{args.batch} requests, prompt lengths {lens.tolist()}, {args.steps} decode steps; "
           f"{num_pages} pages of {args.page_size} tokens per layer, shuffled")
 
-    params = model.init_model(args.seed, cfg, args.layers)
-    block_tables = jnp.asarray(tables)
-    caches = [jax_mla.allocate_cache(num_pages, args.page_size, kv_lora_rank=cfg.kv_lora_rank,
-                                     rope_dim=cfg.qk_rope_head_dim) for _ in range(args.layers)]
-    mesh = head_sharding = None
-    if args.tp > 1:
-        # Weights, caches and tables replicated; the attention heads split over the "tp" axis.
-        mesh = jax.make_mesh((args.tp,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,))
-        replicated = NamedSharding(mesh, PartitionSpec())
-        params, caches, block_tables = jax.device_put((params, caches, block_tables), replicated)
-        head_sharding = NamedSharding(mesh, PartitionSpec(None, None, "tp", None))
+    place, head_sharding = placement(args.tp)
+    params = jax.device_put(model.init_model(args.seed, cfg, args.layers), place)
+    caches = jax.device_put([jax_mla.allocate_cache(num_pages, args.page_size,
+                                                    kv_lora_rank=cfg.kv_lora_rank,
+                                                    rope_dim=cfg.qk_rope_head_dim)
+                             for _ in range(args.layers)], place)
+    block_tables = jax.device_put(tables, place)
     # Donated caches (and histories) are updated in place instead of copied every step.
     prefill = jax.jit(functools.partial(model.prefill, cfg=cfg), donate_argnums=(1,))
     decode_step = jax.jit(functools.partial(model.decode_step, cfg=cfg, backend=backend,
@@ -243,40 +314,47 @@ def run(args: argparse.Namespace) -> dict:
     reference_step = jax.jit(functools.partial(model.reference_step, cfg=cfg), donate_argnums=(1,))
 
     start = time.perf_counter()
-    caches, first_tokens, rows = prefill(params, caches, block_tables, jnp.asarray(tokens),
-                                         jnp.asarray(lens))
+    caches, first_tokens, rows = prefill(params, caches, block_tables, jax.device_put(tokens, place),
+                                         jax.device_put(lens, place))
     jax.block_until_ready(first_tokens)
     print(f"prefill: {int(lens.sum())} prompt tokens, {time.perf_counter() - start:.2f} s "
           f"(compile included)")
 
+    make_plan = functools.partial(step_plan, backend, cfg, max_pages=tables.shape[1], tp=args.tp,
+                                  place=place)
+    step_times, generated, record = decode(decode_step, make_plan, params, caches, block_tables,
+                                           first_tokens, lens, args.steps, place)
+    timed = step_times[1:]
+    ms_per_step = 1e3 * sum(timed) / len(timed) if timed else float("nan")
+    if timed:
+        print(f"decode: {args.batch * 1e3 / ms_per_step:.1f} tokens/s, {ms_per_step:.2f} ms/step over "
+              f"{len(timed)} steps after the first (first step, compile included: "
+              f"{step_times[0]:.2f} s)")
+    else:
+        print(f"decode: one step, compile included: {step_times[0]:.2f} s; run --steps 2 or more "
+              f"for a timing after compilation")
+    print(f"request 0 generated tokens: {generated[0].tolist()}")
+
     # The check's own dense record of every token's [c_kv, k_pe], kept apart from the paged caches.
     max_len = args.prompt_len + args.steps
-    histories = [jnp.zeros((args.batch, max_len, r.shape[-1]), r.dtype).at[:, :args.prompt_len].set(r)
-                 for r in rows]
-    make_plan = functools.partial(step_plan, backend, cfg, max_pages=tables.shape[1], mesh=mesh)
-    step_times, errors, generated = decode_and_check(
-        decode_step, reference_step, make_plan, params, caches, histories, block_tables,
-        first_tokens, lens, args.steps)
-
-    timed = step_times[1:]  # the first step includes compilation
-    ms_per_step = 1e3 * sum(timed) / len(timed) if timed else float("nan")
-    result = {
-        "max_error": max(errors),
+    histories = jax.device_put(
+        [np.zeros((args.batch, max_len, r.shape[-1]), r.dtype) for r in rows], place)
+    histories = [h.at[:, :args.prompt_len].set(r) for h, r in zip(histories, rows)]
+    start = time.perf_counter()
+    errors = check(reference_step, params, histories, record)
+    check_s = time.perf_counter() - start
+    max_error = max(errors)
+    verdict = "OK" if max_error <= TOLERANCE else "FAILED"
+    print(f"check, every layer at every step: max relative error vs non-absorbed attention: "
+          f"{max_error:.3e} (tolerance {TOLERANCE:.0e}) {verdict}; {check_s:.2f} s, compile included")
+    return {
+        "max_error": max_error,
+        "first_step_s": step_times[0],
         "ms_per_step": ms_per_step,
         "tokens_per_s": args.batch * 1e3 / ms_per_step if timed else float("nan"),
-        "first_step_s": step_times[0],
+        "check_s": check_s,
         "tokens": generated,
     }
-    print(f"request 0 generated tokens: {generated[0].tolist()}")
-    verdict = "OK" if result["max_error"] <= TOLERANCE else "FAILED"
-    print(f"max relative error vs non-absorbed attention: {result['max_error']:.3e} "
-          f"(tolerance {TOLERANCE:.0e}) {verdict}")
-    if timed:
-        print(f"decode: {result['tokens_per_s']:.1f} tokens/s, {ms_per_step:.2f} ms/step over "
-              f"{len(timed)} steps after the first (compile: {step_times[0]:.2f} s)")
-    else:
-        print("decode: one step only; run --steps 2 or more for a timing after compilation")
-    return result
 
 
 def main(argv=None) -> int:

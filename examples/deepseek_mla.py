@@ -20,7 +20,9 @@ layers, a greedy output head) turns it into a decode loop.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +71,50 @@ class MLAConfig:
 CONFIGS = {
     "tiny": MLAConfig(name="tiny", dim=256, n_heads=16, q_lora_rank=128, qk_nope_head_dim=64,
                       v_head_dim=64),
-    "v2-lite": MLAConfig(name="v2-lite", dim=2048, n_heads=16, q_lora_rank=0),
+    "v2-lite": MLAConfig(name="v2-lite", dim=2048, n_heads=16, q_lora_rank=0, mscale=0.707),
     "v3": MLAConfig(name="v3", dim=7168, n_heads=128, q_lora_rank=1536),
 }
+
+
+def config_from_hf(source) -> MLAConfig:
+    """The attention hyper-parameters of a DeepSeek-V2/V3 HuggingFace ``config.json``.
+
+    Args:
+      source: the file's path, or its contents as a dict.
+    Reads ``hidden_size``, ``num_attention_heads``, ``q_lora_rank`` (null: a plain ``wq``), the MLA
+    head dims, ``max_position_embeddings``, ``rope_theta`` and the YaRN ``rope_scaling``; the rest
+    (layer count, vocabulary, MoE) is not this example's.
+    """
+    if isinstance(source, dict):
+        hf, name = source, source.get("_name_or_path") or "config.json"
+    else:
+        with open(source) as f:
+            hf = json.load(f)
+        name = os.path.basename(os.path.dirname(os.path.abspath(source))) or str(source)
+    try:
+        fields = dict(dim=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+                      q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
+                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
+                      v_head_dim=hf["v_head_dim"], max_seq_len=hf["max_position_embeddings"],
+                      rope_theta=float(hf.get("rope_theta", 10000.0)))
+    except KeyError as missing:
+        raise ValueError(f"{name}: not a DeepSeek MLA config, it lacks {missing}") from None
+    scaling = hf.get("rope_scaling") or {}
+    kind = scaling.get("type", scaling.get("rope_type"))
+    if kind is None:  # plain RoPE: YaRN off
+        fields["original_seq_len"] = fields["max_seq_len"]
+    elif kind == "yarn":
+        # DeepSeek's reference applies one mscale to the softmax scale and none to RoPE, which is
+        # HuggingFace's YaRN when its mscale and mscale_all_dim agree.
+        if scaling.get("mscale", 1.0) != scaling.get("mscale_all_dim", 0.0):
+            raise ValueError(f"{name}: rope_scaling mscale {scaling.get('mscale', 1.0)} != "
+                             f"mscale_all_dim {scaling.get('mscale_all_dim', 0.0)} is not supported")
+        fields.update(rope_factor=float(scaling["factor"]), mscale=float(scaling["mscale_all_dim"]),
+                      original_seq_len=scaling["original_max_position_embeddings"],
+                      beta_fast=scaling.get("beta_fast", 32), beta_slow=scaling.get("beta_slow", 1))
+    else:
+        raise ValueError(f"{name}: rope_scaling type {kind!r} is not supported (yarn or none)")
+    return MLAConfig(name=name, **fields)
 
 
 # ---------------------------------------------------------------------------------------------------

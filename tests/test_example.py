@@ -1,8 +1,13 @@
-"""The DeepSeek MLA example: the README's command, a v2-lite run, and the absorbed-vs-naive check."""
+"""The DeepSeek MLA example: the README's command, a v2-lite run, the absorbed-vs-naive check, one
+compilation per step function, progress output and configs."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import functools
+import io
+import json
 import os
 import re
 import subprocess
@@ -23,6 +28,9 @@ import jax_mla  # noqa: E402
 
 TOLERANCE = deepseek_layer.TOLERANCE
 ERROR_LINE = re.compile(r"max relative error vs non-absorbed attention: (\S+)")
+# The README's first command, run with torch made unimportable: the example must not need it.
+WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1]]; "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def reported_error(stdout: str) -> float:
@@ -31,15 +39,70 @@ def reported_error(stdout: str) -> float:
     return float(match.group(1))
 
 
-def test_readme_command_runs_the_tiny_default():
-    """``python examples/deepseek_layer.py``, exactly as the README runs it."""
+def test_readme_command_runs_the_tiny_default_without_torch():
+    """``python examples/deepseek_layer.py`` as the README runs it, in a log (not a terminal)."""
     root = os.path.dirname(EXAMPLES)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, os.path.join("examples", "deepseek_layer.py")], cwd=root,
-                          env=env, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", WITHOUT_TORCH, os.path.join("examples", "deepseek_layer.py")]
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert reported_error(proc.stdout) < TOLERANCE
     assert "config tiny" in proc.stdout and "tokens/s" in proc.stdout
+    # Progress in a log: a few plain lines per loop, no carriage returns.
+    assert "\r" not in proc.stdout + proc.stderr
+    assert 1 <= proc.stderr.count("decode ") <= 4, proc.stderr
+
+
+@contextlib.contextmanager
+def compilations():
+    """Counts XLA compilations by function name (``jit(decode_step)``) while the block runs."""
+    counts = collections.Counter()
+
+    def listener(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            counts[kwargs.get("fun_name")] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield counts
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def committed_plan_stand_in(monkeypatch):
+    """Where the backend takes no plan (xla), give each step what ``jax_mla.plan`` gives the fa3/fa2
+    ones: a fresh workspace committed to a device, which the step reads."""
+    real_decode = jax_mla.decode
+
+    def fake_plan(*args, **kwargs):
+        return jax.device_put(np.zeros(64, np.uint8), jax.devices()[0])
+
+    def decode_reading_the_plan(*args, plan, **kwargs):
+        out = real_decode(*args, **kwargs)
+        return out + jnp.zeros_like(out) * plan[0]  # a plan no computation reads is pruned by jit
+
+    monkeypatch.setattr(deepseek_layer, "step_plan", fake_plan)
+    monkeypatch.setattr(model.jax_mla, "decode", decode_reading_the_plan)
+
+
+@pytest.mark.parametrize("tp,plan", [
+    (1, "as here"),
+    (1, "committed stand-in"),
+    pytest.param(2, "as here", marks=pytest.mark.skipif(
+        jax.device_count() < 2, reason="needs two devices (conftest asks for 4 host devices)")),
+])
+def test_each_step_function_compiles_once(tp, plan, monkeypatch, capsys):
+    """Steps after the first reuse the first step's executables, so the timed steps compile nothing.
+    With --tp 2 the query's heads split over two devices, each running the kernel on its 8 heads."""
+    if plan == "committed stand-in":
+        committed_plan_stand_in(monkeypatch)
+    argv = ["--batch", "2", "--prompt-len", "12", "--steps", "4", "--layers", "1", "--tp", str(tp)]
+    with compilations() as counts:
+        assert deepseek_layer.main(argv) == 0
+    steps = {name: counts[f"jit({name})"] for name in ("prefill", "decode_step", "reference_step")}
+    assert steps == {"prefill": 1, "decode_step": 1, "reference_step": 1}, counts
+    out = capsys.readouterr().out
+    assert f"tp {tp}," in out and reported_error(out) < TOLERANCE
 
 
 def test_v2_lite_config(capsys):
@@ -123,7 +186,7 @@ def test_yarn_softmax_scale_and_frequencies():
 @pytest.mark.parametrize("argv,message", [
     (["--batch", "0"], "--batch: expected an integer >= 1"),
     (["--steps", "two"], "--steps: expected an integer"),
-    (["--config", "v4"], "invalid choice: 'v4'"),
+    (["--config", "v4"], "expected one of tiny, v2-lite, v3 or the path of a config.json, got 'v4'"),
     (["--backend", "cuda"], "invalid choice: 'cuda'"),
     (["--prompt-len", "16384"], "exceeds the tiny config's max_seq_len 16384"),
 ])
@@ -134,14 +197,86 @@ def test_cli_rejects_bad_input(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.skipif(jax.device_count() < 2, reason="needs two devices (conftest asks for 4 host devices)")
-def test_tensor_parallel_heads(capsys):
-    """--tp 2: the query's heads split over two devices, each running the kernel on its 8 heads."""
-    assert deepseek_layer.main(["--tp", "2", "--steps", "2", "--layers", "1"]) == 0
-    out = capsys.readouterr().out
-    assert "tp 2" in out and reported_error(out) < TOLERANCE
-
-
 def test_tp_must_divide_the_heads():
     with pytest.raises(SystemExit):
         deepseek_layer.parse_args(["--tp", "3"])
+
+
+# DeepSeek-V3's config.json, its attention and RoPE entries (the rest is not read).
+V3_CONFIG_JSON = {
+    "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+    "max_position_embeddings": 163840, "rope_theta": 10000,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                     "original_max_position_embeddings": 4096, "type": "yarn"},
+    "num_hidden_layers": 61, "vocab_size": 129280,
+}
+
+
+def test_config_json_gives_the_embedded_v3_attention(tmp_path):
+    path = tmp_path / "DeepSeek-V3" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(V3_CONFIG_JSON))
+    cfg = deepseek_layer.parse_args(["--config", str(path)]).config
+    v3 = model.CONFIGS["v3"]
+    assert cfg.name == "DeepSeek-V3"
+    for field in ("dim", "n_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "vocab_size"):
+        assert getattr(cfg, field) == getattr(v3, field), field
+    assert cfg.softmax_scale == pytest.approx(v3.softmax_scale)
+    np.testing.assert_array_equal(model.rope_frequencies(cfg), model.rope_frequencies(v3))
+
+    # V2-Lite style: no q-LoRA; and a config without YaRN keeps RoPE and the softmax scale plain.
+    plain = dict(V3_CONFIG_JSON, q_lora_rank=None, rope_scaling=None)
+    cfg = model.config_from_hf(plain)
+    assert cfg.q_lora_rank == 0 and cfg.softmax_scale == pytest.approx(192 ** -0.5)
+    np.testing.assert_allclose(model.rope_frequencies(cfg), 1.0 / 10000.0 ** (np.arange(0, 64, 2) / 64),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda hf: hf.pop("kv_lora_rank"), "not a DeepSeek MLA config, it lacks 'kv_lora_rank'"),
+    (lambda hf: hf["rope_scaling"].update(mscale=0.5), "mscale 0.5 != mscale_all_dim 1.0 is not supported"),
+    (lambda hf: hf.update(rope_scaling={"type": "dynamic", "factor": 2.0}), "'dynamic' is not supported"),
+])
+def test_config_json_rejects_what_the_example_cannot_run(edit, message, tmp_path, capsys):
+    hf = json.loads(json.dumps(V3_CONFIG_JSON))
+    edit(hf)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    with pytest.raises(SystemExit):
+        deepseek_layer.parse_args(["--config", str(path)])
+    assert message in capsys.readouterr().err
+
+
+def test_help_explains_config(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        deepseek_layer.parse_args(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("'tiny' (embedded default", "'v2-lite'", "'v3'", "HuggingFace config.json",
+                  "DeepSeek-V3", "(default: tiny)"):
+        assert words in text, words
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_redraws_on_a_terminal_and_writes_a_few_plain_lines_to_a_log():
+    terminal, log = Terminal(), io.StringIO()
+    for stream in (terminal, log):
+        progress = deepseek_layer.Progress(100, "decode", stream=stream)
+        for done in range(1, 101):
+            progress.update(done, f"note {done}")
+        progress.close()
+    assert terminal.getvalue().count("\r") == 100 and terminal.getvalue().endswith("100/100 note 100\n")
+    assert log.getvalue().splitlines() == [f"decode {n}/100 note {n}" for n in (25, 50, 75, 100)]
+
+    short = io.StringIO()
+    progress = deepseek_layer.Progress(2, "check", stream=short)
+    progress.update(1)
+    progress.update(2)
+    progress.close()
+    assert short.getvalue() == "check 1/2\ncheck 2/2\n"
