@@ -109,7 +109,8 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
       num_heads: query heads per device (the local count under tensor parallelism).
       max_pages: width of the block table the step passes to ``decode``.
       q_len: query tokens per request.
-      device: the GPU the schedule is uploaded to (default: the first GPU).
+      device: the GPU the schedule is committed to; by default it goes to JAX's default device
+        uncommitted, like the step's other arrays, so it adds no placement of its own.
     Returns:
       A ``Plan`` to pass as ``decode(..., plan=plan)`` to every layer of the step.
     """
@@ -131,7 +132,6 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if not fa_backends:
         raise ValueError(f"jax_mla.plan needs a GPU that runs fa3 or fa2; available here: "
                          f"{backends.available_backends()}")
-    device = device or jax.devices("gpu")[0]
     layout = schedule_layout(gpu.sm_count(device), q_len, num_heads, kv_lora_rank)
     lengths = lengths.astype(np.int32)
     batch = lengths.size
