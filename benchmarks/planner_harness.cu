@@ -2,9 +2,7 @@
 // cases, and its time per launch replayed in a CUDA graph, with the clock cycle at which thread 0
 // leaves each barrier-separated phase.
 //
-//   nvcc -std=c++17 -O3 -arch=sm_90a -diag-suppress 940,2473 -Iffi \
-//        -I$(python -c 'import jax; print(jax.ffi.include_dir())') \
-//        benchmarks/planner_harness.cu -o planner_harness
+//   nvcc -std=c++17 -O3 -arch=sm_90a -Iffi benchmarks/planner_harness.cu -o planner_harness
 //   ./planner_harness check 1000   # kernel == twin on 1000 random cases (exit 1 on a mismatch)
 //   ./planner_harness time [B ...] # markdown table: µs per launch and phase stamps (all or these B)
 //   ./planner_harness one B H q L  # two launches of one case (for ncu or compute-sanitizer)
@@ -20,12 +18,20 @@
 #include <random>
 #include <vector>
 
-__device__ long long g_stamps[16];  // 0..5: the kernel's phases; 6..15: a build's own marks
-#define JAX_MLA_PLAN_STAMP(phase) \
-  if (threadIdx.x == 0) g_stamps[phase] = clock64();
-#include "mla_device_plan.cc"
+#include "device_plan.cuh"
+#include "plan_info.h"
+#include "plan_twin.cuh"
 
 using namespace jax_mla;
+
+__device__ long long g_stamps[16];  // 0..5: the kernel's phases; 6..15: a build's own marks
+
+// PlanKernel's phase marks as thread 0's clock.
+struct ClockStamps {
+  __device__ static void Mark(int phase) {
+    if (threadIdx.x == 0) g_stamps[phase] = clock64();
+  }
+};
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -37,15 +43,15 @@ using namespace jax_mla;
   } while (0)
 
 struct Layout {
-  int64_t plan_info[18];
+  int64_t plan_info[kPlanInfoSize];
   int64_t int_workspace_bytes;
 };
 
-Layout ScheduleLayout(int num_sm, int q_len, int num_heads) {
+Layout ScheduleLayout(int sm_count, int q_len, int num_heads) {
   Layout layout{};
   const int cluster_size = q_len * num_heads > 64 ? 2 : 1;
   layout.plan_info[0] = cluster_size;
-  layout.plan_info[1] = num_sm / cluster_size;
+  layout.plan_info[1] = sm_count / cluster_size;
   int64_t end = 0;
   auto alloc = [&](int64_t size) {
     const int64_t start = (end + 15) / 16 * 16;
@@ -54,7 +60,7 @@ Layout ScheduleLayout(int num_sm, int q_len, int num_heads) {
   };
   int entry = 2;
   for (int i = 0; i < 3; ++i) layout.plan_info[entry++] = alloc(4 * kMaxTotalWorks);  // indptrs
-  for (int i = 0; i < 5; ++i) layout.plan_info[entry++] = alloc(4 * num_sm);          // merges
+  for (int i = 0; i < 5; ++i) layout.plan_info[entry++] = alloc(4 * sm_count);        // merges
   for (int i = 0; i < 6; ++i) layout.plan_info[entry++] = alloc(4 * kMaxTotalWorks);  // per work
   layout.int_workspace_bytes = end;
   return layout;
@@ -89,12 +95,11 @@ struct Launch {
   int32_t* lengths;
   uint8_t* workspace;
 
-  Launch(const Case& c, int num_sm) : layout(ScheduleLayout(num_sm, c.q_len, c.num_heads)) {
+  Launch(const Case& c, int sm_count) : layout(ScheduleLayout(sm_count, c.q_len, c.num_heads)) {
     int max_pages = 0;
     for (int x : c.lengths) max_pages = std::max(max_pages, (x + 63) / 64);
-    shape = ScheduleShape{c.batch, c.q_len, c.num_heads, max_pages, num_sm,
-                          static_cast<int>(layout.plan_info[0]), static_cast<int>(layout.plan_info[1]),
-                          c.q_len > 1};
+    shape = MakeShape(c.batch, c.q_len, c.num_heads, max_pages, sm_count, c.q_len > 1,
+                      layout.plan_info);
     CHECK_CUDA(cudaMalloc(&lengths, 4 * c.lengths.size()));
     CHECK_CUDA(cudaMemcpy(lengths, c.lengths.data(), 4 * c.lengths.size(), cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMalloc(&workspace, layout.int_workspace_bytes));
@@ -105,17 +110,17 @@ struct Launch {
     cudaFree(workspace);
   }
   void operator()(cudaStream_t stream) const {
-    PlanKernel<<<1, kThreads, 0, stream>>>(shape, OffsetsFromPlanInfo(layout.plan_info), lengths, workspace);
+    PlanKernel<ClockStamps><<<1, kPlanThreads, 0, stream>>>(shape, OffsetsFromPlanInfo(layout.plan_info),
+                                                            lengths, workspace);
   }
 };
 
 // Whether the kernel writes the same bytes as the twin (both into zeroed workspaces).
-bool KernelMatchesTwin(const Case& c, int num_sm) {
-  const Launch launch(c, num_sm);
+bool KernelMatchesTwin(const Case& c, int sm_count) {
+  const Launch launch(c, sm_count);
   std::vector<uint8_t> twin(launch.layout.int_workspace_bytes, 0), kernel(twin.size());
-  const int works = JaxMlaDevicePlanOnHost(c.lengths.data(), c.batch, c.q_len, c.num_heads,
-                                           launch.shape.max_pages, num_sm, c.q_len > 1,
-                                           launch.layout.plan_info, twin.data());
+  const int works = PlanOnHost(launch.shape, OffsetsFromPlanInfo(launch.layout.plan_info),
+                               c.lengths.data(), twin.data());
   if (works < 0) return true;  // over a capacity: the Python API refuses such calls
   launch(0);
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -158,7 +163,7 @@ double GraphMicroseconds(cudaStream_t stream, int launches, const std::function<
   return ms[ms.size() / 2] * 1e3 / launches;
 }
 
-int Check(int cases, int num_sm) {
+int Check(int cases, int sm_count) {
   std::mt19937 rng(1234);
   const int heads[] = {16, 32, 64, 128};
   int mismatches = 0;
@@ -169,17 +174,17 @@ int Check(int cases, int num_sm) {
     c.num_heads = heads[rng() % 4];
     c.lengths = Lengths(rng, c.batch, static_cast<int>(rng() % 6), 256 << (rng() % 8), c.q_len);
     if (i % 25 == 0) c.batch = 1 + i % 3, c.lengths = Lengths(rng, c.batch, 6, 0, c.q_len);
-    mismatches += !KernelMatchesTwin(c, num_sm);
+    mismatches += !KernelMatchesTwin(c, sm_count);
   }
   printf("kernel == twin: %d random cases, %d mismatches\n", cases, mismatches);
   return mismatches != 0;
 }
 
 // only_batches: the batch sizes to time (all when empty).
-int Time(int num_sm, const std::vector<int>& only_batches) {
+int Time(int sm_count, const std::vector<int>& only_batches) {
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreate(&stream));
-  const double empty = GraphMicroseconds(stream, 200, [&] { EmptyKernel<<<1, kThreads, 0, stream>>>(); });
+  const double empty = GraphMicroseconds(stream, 200, [&] { EmptyKernel<<<1, kPlanThreads, 0, stream>>>(); });
   printf("An empty kernel: %.2f µs per launch in a CUDA graph.\n\n", empty);
   printf("| B | H | q_len | L | planner µs per launch | cycles to the end of phases 1..5 (thread 0) |\n");
   printf("|---|---|---|---|---|---|\n");
@@ -192,8 +197,8 @@ int Time(int num_sm, const std::vector<int>& only_batches) {
               std::find(only_batches.begin(), only_batches.end(), batch) == only_batches.end()) continue;
           std::mt19937 rng(batch * 7 + num_heads + q_len);
           const Case c{batch, q_len, num_heads, Lengths(rng, batch, 0, mean, q_len)};
-          const bool same = KernelMatchesTwin(c, num_sm);
-          const Launch launch(c, num_sm);
+          const bool same = KernelMatchesTwin(c, sm_count);
+          const Launch launch(c, sm_count);
           const double us = GraphMicroseconds(stream, 200, [&] { launch(stream); });
           long long stamps[16] = {};
           CHECK_CUDA(cudaMemcpyToSymbol(g_stamps, stamps, sizeof(stamps)));
@@ -217,13 +222,13 @@ int Time(int num_sm, const std::vector<int>& only_batches) {
 int main(int argc, char** argv) {
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const int num_sm = prop.multiProcessorCount;
+  const int sm_count = prop.multiProcessorCount;
   const char* mode = argc > 1 ? argv[1] : "time";
-  if (!strcmp(mode, "check")) return Check(argc > 2 ? atoi(argv[2]) : 1000, num_sm);
+  if (!strcmp(mode, "check")) return Check(argc > 2 ? atoi(argv[2]) : 1000, sm_count);
   if (!strcmp(mode, "one") && argc == 6) {
     std::mt19937 rng(1);
     const int batch = atoi(argv[2]), num_heads = atoi(argv[3]), q_len = atoi(argv[4]);
-    const Launch launch(Case{batch, q_len, num_heads, Lengths(rng, batch, 0, atoi(argv[5]), q_len)}, num_sm);
+    const Launch launch(Case{batch, q_len, num_heads, Lengths(rng, batch, 0, atoi(argv[5]), q_len)}, sm_count);
     launch(0);
     launch(0);
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -232,7 +237,7 @@ int main(int argc, char** argv) {
   if (!strcmp(mode, "time")) {
     std::vector<int> only_batches;
     for (int i = 2; i < argc; ++i) only_batches.push_back(atoi(argv[i]));
-    return Time(num_sm, only_batches);
+    return Time(sm_count, only_batches);
   }
   printf("usage: %s check [cases] | time [B ...] | one B H q_len L\n", argv[0]);
   return 2;

@@ -22,12 +22,17 @@ import numpy as np
 from jax_mla import planning
 
 LIBRARY_NAME = "libjax_mla_ffi.so"
-# XLA custom-call target name -> exported handler symbol.
+# XLA custom-call target name -> exported handler symbol of each stage.
 TARGETS = {
-    "jax_mla_fa_decode": "JaxMlaFaDecode",
-    "jax_mla_fa_decode_self_plan": "JaxMlaFaDecodeSelfPlan",
-    "jax_mla_trtllm_decode": "JaxMlaTrtllmDecode",
-    "jax_mla_device_plan": "JaxMlaDevicePlan",
+    "jax_mla_fa_decode": {"execute": "JaxMlaFaDecode"},
+    "jax_mla_fa_decode_self_plan": {"instantiate": "JaxMlaFaDecodeSelfPlanInstantiate",
+                                    "execute": "JaxMlaFaDecodeSelfPlan"},
+    "jax_mla_trtllm_decode": {"execute": "JaxMlaTrtllmDecode"},
+    "jax_mla_device_plan": {"execute": "JaxMlaDevicePlan"},
+}
+# ffi::State types of the handlers: name -> symbols returning its type id and type info.
+STATE_TYPES = {
+    "jax_mla_plan_staging": ("JaxMlaPlanStagingTypeId", "JaxMlaPlanStagingTypeInfo"),
 }
 FLASHINFER_VERSION = "0.7.2.post1"
 TRTLLM_WORKSPACE_BYTES = 128 * 1024 * 1024  # what FlashInfer and vLLM give trtllm-gen
@@ -83,9 +88,16 @@ def register_targets() -> None:
                            "CUDA toolkit are available (pip install 'jax_mla[cuda]'), or set "
                            "JAX_MLA_FFI_LIB to a built libjax_mla_ffi.so")
     library = ctypes.CDLL(str(path))
-    for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
-                                    platform="CUDA")
+    for name, symbols in STATE_TYPES.items():  # before the handlers that keep such state
+        type_id, type_info = (getattr(library, symbol) for symbol in symbols)
+        type_id.restype = type_info.restype = ctypes.c_void_p
+        jax.ffi.register_ffi_type(name, {"type_id": jax.ffi.pycapsule(type_id()),
+                                         "type_info": jax.ffi.pycapsule(type_info())},
+                                  platform="CUDA")
+    for target, stages in TARGETS.items():
+        handlers = {stage: jax.ffi.pycapsule(getattr(library, symbol))
+                    for stage, symbol in stages.items()}
+        jax.ffi.register_ffi_target(target, handlers, platform="CUDA")
 
 
 # ---- FlashInfer's entry points -------------------------------------------------------------------

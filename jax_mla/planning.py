@@ -20,7 +20,7 @@ import numpy as np
 MAX_TOTAL_WORKS = 16384  # MLAPlan's fixed capacity of each per-work array
 CTA_TILE_Q = 64
 ALIGNMENT = 16
-DEVICE_PLAN_MAX_CLUSTERS = 256  # kMaxClusters in ffi/mla_device_plan.cuh
+DEVICE_PLAN_MAX_CLUSTERS = 256  # kMaxClusters in ffi/schedule.cuh
 INT32_BYTES = 4
 
 

@@ -1,4 +1,5 @@
-// FlashInfer's fa3/fa2 MLA work schedule built on the GPU from device-resident seq_lens.
+// FlashInfer's fa3/fa2 MLA work schedule, built from seq_lens by the GPU planner (device_plan.cuh)
+// and by its sequential host twin (plan_twin.cuh) with the same per-tile arithmetic.
 //
 // It fills the int workspace exactly where FlashInfer's host MLAPlan (scheduler.cuh) would, with
 // the same work items: each request's packed query rows are cut into tiles of cluster_tile_q rows,
@@ -10,11 +11,12 @@
 // "small": the small works (at most one per tile) fill the clusters' leftover cost budgets, laid
 // along them in order. No single f suits every length mix, so the planner builds the schedule for
 // kVariants fractions at once (one counter set each) and keeps the one whose busiest cluster costs
-// least (MLAPlan's cost model). The per-tile arithmetic is shared by the kernel and a sequential
-// host driver that the CPU tests check.
+// least (MLAPlan's cost model).
 #pragma once
 
 #include <cstdint>
+
+#include "plan_info.h"
 
 namespace jax_mla {
 
@@ -26,15 +28,8 @@ constexpr int kMaxClusters = 256;
 constexpr int kVariants = 4;
 __host__ __device__ constexpr int BigQuarters(int v) { return 4 - v; }
 
-// Where MLAPlan's arrays live in the int workspace: plan_info entries 2..15, in bytes.
-struct ScheduleOffsets {
-  int64_t q_indptr, kv_indptr, partial_indptr, merge_packed_start, merge_packed_end,
-      merge_partial_start, merge_partial_end, merge_partial_stride, q_len, kv_len, q_start,
-      kv_start, kv_end, work_indptr;
-};
-
 struct ScheduleShape {
-  int batch, q_len, num_heads, max_pages, num_sm, cluster_size, num_clusters;
+  int batch, q_len, num_heads, max_pages, sm_count, cluster_size, num_clusters;
   bool causal;
   __host__ __device__ int packed_q() const { return q_len * num_heads; }
   __host__ __device__ int cluster_tile_q() const { return cluster_size * kCtaTileQ; }
@@ -44,6 +39,12 @@ struct ScheduleShape {
   __host__ __device__ int num_items() const { return batch * num_q_tiles(); }
 };
 
+inline ScheduleShape MakeShape(int batch, int q_len, int num_heads, int max_pages, int sm_count,
+                               bool causal, const int64_t* plan_info) {
+  return {batch, q_len, num_heads, max_pages, sm_count, static_cast<int>(plan_info[0]),
+          static_cast<int>(plan_info[1]), causal};
+}
+
 // ceil(a / b) for 0 <= a, 0 < b in 32-bit arithmetic (no overflow near INT_MAX).
 __host__ __device__ inline int CeilDiv(int a, int b) {
   return static_cast<int>(static_cast<unsigned>(a) / static_cast<unsigned>(b) +
@@ -51,8 +52,8 @@ __host__ __device__ inline int CeilDiv(int a, int b) {
 }
 
 // Exact floor(x / value) for 0 <= x < 2^46 by a multiply with 1/value in double and a correction
-// (the product is within 1 of the quotient), instead of a 64-bit integer division (~70 dependent
-// instructions): the chunk size divides every tile's tokens in every pass.
+// (the product is within 1 of the quotient), instead of a long 64-bit integer division: the chunk
+// size divides every tile's tokens in every pass.
 struct Divisor {
   int64_t value;
   double inverse;
@@ -103,7 +104,7 @@ __host__ __device__ inline int KvLenLimit(int64_t total_kv, const Divisor& num_c
 // The work counts of one (request, query tile) item, or summed over items, in as few words as the
 // block-wide scan can carry. Counts of works and merges are 16-bit fields: the chunk size is at
 // least 1/num_clusters of all tile tokens, so there are at most items + num_clusters <= 16384
-// works (the callers keep to max_works_fit) and at most num_sm merge CTAs. A tile's last chunk is
+// works (the callers keep to max_works_fit) and at most sm_count merge CTAs. A tile's last chunk is
 // a small work under variants 0 .. k-1 for some k (IsSmall is monotone in v), so an item's small
 // works per variant are 0/1 counts, 16-bit fields too.
 struct ItemCounts {
@@ -499,8 +500,8 @@ __host__ __device__ inline void RangeWrites(const ScheduleShape& s, const Schedu
 // Merge CTAs past the used ones do nothing: their row ranges are empty. Clears entries
 // used + first, used + first + step, ... (step 1 clears them all).
 __host__ __device__ inline void ClearUnusedMerges(const ScheduleOffsets& o, uint8_t* ws, int used,
-                                                  int num_sm, int first = 0, int step = 1) {
-  for (int m = used + first; m < num_sm; m += step) {
+                                                  int sm_count, int first = 0, int step = 1) {
+  for (int m = used + first; m < sm_count; m += step) {
     for (int64_t offset : {o.merge_packed_start, o.merge_packed_end, o.merge_partial_start,
                            o.merge_partial_end, o.merge_partial_stride}) {
       At<int32_t>(ws, offset)[m] = 0;

@@ -10,128 +10,34 @@
 // Handlers:
 //   JaxMlaFaDecode          fa3/fa2 with a precomputed schedule (jax_mla.plan); CUDA-graph safe.
 //   JaxMlaFaDecodeSelfPlan  fa3/fa2 planning inside the call: reads seq_lens back to the host (a
-//                           stream sync), so it is not command-buffer compatible.
+//                           stream sync), so it is not command-buffer compatible. Its host staging
+//                           is XLA FFI state (type JaxMlaPlanStaging, made by
+//                           JaxMlaFaDecodeSelfPlanInstantiate).
 //   JaxMlaTrtllmDecode      trtllm-gen (SM100/SM103); CUDA-graph safe.
 
 #include <cuda_runtime.h>
-#include <dlpack/dlpack.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <mutex>
-#include <numeric>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <vector>
 
+#include "common.h"
+#include "plan_info.h"
 #include "tvm/ffi/container/array.h"
-#include "tvm/ffi/container/tensor.h"
 #include "tvm/ffi/container/tuple.h"
-#include "tvm/ffi/extra/c_env_api.h"
-#include "tvm/ffi/function.h"
-#include "xla/ffi/api/ffi.h"
 
-namespace ffi = xla::ffi;
-
+namespace jax_mla {
 namespace {
 
-constexpr int kMaxRank = 4;
-
-// A DLTensor that owns its shape and strides. Not copyable: `tensor` points into the object.
-struct View {
-  DLTensor tensor{};
-  int64_t shape[kMaxRank]{};
-  int64_t strides[kMaxRank]{};
-
-  View(void* data, DLDataType dtype, int32_t device, std::initializer_list<int64_t> dims,
-       std::initializer_list<int64_t> element_strides = {}, uint64_t byte_offset = 0,
-       DLDeviceType device_type = kDLCUDA) {
-    int rank = 0;
-    for (int64_t d : dims) shape[rank++] = d;
-    if (element_strides.size() == 0) {
-      int64_t stride = 1;
-      for (int i = rank - 1; i >= 0; --i) {
-        strides[i] = stride;
-        stride *= shape[i];
-      }
-    } else {
-      int i = 0;
-      for (int64_t s : element_strides) strides[i++] = s;
-    }
-    // FlashInfer reads TensorView::data_ptr(), which ignores byte_offset: fold it into the pointer.
-    tensor.data = static_cast<char*>(data) + byte_offset;
-    tensor.device = DLDevice{device_type, device_type == kDLCUDA ? device : 0};
-    tensor.ndim = rank;
-    tensor.dtype = dtype;
-    tensor.shape = shape;
-    tensor.strides = strides;
-    tensor.byte_offset = 0;
-  }
-  View(const View&) = delete;
-  View& operator=(const View&) = delete;
-  DLTensor* operator&() { return &tensor; }
-};
-
-DLDataType ToDLDataType(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::DataType::BF16: return {kDLBfloat, 16, 1};
-    case ffi::DataType::F16: return {kDLFloat, 16, 1};
-    case ffi::DataType::F32: return {kDLFloat, 32, 1};
-    case ffi::DataType::S32: return {kDLInt, 32, 1};
-    case ffi::DataType::U8: return {kDLUInt, 8, 1};
-    case ffi::DataType::F8E4M3FN: return {kDLFloat8_e4m3fn, 8, 1};
-    default: return {kDLOpaqueHandle, 0, 0};
-  }
-}
-
-constexpr DLDataType kInt32 = {kDLInt, 32, 1};
-constexpr DLDataType kUInt8 = {kDLUInt, 8, 1};
-constexpr DLDataType kFloat32 = {kDLFloat, 32, 1};
-
-// Points TVM-FFI's per-device environment stream at XLA's stream for one call.
-class EnvStreamScope {
- public:
-  EnvStreamScope(int32_t device, cudaStream_t stream) : device_(device) {
-    TVMFFIEnvSetStream(kDLCUDA, device_, stream, &previous_);
-  }
-  ~EnvStreamScope() { TVMFFIEnvSetStream(kDLCUDA, device_, previous_, nullptr); }
-
- private:
-  int32_t device_;
-  TVMFFIStreamHandle previous_ = nullptr;
-};
-
-ffi::Error InvalidArgument(const std::string& message) {
-  return ffi::Error(ffi::ErrorCode::kInvalidArgument, "jax_mla: " + message);
-}
-
-// Looks up a FlashInfer entry point registered by jax_mla's Python side.
-ffi::ErrorOr<tvm::ffi::Function> LookUp(std::string_view name) {
-  auto fn = tvm::ffi::Function::GetGlobal(name);
-  if (!fn.has_value()) {
-    return ffi::Unexpected(ffi::Error(
-        ffi::ErrorCode::kFailedPrecondition,
-        "jax_mla: FlashInfer entry point '" + std::string(name) +
-            "' is not registered; call jax_mla.decode (which loads it) rather than the raw target"));
-  }
-  return *fn;
-}
-
-// Runs `call`, turning TVM-FFI/FlashInfer exceptions and CUDA launch errors into ffi::Error.
-template <typename Call>
-ffi::Error Guarded(std::string_view what, Call&& call) {
-  try {
-    call();
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal("jax_mla: " + std::string(what) + " failed: " + e.what());
-  }
-  cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal("jax_mla: " + std::string(what) +
-                               " launch failed: " + cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
-}
+// FlashInfer's MaskMode for fa3/fa2 `run`.
+constexpr int64_t kMaskNone = 0, kMaskCausal = 1;
+// trtllm-gen's lse is a base-2 logarithm; jax_mla returns natural ones.
+constexpr double kTrtllmLseScale = 0.69314718055994530942;  // ln 2
 
 // The fa3/fa2 `run` call shared by the planned and self-planning handlers.
 //   query [N, H, D] with N = batch * q_len; kv_cache [P, page_size, D]; block_tables [B, max_pages]
@@ -139,7 +45,7 @@ ffi::Error Guarded(std::string_view what, Call&& call) {
 ffi::Error RunFa(cudaStream_t stream, int32_t device, ffi::AnyBuffer query, ffi::AnyBuffer kv_cache,
                  ffi::Buffer<ffi::S32> block_tables, ffi::AnyBuffer int_workspace,
                  ffi::AnyBuffer out, ffi::Buffer<ffi::F32> lse, ffi::AnyBuffer float_workspace,
-                 std::string_view run_fn, int64_t kv_lora_rank, int64_t mask_mode, double sm_scale,
+                 std::string_view run_fn, int64_t kv_lora_rank, bool causal, double softmax_scale,
                  ffi::Span<const int64_t> plan_info) {
   auto q_dims = query.dimensions();
   auto kv_dims = kv_cache.dimensions();
@@ -149,8 +55,9 @@ ffi::Error RunFa(cudaStream_t stream, int32_t device, ffi::AnyBuffer query, ffi:
   const int64_t n = q_dims[0], heads = q_dims[1], dim = q_dims[2];
   const int64_t pages = kv_dims[0], page_size = kv_dims[1];
   const int64_t rope = dim - kv_lora_rank;
-  if (kv_dims[2] != dim || rope <= 0 || plan_info.size() != 18) {
-    return InvalidArgument("inconsistent head dims or plan_info (expected 18 entries)");
+  if (kv_dims[2] != dim || rope <= 0 || plan_info.size() != kPlanInfoSize) {
+    return InvalidArgument("inconsistent head dims or plan_info (expected " +
+                           std::to_string(kPlanInfoSize) + " entries)");
   }
   auto fn = LookUp(run_fn);
   if (fn.has_error()) return fn.error();
@@ -177,8 +84,9 @@ ffi::Error RunFa(cudaStream_t stream, int32_t device, ffi::AnyBuffer query, ffi:
   EnvStreamScope scope(device, stream);
   return Guarded(run_fn, [&] {
     (*fn)(&float_ws, &int_ws, info, &q_nope, &q_pe, &ckv, &kpe, &kv_indices, &o, &lse_view,
-          mask_mode, heads, page_size, sm_scale, /*return_lse_base_on_e=*/true,
-          /*ckv_scale=*/1.0, /*kpe_scale=*/1.0, /*ckv_scale_arr=*/nullptr);
+          causal ? kMaskCausal : kMaskNone, heads, page_size, softmax_scale,
+          /*return_lse_base_on_e=*/true, /*ckv_scale=*/1.0, /*kpe_scale=*/1.0,
+          /*ckv_scale_arr=*/nullptr);
   });
 }
 
@@ -187,45 +95,73 @@ ffi::Error FaDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer quer
                         ffi::AnyBuffer int_workspace, ffi::Result<ffi::AnyBuffer> out,
                         ffi::Result<ffi::Buffer<ffi::F32>> lse,
                         ffi::Result<ffi::AnyBuffer> float_workspace, std::string_view run_fn,
-                        int64_t kv_lora_rank, int64_t mask_mode, double sm_scale,
+                        int64_t kv_lora_rank, bool causal, double softmax_scale,
                         ffi::Span<const int64_t> plan_info) {
   return RunFa(stream, device, query, kv_cache, block_tables, int_workspace, *out, *lse,
-               *float_workspace, run_fn, kv_lora_rank, mask_mode, sm_scale, plan_info);
+               *float_workspace, run_fn, kv_lora_rank, causal, softmax_scale, plan_info);
 }
 
-// Page-locked staging for the self-planning handler, one per device, grown on demand.
-struct HostStaging {
-  std::mutex mutex;
-  int32_t* seq_lens = nullptr;
-  size_t seq_lens_capacity = 0;
-  void* schedule = nullptr;
-  size_t schedule_capacity = 0;
+// Page-locked host memory, grown on demand.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (data_ != nullptr) cudaFreeHost(data_);
+  }
+
+  cudaError_t Reserve(size_t bytes) {
+    if (capacity_ >= bytes) return cudaSuccess;
+    if (data_ != nullptr) cudaFreeHost(data_);
+    data_ = nullptr;
+    capacity_ = 0;
+    const cudaError_t status = cudaMallocHost(&data_, bytes);
+    if (status == cudaSuccess) capacity_ = bytes;
+    return status;
+  }
+  void* data() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
 };
 
-HostStaging& StagingFor(int32_t device) {
-  static std::mutex map_mutex;
-  static std::unordered_map<int32_t, HostStaging> staging;
-  std::lock_guard<std::mutex> lock(map_mutex);
-  return staging[device];
-}
+// The self-planning handler's state, one per call site: host staging per device for the seq_lens
+// read back and the schedule FlashInfer's planner writes before its upload. An executable that
+// runs on several devices at once shares it, hence one staging (and lock) per device.
+struct PlanStaging {
+  struct Device {
+    std::mutex mutex;
+    PinnedBuffer seq_lens, schedule;
+  };
 
-cudaError_t Reserve(void** buffer, size_t* capacity, size_t bytes) {
-  if (*capacity >= bytes) return cudaSuccess;
-  if (*buffer != nullptr) cudaFreeHost(*buffer);
-  *capacity = 0;
-  cudaError_t status = cudaMallocHost(buffer, bytes);
-  if (status == cudaSuccess) *capacity = bytes;
-  return status;
+  static ffi::TypeId id;
+
+  Device& For(int32_t device) {
+    std::lock_guard<std::mutex> lock(mutex);
+    return devices[device];
+  }
+
+  std::mutex mutex;
+  std::unordered_map<int32_t, Device> devices;
+};
+
+ffi::TypeId PlanStaging::id = {};
+
+ffi::ErrorOr<std::unique_ptr<PlanStaging>> InstantiatePlanStaging() {
+  return std::make_unique<PlanStaging>();
 }
 
 ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer query,
                                 ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
-                                ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Buffer<ffi::S32> seq_lens, PlanStaging* state,
+                                ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::F32>> lse,
                                 ffi::Result<ffi::AnyBuffer> float_workspace,
                                 ffi::Result<ffi::AnyBuffer> int_workspace, std::string_view run_fn,
                                 std::string_view plan_fn, int64_t kv_lora_rank, int64_t q_len,
-                                int64_t mask_mode, double sm_scale,
+                                bool causal, double softmax_scale,
                                 ffi::Span<const int64_t> plan_info) {
   const int64_t batch = seq_lens.element_count();
   const int64_t max_pages = block_tables.dimensions()[1];
@@ -233,24 +169,18 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   auto plan = LookUp(plan_fn);
   if (plan.has_error()) return plan.error();
 
-  HostStaging& staging = StagingFor(device);
+  PlanStaging::Device& staging = state->For(device);
   std::lock_guard<std::mutex> lock(staging.mutex);
   const size_t int_ws_bytes = int_workspace->size_bytes();
-  cudaError_t status = Reserve(reinterpret_cast<void**>(&staging.seq_lens),
-                               &staging.seq_lens_capacity, batch * sizeof(int32_t));
+  cudaError_t status = staging.seq_lens.Reserve(batch * sizeof(int32_t));
+  if (status == cudaSuccess) status = staging.schedule.Reserve(int_ws_bytes);
   if (status == cudaSuccess) {
-    status = Reserve(&staging.schedule, &staging.schedule_capacity, int_ws_bytes);
-  }
-  if (status == cudaSuccess) {
-    status = cudaMemcpyAsync(staging.seq_lens, seq_lens.typed_data(), batch * sizeof(int32_t),
-                             cudaMemcpyDeviceToHost, stream);
+    status = cudaMemcpyAsync(staging.seq_lens.data(), seq_lens.typed_data(),
+                             batch * sizeof(int32_t), cudaMemcpyDeviceToHost, stream);
   }
   // The sync also retires the previous call's schedule upload from `staging.schedule`.
   if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_mla: reading seq_lens for planning failed: ") +
-                                cudaGetErrorString(status));
-  }
+  if (status != cudaSuccess) return CudaFailure("reading seq_lens for planning", status);
 
   // CSR metadata over the padded block table: request b's pages start at b * max_pages.
   std::vector<int32_t> qo_indptr(batch + 1), kv_indptr(batch + 1);
@@ -260,9 +190,9 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   }
   View qo_view(qo_indptr.data(), kInt32, device, {batch + 1}, {}, 0, kDLCPU);
   View kv_view(kv_indptr.data(), kInt32, device, {batch + 1}, {}, 0, kDLCPU);
-  View len_view(staging.seq_lens, kInt32, device, {batch}, {}, 0, kDLCPU);
-  View staging_view(staging.schedule, kUInt8, device, {static_cast<int64_t>(int_ws_bytes)}, {}, 0,
-                    kDLCPU);
+  View len_view(staging.seq_lens.data(), kInt32, device, {batch}, {}, 0, kDLCPU);
+  View staging_view(staging.schedule.data(), kUInt8, device, {static_cast<int64_t>(int_ws_bytes)},
+                    {}, 0, kDLCPU);
   View float_ws(float_workspace->untyped_data(), kUInt8, device,
                 {static_cast<int64_t>(float_workspace->size_bytes())});
   View int_ws(int_workspace->untyped_data(), kUInt8, device, {static_cast<int64_t>(int_ws_bytes)});
@@ -271,7 +201,7 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   std::vector<int64_t> planned_info;
   ffi::Error planned = Guarded(plan_fn, [&] {
     auto result = (*plan)(&float_ws, &int_ws, &staging_view, &qo_view, &kv_view, &len_view, heads,
-                          kv_lora_rank, /*causal=*/mask_mode == 1)
+                          kv_lora_rank, causal)
                       .cast<tvm::ffi::Tuple<tvm::ffi::Array<int64_t>, int64_t>>();
     for (int64_t v : result.get<0>()) planned_info.push_back(v);
     staged_bytes = result.get<1>();
@@ -282,14 +212,11 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
         "jax_mla: FlashInfer's plan_info differs from the one jax_mla derived at trace time "
         "(SM count or FlashInfer version mismatch)");
   }
-  status = cudaMemcpyAsync(int_workspace->untyped_data(), staging.schedule, staged_bytes,
+  status = cudaMemcpyAsync(int_workspace->untyped_data(), staging.schedule.data(), staged_bytes,
                            cudaMemcpyHostToDevice, stream);
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_mla: uploading the schedule failed: ") +
-                                cudaGetErrorString(status));
-  }
+  if (status != cudaSuccess) return CudaFailure("uploading the schedule", status);
   return RunFa(stream, device, query, kv_cache, block_tables, *int_workspace, *out, *lse,
-               *float_workspace, run_fn, kv_lora_rank, mask_mode, sm_scale, plan_info);
+               *float_workspace, run_fn, kv_lora_rank, causal, softmax_scale, plan_info);
 }
 
 // trtllm-gen MLA decode (FlashInfer's trtllm_paged_attention_decode), bf16 in and out.
@@ -301,9 +228,8 @@ ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::U8> counter,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                             ffi::Result<ffi::Buffer<ffi::U8>> workspace, std::string_view decode_fn,
-                            int64_t kv_lora_rank, int64_t max_seq_len, double bmm1_scale,
-                            double bmm2_scale, double lse_scale, int64_t sm_count,
-                            bool enable_pdl) {
+                            int64_t kv_lora_rank, int64_t max_seq_len, double softmax_scale,
+                            double output_scale, int64_t sm_count, bool enable_pdl) {
   auto q_dims = query.dimensions();
   auto kv_dims = kv_cache.dimensions();
   if (q_dims.size() != 4 || kv_dims.size() != 3) {
@@ -332,13 +258,14 @@ ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   EnvStreamScope scope(device, stream);
   return Guarded(decode_fn, [&] {
     (*fn)(&o, /*out_scale_factor=*/nullptr, &q_flat, &kv4, &kv4, &ws, &counter_view, &tables, &lens,
-          /*max_q_len=*/q_len, /*max_kv_len=*/max_seq_len, bmm1_scale, bmm2_scale,
-          /*o_sf_scale=*/-1.0, /*o_sf_vec_size=*/int64_t{-1}, /*o_sf_start_index=*/int64_t{0},
-          batch, /*window_left=*/int64_t{-1}, /*sparse_mla_top_k=*/int64_t{0}, sm_count,
-          enable_pdl, static_cast<int64_t>(workspace->element_count()),
+          /*max_q_len=*/q_len, /*max_kv_len=*/max_seq_len, /*bmm1_scale=*/softmax_scale,
+          /*bmm2_scale=*/output_scale, /*o_sf_scale=*/-1.0, /*o_sf_vec_size=*/int64_t{-1},
+          /*o_sf_start_index=*/int64_t{0}, batch, /*window_left=*/int64_t{-1},
+          /*sparse_mla_top_k=*/int64_t{0}, sm_count, enable_pdl,
+          static_cast<int64_t>(workspace->element_count()),
           /*attention_sinks=*/nullptr, /*cum_seq_lens_q=*/nullptr, /*key_block_scales=*/nullptr,
           /*value_block_scales=*/nullptr, /*skip_softmax_threshold_scale_factor=*/nullptr,
-          /*uses_shared_paged_kv_idx=*/true, &lse_view, lse_scale,
+          /*uses_shared_paged_kv_idx=*/true, &lse_view, kTrtllmLseScale,
           /*lse_stride_tokens=*/heads, /*lse_stride_heads=*/int64_t{1},
           /*enable_block_sparse_attention=*/false, /*sparse_mla_top_k_lens=*/nullptr,
           /*bf16q_fp8kv_transform_mode=*/int64_t{0}, /*use_fp16_softmax=*/nullptr);
@@ -357,23 +284,38 @@ auto PagedDecodeBinding() {
 }
 
 }  // namespace
+}  // namespace jax_mla
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecode, FaDecodeImpl,
-                              PagedDecodeBinding()
+// For jax.ffi.register_ffi_type, before the self-planning target is registered.
+extern "C" XLA_FFI_TypeId* JaxMlaPlanStagingTypeId() { return &jax_mla::PlanStaging::id; }
+
+extern "C" const XLA_FFI_TypeInfo* JaxMlaPlanStagingTypeInfo() {
+  static const XLA_FFI_TypeInfo info = {
+      XLA_FFI_TypeInfo_STRUCT_SIZE, /*extension_start=*/nullptr,
+      /*deleter=*/[](void* state) { delete static_cast<jax_mla::PlanStaging*>(state); }};
+  return &info;
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecode, jax_mla::FaDecodeImpl,
+                              jax_mla::PagedDecodeBinding()
                                   .Arg<ffi::AnyBuffer>()          // int_workspace (the plan)
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Ret<ffi::AnyBuffer>()          // float_workspace
                                   .Attr<std::string_view>("run_fn")
                                   .Attr<int64_t>("kv_lora_rank")
-                                  .Attr<int64_t>("mask_mode")
-                                  .Attr<double>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<double>("softmax_scale")
                                   .Attr<ffi::Span<const int64_t>>("plan_info"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlan, FaDecodeSelfPlanImpl,
-                              PagedDecodeBinding()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlanInstantiate, jax_mla::InstantiatePlanStaging,
+                              ffi::Ffi::BindInstantiate());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlan, jax_mla::FaDecodeSelfPlanImpl,
+                              jax_mla::PagedDecodeBinding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+                                  .Ctx<ffi::State<jax_mla::PlanStaging>>()
                                   .Ret<ffi::AnyBuffer>()          // out
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse
                                   .Ret<ffi::AnyBuffer>()          // float_workspace
@@ -382,12 +324,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlan, FaDecodeSelfPlanImpl,
                                   .Attr<std::string_view>("plan_fn")
                                   .Attr<int64_t>("kv_lora_rank")
                                   .Attr<int64_t>("q_len")
-                                  .Attr<int64_t>("mask_mode")
-                                  .Attr<double>("sm_scale")
+                                  .Attr<bool>("causal")
+                                  .Attr<double>("softmax_scale")
                                   .Attr<ffi::Span<const int64_t>>("plan_info"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecode, TrtllmDecodeImpl,
-                              PagedDecodeBinding()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecode, jax_mla::TrtllmDecodeImpl,
+                              jax_mla::PagedDecodeBinding()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
                                   .Arg<ffi::Buffer<ffi::U8>>()    // multi-CTA counter
                                   .Ret<ffi::AnyBuffer>()          // out
@@ -396,9 +338,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecode, TrtllmDecodeImpl,
                                   .Attr<std::string_view>("decode_fn")
                                   .Attr<int64_t>("kv_lora_rank")
                                   .Attr<int64_t>("max_seq_len")
-                                  .Attr<double>("bmm1_scale")
-                                  .Attr<double>("bmm2_scale")
-                                  .Attr<double>("lse_scale")
+                                  .Attr<double>("softmax_scale")
+                                  .Attr<double>("output_scale")
                                   .Attr<int64_t>("sm_count")
                                   .Attr<bool>("enable_pdl"),
                               {ffi::Traits::kCmdBufferCompatible});
