@@ -6,7 +6,8 @@
 #   --tests       GPU 1: the GPU test suite, in three pytest processes side by side (t-*.log;
 #                 XLA's autotuning off, as it only costs compile time there);
 #                 both GPUs first: the multi_gpu tests and the example with --tp 2 (t-multi.log).
-#   --gpu0 ARGS   GPU 0, after the two-GPU tests: benchmarks/decode.py ARGS; repeat it to run
+#                 JAX_MLA_REQUIRE_GPU (1; 2 for the multi_gpu run) makes GPU tests that cannot run fail.
+#   --gpu0 ARGS   GPU 0, after the two-GPU tests: python3 -m benchmarks.decode ARGS; repeat it to run
 #                 several benchmarks one after another. Output lines go to bench.log as "[gpu0] ...".
 #   --gpu1 ARGS   GPU 1, after its tests, likewise ("[gpu1] ...").
 #   --deadline S  stop benchmarks S seconds after this script starts (default 540; a benchmark
@@ -31,13 +32,13 @@ bench_on() {  # GPU, LOG, ARGS strings (one benchmark each)...
     local left=$((deadline - SECONDS))
     [ $left -gt 30 ] || { echo "deadline: not started: $args" >>"$OUT/$log"; continue; }
     # shellcheck disable=SC2086  # ARGS is a word list on purpose
-    CUDA_VISIBLE_DEVICES=$gpu timeout $left python3 benchmarks/decode.py $args --time-limit $((left - 20)) \
+    CUDA_VISIBLE_DEVICES=$gpu timeout $left python3 -m benchmarks.decode $args --time-limit $((left - 20)) \
       2>&1 | sed -u "s/^/[gpu$gpu] /" >>"$OUT/$log"
   done
 }
 pytest_gpu1() {  # LOG, pytest args...
   local log=$1; shift
-  CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_autotune_level=0 \
+  CUDA_VISIBLE_DEVICES=1 JAX_MLA_REQUIRE_GPU=1 XLA_FLAGS=--xla_gpu_autotune_level=0 \
     python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
 }
 
@@ -54,12 +55,12 @@ gpu1_chain() {
 rm -f "$OUT/env.txt"  # printed by gpu-h200.sh already
 gpu1_chain &
 if [ $tests = 1 ]; then
-  { python3 -m pytest -q -rs -p no:cacheprovider tests/test_sharding.py -m multi_gpu
+  { JAX_MLA_REQUIRE_GPU=2 python3 -m pytest -q -rs -p no:cacheprovider tests/test_sharding.py -m multi_gpu
     python3 examples/deepseek_layer.py --tp 2; } >"$OUT/t-multi.log" 2>&1
 fi
 bench_on 0 bench.log "${gpu0[@]}"
 wait
 for f in "$OUT"/t-*.log; do
-  printf '%-22s %s\n' "$(basename "$f")" "$(grep -E ' (passed|failed)' "$f" | tail -1)"
+  printf '%-22s %s\n' "$(basename "$f")" "$(grep -E ' (passed|failed|errors?)' "$f" | tail -1)"
 done
 grep -E '^\[gpu.\] (wrote|time limit|[0-9]+ point)' "$OUT/bench.log" 2>/dev/null

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # GPU evidence run on the H200 machine (no network): installs the carried FlashInfer/TVM-FFI wheels,
 # builds ffi/ for sm_90a, warms FlashInfer's JIT modules, then runs what is asked:
-#   .ci/gpu-h200.sh tests [pytest args]   GPU test suite  -> $OUT/gpu-tests.log
-#   .ci/gpu-h200.sh bench [decode.py args] benchmark piece -> $OUT/*.json
+#   .ci/gpu-h200.sh tests [pytest args]   GPU test suite  -> $OUT/gpu-tests.log (JAX_MLA_REQUIRE_GPU=1:
+#                                         a GPU test that cannot run fails instead of skipping)
+#   .ci/gpu-h200.sh bench [benchmarks.decode args] benchmark piece -> $OUT/*.json
 #   .ci/gpu-h200.sh cmd CMD...             anything else, in the prepared environment
 set -uo pipefail
 mode=${1:-tests}; shift || true
@@ -15,14 +16,14 @@ export JAX_MLA_COMMIT=${JAX_MLA_COMMIT:-$(cat .ci/COMMIT 2>/dev/null || echo unk
 export JAX_MLA_FFI_LIB=/tmp/jax_mla_build/ffi/libjax_mla_ffi.so
 [ -f "$JAX_MLA_FFI_LIB" ] || { echo "ffi build failed"; exit 1; }
 for b in fa3 fa2; do
-  python3 -c "from jax_mla import flashinfer_modules as f; f.fa_entry_points('$b', 512, 64)" &
+  python3 -c "from jax_mla import gpu; gpu.fa_entry_points('$b', 512, 64)" &
 done
 wait
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   python3 -c "import jax, torch, flashinfer; print('jax', jax.__version__, 'torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'cuda', torch.version.cuda)"
   echo "commit $JAX_MLA_COMMIT"; } | tee "$OUT/env.txt"
 case "$mode" in
-  tests) python3 -m pytest -q -rs -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
-  bench) python3 benchmarks/decode.py "$@" 2>&1 | tee "$OUT/bench.log" ;;
+  tests) JAX_MLA_REQUIRE_GPU=1 python3 -m pytest -q -rs -p no:cacheprovider tests "$@" 2>&1 | tee "$OUT/gpu-tests.log" ;;
+  bench) python3 -m benchmarks.decode "$@" 2>&1 | tee "$OUT/bench.log" ;;
   cmd) "$@" ;;
 esac

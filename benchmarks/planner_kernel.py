@@ -1,13 +1,13 @@
 """The GPU planner's kernel time alone, read by Nsight Compute (no host or launch cost in it).
 
     ncu -k regex:PlanKernel --metrics gpu__time_duration.sum --csv \\
-        python benchmarks/planner_kernel.py > planner_ncu.csv
+        python -m benchmarks.planner_kernel > planner_ncu.csv
 
 Runs ``jax_mla.device_plan`` once per configuration (after one warm-up call each, so the JIT
 compile is not profiled twice) and prints the configurations in launch order; the n-th PlanKernel
 row of the CSV (counting the warm-up launches) is configuration n // 2.
 
-    python benchmarks/planner_kernel.py --table planner_ncu.csv   # that CSV as a markdown table
+    python -m benchmarks.planner_kernel --table planner_ncu.csv   # that CSV as a markdown table
 """
 
 from __future__ import annotations
@@ -15,12 +15,9 @@ from __future__ import annotations
 import csv
 import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from report import markdown_table  # benchmarks/report.py, beside this script
 
-import jax_mla
+from benchmarks.report import markdown_table
 
 CONFIGS = [(batch, num_heads, q_len) for num_heads in (16, 128) for q_len in (1, 2)
            for batch in (1, 32, 128, 512)]
@@ -28,6 +25,10 @@ MEAN_LEN = 4096
 
 
 def main() -> None:
+    import jax
+    import jax.numpy as jnp
+    import jax_mla
+
     rng = np.random.default_rng(0)
     for batch, num_heads, q_len in CONFIGS:
         lengths = rng.integers(MEAN_LEN // 2, 3 * MEAN_LEN // 2 + 1, batch).astype(np.int32)

@@ -1,24 +1,29 @@
-#!/usr/bin/env python3
-"""Turn benchmarks/decode.py results into a markdown report and a roofline plot.
+"""Turn ``python -m benchmarks.decode`` results into a markdown report and a roofline plot.
 
-    python benchmarks/report.py benchmarks/results/2026-11-30-h200.json
-    python benchmarks/report.py a.json b.json --md report.md --png roofline.png
+    python -m benchmarks.report benchmarks/results/h200-decode.json
+    python -m benchmarks.report a.json b.json --md report.md --png roofline.png
 
 Several JSON files are merged by point key (later files win). The markdown holds the environment,
-a verdict for each performance goal computed from the data, the full table, and what was skipped
-or failed. The PNG plots achieved TFLOP/s against arithmetic intensity under the H200 roofline.
+a verdict for each goal of benchmarks/goals.toml computed from the data, the full table, and what
+was skipped or failed. The PNG plots achieved TFLOP/s against arithmetic intensity under the
+roofline of the floor model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import math
+import operator
 import os
 import sys
+import tomllib
 
-PEAK_FLOPS = 790e12
-PEAK_BYTES = 4.3e12
+from benchmarks.grid import fmt_len
+from benchmarks.problem import PEAK_BYTES, PEAK_FLOPS
+from benchmarks.results import load_merged
+
+GOALS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goals.toml")
 
 # Method -> (column holding µs per layer, label in plot and text).
 METHODS = {
@@ -28,27 +33,6 @@ METHODS = {
     "xla_naive": ("xla_naive_us", "plain XLA (gather + einsum)"),
     "jax_mla_xla": ("jax_mla_xla_us", "jax_mla backend='xla'"),
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-# ---------------------------------------------------------------------------------------------
-def load(paths: list[str]) -> tuple[dict, list[dict]]:
-    env: dict = {}
-    records: dict[str, dict] = {}
-    for path in paths:
-        with open(path) as f:
-            data = json.load(f)
-        env = data.get("env") or env
-        for r in data.get("records", []):
-            key = r.get("key") or f"B{r['B']}-L{r['L']}-H{r['H']}-q{r['q_len']}-p{r['page_size']}"
-            records[key] = {**records.get(key, {}), **r}
-    rows = sorted(records.values(), key=lambda r: (r["page_size"], r["H"], r["q_len"], r["B"], r["L"]))
-    return env, rows
-
-
-def fmt_len(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
 
 
 def label(r: dict) -> str:
@@ -73,42 +57,64 @@ def f(v, digits=1, suffix=""):
 
 
 # ---------------------------------------------------------------------------------------------
-# Goals, computed from the data
+# Goals (benchmarks/goals.toml), checked against the data
 # ---------------------------------------------------------------------------------------------
-def goal(rows, *, title, in_scope, value, met, value_fmt, why_unmeasured) -> dict:
-    scope = [r for r in rows if in_scope(r)]
-    measured = [(r, value(r)) for r in scope if value(r) is not None]
-    unmeasured = [r for r in scope if value(r) is None]
-    passed = [(r, v) for r, v in measured if met(v)]
-    failed = [(r, v) for r, v in measured if not met(v)]
-    if not scope:
-        verdict = "NOT MEASURED: no point of the grid is in scope"
-    elif not measured:
-        verdict = f"NOT MEASURED: {len(scope)} point(s) in scope, none with both numbers"
-    elif not failed:
-        verdict = f"MET at all {len(measured)} measured point(s)"
-    elif not passed:
-        verdict = f"NOT MET at any of the {len(measured)} measured point(s)"
-    else:
-        verdict = f"NOT MET at {len(failed)} of {len(measured)} measured point(s) (met at {len(passed)})"
-    if measured and unmeasured:
-        verdict += f"; {len(unmeasured)} in-scope point(s) unmeasured"
-    lines = []
-    groups: dict[tuple, list] = {}
-    for r, v in measured:
-        groups.setdefault((r["H"], r["q_len"], r["page_size"]), []).append((r, v))
-    for (h, q, p), items in sorted(groups.items()):
-        ok = sum(1 for _, v in items if met(v))
-        vals = [v for _, v in items]
-        lines.append(f"H={h} q={q} page={p}: met at {ok}/{len(items)}, range "
-                     f"{value_fmt(min(vals))} .. {value_fmt(max(vals))}")
-    details = {
-        "met": [f"{label(r)} ({value_fmt(v)})" for r, v in passed],
-        "not met": [f"{label(r)} ({value_fmt(v)})" for r, v in failed],
-        "unmeasured": [f"{label(r)} ({why_unmeasured(r)})" for r in unmeasured],
-    }
-    return {"title": title, "verdict": verdict, "groups": lines, "details": details,
-            "n_met": len(passed), "n_failed": len(failed), "n_unmeasured": len(unmeasured)}
+OPS = {">=": operator.ge, "<=": operator.le, "==": operator.eq, ">": operator.gt, "<": operator.lt}
+BOUNDS = {"at_most": "<=", "below": "<", "at_least": ">="}
+
+
+@dataclasses.dataclass
+class Goal:
+    title: str
+    numerator: list[str]
+    denominator: str | None
+    bound_op: str
+    bound: float
+    format: str
+    scope: dict[str, tuple[str, float]]
+    scope_has: list[str]
+    explain: list[str]
+
+    @classmethod
+    def from_entry(cls, entry: dict) -> "Goal":
+        numerator = entry["numerator"]
+        numerator = [numerator] if isinstance(numerator, str) else list(numerator)
+        (bound_key,) = [k for k in BOUNDS if k in entry]
+        scope = {}
+        for field, condition in entry.get("scope", {}).items():
+            op, value = condition.split()
+            if op not in OPS:
+                raise ValueError(f"goal {entry['title']!r}: unknown comparison {op!r} in scope")
+            scope[field] = (op, float(value))
+        denominator = entry.get("denominator")
+        return cls(entry["title"], numerator, denominator, BOUNDS[bound_key], float(entry[bound_key]),
+                   entry.get("format", "{:.3g}"), scope, list(entry.get("scope_has", [])),
+                   list(entry.get("explain", numerator + ([denominator] if denominator else []))))
+
+    @property
+    def formula(self) -> str:
+        top = " or ".join(self.numerator)
+        top = f"({top})" if len(self.numerator) > 1 else top
+        return f"{top}{' / ' + self.denominator if self.denominator else ''} {self.bound_op} {self.bound:g}"
+
+    def in_scope(self, r: dict) -> bool:
+        return (all(field in r and OPS[op](r[field], value) for field, (op, value) in self.scope.items())
+                and (not self.scope_has or any(field in r for field in self.scope_has)))
+
+    def value(self, r: dict):
+        top = next((num(r, field) for field in self.numerator if num(r, field) is not None), None)
+        return ratio(top, num(r, self.denominator)) if self.denominator else top
+
+    def met(self, v: float) -> bool:
+        return OPS[self.bound_op](v, self.bound)
+
+    def show(self, v: float) -> str:
+        return self.format.format(v)
+
+
+def load_goals(path: str = GOALS) -> list[Goal]:
+    with open(path, "rb") as fh:
+        return [Goal.from_entry(entry) for entry in tomllib.load(fh)["goal"]]
 
 
 def why_missing(r: dict, *fields: str) -> str:
@@ -125,35 +131,46 @@ def why_missing(r: dict, *fields: str) -> str:
     return "; ".join(reasons) or "?"
 
 
-def goals(rows) -> list[dict]:
-    jm, fi, nv = "jax_mla_us", "flashinfer_torch_us", "xla_naive_us"
-    host_run, dev_run = "run_with_host_plan_us", "run_with_device_plan_us"
-    pct = lambda v: f"{v:.3f}x"  # noqa: E731
-    return [
-        goal(rows, title="jax_mla within 3% of FlashInfer-torch at B>=32, L>=4k "
-                         "(jax_mla_us / flashinfer_torch_us <= 1.03)",
-             in_scope=lambda r: r["B"] >= 32 and r["L"] >= 4096,
-             value=lambda r: ratio(num(r, jm), num(r, fi)), met=lambda v: v <= 1.03,
-             value_fmt=pct, why_unmeasured=lambda r: why_missing(r, jm, fi)),
-        goal(rows, title="jax_mla (its step as one CUDA graph where measured: jax_mla_graph_us) faster "
-                         "than FlashInfer-torch at B=1 (/ flashinfer_torch_us < 1)",
-             in_scope=lambda r: r["B"] == 1,
-             value=lambda r: ratio(num(r, "jax_mla_graph_us") or num(r, jm), num(r, fi)),
-             met=lambda v: v < 1.0, value_fmt=pct, why_unmeasured=lambda r: why_missing(r, jm, fi)),
-        goal(rows, title="jax_mla >= 5x faster than plain XLA at L>=4k (xla_naive_us / jax_mla_us >= 5)",
-             in_scope=lambda r: r["L"] >= 4096,
-             value=lambda r: ratio(num(r, nv), num(r, jm)), met=lambda v: v >= 5.0,
-             value_fmt=lambda v: f"{v:.1f}x", why_unmeasured=lambda r: why_missing(r, nv, jm)),
-        goal(rows, title="device-planned run within 3% of host-planned (run_with_device_plan_us / "
-                         "run_with_host_plan_us <= 1.03)",
-             in_scope=lambda r: "jax_mla_device_plan_us" in r or "device_plan_us" in r,
-             value=lambda r: ratio(num(r, dev_run), num(r, host_run)), met=lambda v: v <= 1.03,
-             value_fmt=pct, why_unmeasured=lambda r: why_missing(r, "jax_mla_device_plan_us", jm)),
-        goal(rows, title="GPU planner at most 10 us at B=512 (device_plan_us <= 10)",
-             in_scope=lambda r: r["B"] == 512 and "device_plan_us" in r,
-             value=lambda r: num(r, "device_plan_us"), met=lambda v: v <= 10.0,
-             value_fmt=lambda v: f"{v:.1f} us", why_unmeasured=lambda r: "not timed"),
-    ]
+def verdict(goal: Goal, rows) -> dict:
+    """Where ``goal`` is met, where not, and where its value is unmeasured, over ``rows``."""
+    scope = [r for r in rows if goal.in_scope(r)]
+    measured = [(r, goal.value(r)) for r in scope if goal.value(r) is not None]
+    unmeasured = [r for r in scope if goal.value(r) is None]
+    passed = [(r, v) for r, v in measured if goal.met(v)]
+    failed = [(r, v) for r, v in measured if not goal.met(v)]
+    if not scope:
+        text = "NOT MEASURED: no point of the grid is in scope"
+    elif not measured:
+        text = f"NOT MEASURED: {len(scope)} point(s) in scope, none with both numbers"
+    elif not failed:
+        text = f"MET at all {len(measured)} measured point(s)"
+    elif not passed:
+        text = f"NOT MET at any of the {len(measured)} measured point(s)"
+    else:
+        text = f"NOT MET at {len(failed)} of {len(measured)} measured point(s) (met at {len(passed)})"
+    if measured and unmeasured:
+        text += f"; {len(unmeasured)} in-scope point(s) unmeasured"
+    lines = []
+    groups: dict[tuple, list] = {}
+    for r, v in measured:
+        groups.setdefault((r["H"], r["q_len"], r["page_size"]), []).append((r, v))
+    for (h, q, p), items in sorted(groups.items()):
+        ok = sum(1 for _, v in items if goal.met(v))
+        vals = [v for _, v in items]
+        lines.append(f"H={h} q={q} page={p}: met at {ok}/{len(items)}, range "
+                     f"{goal.show(min(vals))} .. {goal.show(max(vals))}")
+    details = {
+        "met": [f"{label(r)} ({goal.show(v)})" for r, v in passed],
+        "not met": [f"{label(r)} ({goal.show(v)})" for r, v in failed],
+        "unmeasured": [f"{label(r)} ({why_missing(r, *goal.explain)})" for r in unmeasured],
+    }
+    return {"title": f"{goal.title} ({goal.formula})", "verdict": text, "groups": lines,
+            "details": details, "n_met": len(passed), "n_failed": len(failed),
+            "n_unmeasured": len(unmeasured)}
+
+
+def goals(rows, goals_path: str = GOALS) -> list[dict]:
+    return [verdict(goal, rows) for goal in load_goals(goals_path)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -199,7 +216,9 @@ def table(rows) -> list[str]:
         if r.get("skipped"):
             cells[6] = "skipped"
         cell_rows.append(cells)
-    return markdown_table(head, cell_rows)
+    # Columns of methods no point measured are left out.
+    keep = [i for i in range(len(head)) if i < 7 or any(cells[i] != "–" for cells in cell_rows)]
+    return markdown_table([head[i] for i in keep], [[cells[i] for i in keep] for cells in cell_rows])
 
 
 def schedule_table(rows) -> list[str]:
@@ -250,7 +269,8 @@ def step_table(rows) -> list[str]:
     return out + markdown_table(head, cell_rows) + [""]
 
 
-def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[str]) -> str:
+def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[str],
+             goals_path: str = GOALS) -> str:
     lines = ["# MLA decode benchmark" + (f": {env.get('gpu')}" if env.get("gpu") else ""), ""]
     if env.get("dry_run"):
         lines += ["> **CPU dry run.** These numbers exercise the benchmark script on the XLA "
@@ -268,7 +288,7 @@ def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[st
               "B·q·H·(576+512)·2. Every time is µs per decode call (one layer), median.", ""]
 
     lines += ["## Goals (computed from the data)", ""]
-    for g in goals(rows):
+    for g in goals(rows, goals_path):
         lines.append(f"- **{g['title']}**: {g['verdict']}.")
         for text in g["groups"]:
             lines.append(f"  - {text}")
@@ -380,21 +400,23 @@ def roofline(env: dict, rows: list[dict], path: str) -> bool:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("json", nargs="+", help="results of benchmarks/decode.py (merged by key)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("json", nargs="+", help="results of benchmarks.decode (merged by key)")
     p.add_argument("--md", default=None, help="markdown output (default: first JSON with .md)")
     p.add_argument("--png", default=None,
                    help="roofline PNG (default: first JSON with .png; 'none': no plot)")
+    p.add_argument("--goals", default=GOALS, help="the goals to check (default benchmarks/goals.toml)")
     p.add_argument("--stdout", action="store_true", help="also print the markdown")
     args = p.parse_args(argv)
     stem = os.path.splitext(args.json[0])[0]
     md_path = args.md or stem + ".md"
     png_path = args.png or stem + ".png"
-    env, rows = load(args.json)
+    env, rows = load_merged(args.json)
     made_png = args.png != "none" and roofline(env, rows, png_path)
     png_ref = (os.path.relpath(png_path, os.path.dirname(os.path.abspath(md_path)))
                if made_png else None)
-    text = markdown(env, rows, png_ref, args.json)
+    text = markdown(env, rows, png_ref, args.json, args.goals)
     with open(md_path, "w") as fh:
         fh.write(text)
     if args.stdout:

@@ -1,20 +1,26 @@
-"""benchmarks/decode.py --dry-run (CPU, XLA backends, tiny grid) and benchmarks/report.py on its output."""
+"""The benchmarks package: ``python -m benchmarks.decode --dry-run`` (CPU, XLA backends, tiny grid),
+``python -m benchmarks.report`` on its output, and the pieces they are made of."""
 
 from __future__ import annotations
 
 import gzip
 import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 
+import numpy as np
 import pytest
-from conftest import load_bench_decode
+
+from benchmarks import decode, grid, methods, problem, progress, report, results, timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DECODE = os.path.join(REPO, "benchmarks", "decode.py")
-REPORT = os.path.join(REPO, "benchmarks", "report.py")
+DECODE = ("-m", "benchmarks.decode")
+REPORT = ("-m", "benchmarks.report")
+PLANNER_KERNEL = ("-m", "benchmarks.planner_kernel")
 
 ENV_KEYS = {"gpu", "driver", "cuda", "jax", "torch", "flashinfer", "commit"}
 RECORD_KEYS = {"key", "B", "L", "H", "q_len", "page_size", "floor_us", "flops", "bytes", "intensity",
@@ -22,19 +28,21 @@ RECORD_KEYS = {"key", "B", "L", "H", "q_len", "page_size", "floor_us", "flops", 
 TIMED = ("jax_mla", "xla_naive", "jax_mla_xla")
 
 
-def run_script(*args, cwd=REPO):
+def run_module(module, *args, check=True):
+    """``python -m MODULE ARGS`` from the repository root, on the CPU."""
     path = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
-    result = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=120)
-    assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+    result = subprocess.run([sys.executable, *module, *args], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=120)
+    if check:
+        assert result.returncode == 0, f"{module} {args} failed:\n{result.stdout}\n{result.stderr}"
     return result
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "dry.json"
-    result = run_script(DECODE, "--dry-run", "--out", str(out))
+    result = run_module(DECODE, "--dry-run", "--out", str(out))
     return out, result
 
 
@@ -58,12 +66,13 @@ def test_dry_run_writes_schema(dry_run):
         assert record["key"] == (f"B{record['B']}-L{record['L']}-H{record['H']}-q{record['q_len']}"
                                  f"-p{record['page_size']}")
     assert "[2/2" in result.stderr, "one progress line per point"
+    assert "\r" not in result.stderr and "\x1b" not in result.stderr, "plain lines when not a terminal"
 
 
 def test_rerun_skips_measured_points(dry_run):
     out, _ = dry_run
     before = json.loads(out.read_text())
-    result = run_script(DECODE, "--dry-run", "--out", str(out))
+    result = run_module(DECODE, "--dry-run", "--out", str(out))
     assert "already in" in result.stderr
     after = json.loads(out.read_text())
     assert [r["key"] for r in after["records"]] == [r["key"] for r in before["records"]]
@@ -73,9 +82,9 @@ def test_rerun_skips_measured_points(dry_run):
 def test_pieces_partition_the_grid():
     listed = []
     for k in (1, 2, 3):
-        text = run_script(DECODE, "--list", "--grid", "full", "--piece", f"{k}/3").stdout
+        text = run_module(DECODE, "--list", "--grid", "full", "--piece", f"{k}/3").stdout
         listed += [line.split(" est ")[0].strip() for line in text.splitlines()[1:]]
-    full = run_script(DECODE, "--list", "--grid", "full").stdout
+    full = run_module(DECODE, "--list", "--grid", "full").stdout
     assert sorted(listed) == sorted(line.split(" est ")[0].strip() for line in full.splitlines()[1:]
                                     if " est " in line)
     assert len(listed) == len(set(listed)) > 64
@@ -84,7 +93,7 @@ def test_pieces_partition_the_grid():
 def test_report_markdown(dry_run, tmp_path):
     out, _ = dry_run
     md, png = tmp_path / "report.md", tmp_path / "roofline.png"
-    run_script(REPORT, str(out), "--md", str(md), "--png", str(png))
+    run_module(REPORT, str(out), "--md", str(md), "--png", str(png))
     text = md.read_text()
     assert "## Goals (computed from the data)" in text
     for goal in ("within 3% of FlashInfer-torch", "than FlashInfer-torch at B=1",
@@ -101,15 +110,14 @@ def test_report_markdown(dry_run, tmp_path):
 def test_report_png(dry_run, tmp_path):
     out, _ = dry_run
     md, png = tmp_path / "report.md", tmp_path / "roofline.png"
-    run_script(REPORT, str(out), "--md", str(md), "--png", str(png))
+    run_module(REPORT, str(out), "--md", str(md), "--png", str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "![roofline](roofline.png)" in md.read_text()
 
 
 def test_layout_floor_and_rotation():
-    bench = load_bench_decode()
-    pt = bench.Point(B=32, L=4096, H=128, q_len=1, page_size=64)
-    layout = bench.make_layout(pt, 0)
+    pt = grid.Point(B=32, L=4096, H=128, q_len=1, page_size=64)
+    layout = problem.make_layout(pt, 0)
     lengths = layout.lengths
     assert lengths.min() >= 2048 and lengths.max() <= 6144
     assert abs(lengths.mean() - 4096) < 1
@@ -119,14 +127,14 @@ def test_layout_floor_and_rotation():
     assert (indices != sorted(indices)).any()
     assert layout.kv_indptr[-1] == indices.size
     assert (layout.pages_per_request == -(-lengths // 64)).all()
-    # The floor of ../shared/docs/performance.md: H=128 B=32 L=4k is 46 us, compute-bound.
-    work = bench.work(layout)
+    # The floor model: H=128 B=32 L=4k is 46 us, compute-bound.
+    work = problem.work(layout)
     assert abs(work["floor_us"] - 46.4) < 1.5 and work["floor_bound"] == "compute"
     # Enough cache copies that the others exceed 2x L2 between two reads of one.
-    n = bench.cache_count(layout, 60 * bench.GIB)
-    assert n >= 2 and (n - 1) * layout.cache_bytes > 2 * bench.L2_BYTES
-    assert bench.cache_count(layout, layout.cache_bytes - 1) == 0  # over budget: skipped
-    sets = bench.rotation_sets(list(range(n)), 12)
+    n = problem.cache_count(layout, 60 * problem.GIB)
+    assert n >= 2 and (n - 1) * layout.cache_bytes > 2 * problem.L2_BYTES
+    assert problem.cache_count(layout, layout.cache_bytes - 1) == 0  # over budget: skipped
+    sets = methods.rotation_sets(list(range(n)), 12)
     flat = [c for s in sets for c in s]
     assert all(a != b for a, b in zip(flat, flat[1:])), "consecutive layers read different copies"
     assert sorted(set(flat)) == list(range(n))
@@ -135,7 +143,6 @@ def test_layout_floor_and_rotation():
 def test_report_planner_tables(tmp_path):
     """The host- vs device-schedule and whole-step tables and the planner goals, on GPU-shaped
     records (what a GPU run writes; numbers made up so both verdicts occur)."""
-    decode = load_bench_decode()
     records = []
     for batch, device_run, planner in ((32, 101.5, 6.0), (512, 120.0, 12.0)):
         record = {"key": f"B{batch}-L4096-H128-q1-p64", "B": batch, "L": 4096, "H": 128, "q_len": 1,
@@ -143,16 +150,16 @@ def test_report_planner_tables(tmp_path):
                   "plan_ready_us": 450.0, "jax_mla_device_plan_us": device_run,
                   "device_plan_us": planner, "layers": 12, "step_layers": 61, "step_host_plan_ms": 6.5,
                   "step_device_plan_ms": 6.2, "errors": {}}
-        decode.name_plan_comparison(record)
+        results.name_plan_comparison(record)
         assert record["run_with_host_plan_us"] == 100.0
         assert record["run_with_device_plan_us"] == device_run - planner / 12  # its share taken out
         records.append(record)
     in_graph = dict(records[0], jax_mla_graph_us=90.0, jax_mla_device_plan_in_graph=True)
-    decode.name_plan_comparison(in_graph)
+    results.name_plan_comparison(in_graph)
     assert in_graph["run_with_host_plan_us"] == 90.0  # graph against graph
     src, md = tmp_path / "gpu.json", tmp_path / "gpu.md"
     src.write_text(json.dumps({"env": {"gpu": "NVIDIA H200"}, "records": records}))
-    run_script(REPORT, str(src), "--md", str(md), "--png", str(tmp_path / "gpu.png"))
+    run_module(REPORT, str(src), "--md", str(md), "--png", str(tmp_path / "gpu.png"))
     text = md.read_text()
     assert "## Host schedule vs GPU schedule" in text
     assert "## Whole decode step, host plan vs GPU plan" in text
@@ -165,16 +172,14 @@ def test_report_planner_tables(tmp_path):
 
 
 def test_planner_share_uses_its_graph_node_time_when_measured():
-    decode = load_bench_decode()
     record = {"plan_us": 400.0, "jax_mla_us": 100.0, "jax_mla_device_plan_us": 101.0,
               "device_plan_us": 6.0, "device_plan_graph_us": 9.0, "layers": 12}
-    decode.name_plan_comparison(record)
+    results.name_plan_comparison(record)
     assert record["run_with_device_plan_us"] == 101.0 - 9.0 / 12
 
 
 def test_kernel_durations_come_from_the_perfetto_trace(tmp_path):
     """Only the named kernel's complete events count (not its launch API calls, not other kernels)."""
-    decode = load_bench_decode()
     events = [{"ph": "X", "name": "void jax_mla::PlanKernel(ScheduleShape)", "dur": 8.5},
               {"ph": "X", "name": "cudaLaunchKernel", "dur": 3.0, "args": {"kernel": "PlanKernel"}},
               {"ph": "X", "name": "BatchMLAPageAttentionHopperKernel", "dur": 300.0},
@@ -184,8 +189,8 @@ def test_kernel_durations_come_from_the_perfetto_trace(tmp_path):
     nested.mkdir(parents=True)
     with gzip.open(nested / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    assert decode.kernel_durations_us(str(tmp_path), "PlanKernel") == [8.5, 7.5]
-    assert decode.kernel_durations_us(str(tmp_path), "NoSuchKernel") == []
+    assert timing.kernel_durations_us(str(tmp_path), "PlanKernel") == [8.5, 7.5]
+    assert timing.kernel_durations_us(str(tmp_path), "NoSuchKernel") == []
 
 
 def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
@@ -193,33 +198,173 @@ def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
     (time_device_plan then falls back to the graph wall time and keeps the reason)."""
     import jax.numpy as jnp
 
-    decode = load_bench_decode()
-    durations, why = decode.profiled_kernel_us(lambda: (jnp.ones(3) + 1).block_until_ready(),
+    durations, why = timing.profiled_kernel_us(lambda: (jnp.ones(3) + 1).block_until_ready(),
                                                "PlanKernel")
     assert durations == []
     assert why == "no PlanKernel events in the profiler trace"
 
 
 def test_dry_run_refuses_the_gpu_only_methods(capsys):
-    bench = load_bench_decode()
     for method in ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan", "jax_mla_step"):
         with pytest.raises(SystemExit):
-            bench.parse_args(["--dry-run", "--backends", method])
+            decode.parse_args(["--dry-run", "--backends", method])
         assert "--dry-run runs the XLA backends only" in capsys.readouterr().err
 
 
-def test_planner_kernel_table_reads_the_committed_ncu_csv(tmp_path):
-    csv_path = os.path.join(REPO, "benchmarks", "results", "2026-11-30-h200-planner-ncu.csv")
-    table = run_script(os.path.join(REPO, "benchmarks", "planner_kernel.py"), "--table", csv_path).stdout
+def ncu_csv(times_ns: list[int]) -> str:
+    """What ``ncu --csv`` prints around benchmarks.planner_kernel: its notes, the script's lines,
+    then one row per PlanKernel launch (values in ns, with thousands separators)."""
+    head = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+            '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+            '"Metric Value"')
+    rows = [f'"{i}","7","python3","host","(anonymous namespace)::PlanKernel(ScheduleShape, const int *)",'
+            f'"1","14","(512, 1, 1)","(1, 1, 1)","0","9.0","Command line profiler metrics",'
+            f'"gpu__time_duration.sum","ns","{t:,}"' for i, t in enumerate(times_ns)]
+    prints = [f"B={b} H={h} q_len={q} L~4096" for b, h, q in PLANNER_CONFIGS]
+    return "\n".join(["==PROF== Connected to process 7", *prints, "==PROF== Disconnected", head,
+                      *rows]) + "\n"
+
+
+PLANNER_CONFIGS = [(b, h, q) for h in (16, 128) for q in (1, 2) for b in (1, 32, 128, 512)]
+
+
+def test_planner_kernel_table_reads_an_ncu_csv(tmp_path):
+    times_ns = [17888 + 100 * i for i in range(2 * len(PLANNER_CONFIGS))]
+    full = tmp_path / "ncu.csv"
+    full.write_text(ncu_csv(times_ns))
+    table = run_module(PLANNER_KERNEL, "--table", str(full)).stdout
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 16
-    assert rows[0].split("|")[1:4] == [" 1 ", " 16 ", " 1 "]
-    times = [float(row.split("|")[5]) for row in rows]
-    assert all(5 < t < 100 for t in times), times  # µs, read from "ns" with thousands separators
+    assert rows[0].split("|")[1:6] == [" 1 ", " 16 ", " 1 ", " 17.9 ", " 18.0 "]  # µs from "17,888" ns
+    assert [tuple(int(c) for c in row.split("|")[1:4]) for row in rows] == PLANNER_CONFIGS
     short = tmp_path / "short.csv"
-    with open(csv_path) as f:
-        short.write_text("".join(f.readlines()[:-3]))  # a profile cut short: rows missing
-    result = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "planner_kernel.py"),
-                             "--table", str(short)], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    short.write_text(ncu_csv(times_ns[:-3]))  # a profile cut short: rows missing
+    result = run_module(PLANNER_KERNEL, "--table", str(short), check=False)
     assert result.returncode != 0 and "expected 32 PlanKernel rows, found 29" in result.stderr
+
+
+def test_progress_rewrites_a_status_line_on_a_terminal_only():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    for stream, tty in ((io.StringIO(), False), (Terminal(), True)):
+        bar = progress.Progress(total=2.0, count=2, stream=stream)
+        bar.begin(1, "first")
+        bar.status("compiling")
+        bar.end(1.0, "done")
+        text = stream.getvalue()
+        assert text.endswith("[1/2 0m00s eta 0m00s] first | done\n"), text
+        assert ("\r" in text) == tty and ("compiling" in text) == tty
+
+
+def test_shuffled_block_tables_deal_one_permutation_of_the_pool():
+    rng = np.random.default_rng(0)
+    pages = np.array([3, 1, 4])
+    tables, spare = problem.shuffled_block_tables(rng, pages, num_pages=10, max_pages=5, fill=-7)
+    assert tables.shape == (3, 5) and tables.dtype == np.int32
+    held = [tables[b, :n] for b, n in enumerate(pages)]
+    assert sorted(np.concatenate(held + [spare]).tolist()) == list(range(10))  # each page once
+    assert all((tables[b, n:] == -7).all() for b, n in enumerate(pages))
+    assert len(spare) == 2
+    assert problem.shuffled_block_tables(np.random.default_rng(0), pages)[0].shape == (3, 4)
+
+
+def test_relative_error_is_inf_for_non_finite_outputs():
+    expected = np.array([1.0, -2.0])
+    assert problem.relative_error([1.0, -2.02], expected) == pytest.approx(0.01)
+    assert problem.relative_error([np.nan, 0.0], expected) == float("inf")
+
+
+def test_goals_come_from_the_data_file():
+    """benchmarks/goals.toml holds every goal; the report adds the formula it checks."""
+    goals = report.load_goals()
+    assert [g.formula for g in goals] == [
+        "jax_mla_us / flashinfer_torch_us <= 1.03",
+        "(jax_mla_graph_us or jax_mla_us) / flashinfer_torch_us < 1",
+        "xla_naive_us / jax_mla_us >= 5",
+        "run_with_device_plan_us / run_with_host_plan_us <= 1.03",
+        "device_plan_us <= 10"]
+    b1 = {"B": 1, "L": 4096, "H": 16, "q_len": 1, "page_size": 64, "jax_mla_us": 50.0,
+          "jax_mla_graph_us": 30.0, "flashinfer_torch_us": 40.0}
+    assert goals[1].in_scope(b1) and goals[1].value(b1) == 0.75 and goals[1].met(0.75)
+    assert not goals[0].in_scope(b1) and not goals[4].in_scope(b1)
+
+
+class _CpuCuda:
+    """torch.cuda's calls the benchmark makes, for a CPU torch: no-ops and a wall-clock event."""
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = time.perf_counter()
+
+        def elapsed_time(self, end):
+            return (end.t - self.t) * 1e3
+
+    @staticmethod
+    def synchronize():
+        pass
+
+    @staticmethod
+    def empty_cache():
+        pass
+
+
+class _CpuTorch:
+    """torch, with torch.cuda stood in by _CpuCuda."""
+
+    cuda = _CpuCuda
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch, name)
+
+
+class _ReferencePeer:
+    """A FlashInferPeer stand-in that answers with jax_mla's torch reference."""
+
+    def plan(self, layout, meta):
+        self.layout = layout
+        assert meta["kv_indptr"][-1] == meta["kv_indices"].numel()
+
+    def run(self, q_nope, q_pe, ckv, kpe, out=None):
+        import torch
+
+        from jax_mla.reference import mla_decode_reference
+
+        pt = self.layout.point
+        query = torch.cat([q_nope, q_pe], -1).view(pt.B, pt.q_len, pt.H, -1)
+        ref, _ = mla_decode_reference(query, torch.cat([ckv, kpe], -1),
+                                      torch.from_numpy(self.layout.tables),
+                                      torch.from_numpy(self.layout.lengths),
+                                      softmax_scale=problem.SOFTMAX_SCALE)
+        out.copy_(ref.reshape(out.shape).to(out.dtype))
+        return out
+
+
+def test_flashinfer_path_with_a_stand_in_peer():
+    """FlashInfer's timing, its check against the reference and the bit-for-bit comparison with
+    jax_mla, on the CPU: torch's CPU build with a stand-in for the FlashInfer wrapper."""
+    pytest.importorskip("torch")
+    from benchmarks.bench import Bench
+
+    args = decode.parse_args(["--dry-run"])
+    args.methods, args.fi_backends, args.fi_graph = ["jax_mla", "flashinfer"], ["fa3"], False
+    bench = Bench(args, _CpuTorch(), args.methods, progress.Progress(1.0, 1, stream=io.StringIO()))
+    bench.on_gpu = True  # the guard for a real FlashInfer; the stand-in runs anywhere
+    bench.flashinfer.device = "cpu"
+    bench.flashinfer.peers["fa3"] = _ReferencePeer()
+    layout = problem.make_layout(grid.Point(B=2, L=64, H=4, q_len=2, page_size=16), 0)
+    record = decode.new_record(layout, args)
+    bench.run_point(layout, record)
+    assert record["errors"] == {}, record["errors"]
+    assert record["methods_done"] == ["jax_mla", "flashinfer"]
+    assert record["flashinfer_torch_backend"] == "fa3"
+    assert record["flashinfer_torch_us"] == record["flashinfer_fa3_us"] > 0
+    assert record["flashinfer_fa3_rel_err"] < 1e-2 and record["flashinfer_fa3_plan_us"] > 0
+    assert record["jax_mla_vs_flashinfer_peer"] == "flashinfer_fa3"
+    assert record["jax_mla_vs_flashinfer_max_abs_diff"] < 0.1

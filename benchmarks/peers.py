@@ -1,0 +1,261 @@
+"""The FlashInfer peer: the same kernels called from torch through
+``flashinfer.mla.BatchMLAPagedAttentionWrapper``, on the same caches (shared through DLPack),
+how it is timed, and the bit-for-bit comparison with jax_mla."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import traceback
+import warnings
+
+import numpy as np
+
+from benchmarks.problem import KV_LORA_RANK, ROPE_DIM, SOFTMAX_SCALE, Layout, work
+from benchmarks.timing import host_time_us, time_torch
+
+
+class FlashInferPeer:
+    """BatchMLAPagedAttentionWrapper with CSR metadata built from the same block tables."""
+
+    WORKSPACE_BYTES = 128 * 1024 * 1024
+
+    def __init__(self, torch, backend: str):
+        import flashinfer
+        import flashinfer.mla as fmla
+
+        self.torch = torch
+        self.backend = backend
+        self.fmla = fmla
+        self.version = getattr(flashinfer, "__version__", None)
+        workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
+        self.wrapper = fmla.BatchMLAPagedAttentionWrapper(workspace, backend=backend)
+        plan_params = inspect.signature(self.wrapper.plan).parameters
+        run_params = inspect.signature(self.wrapper.run).parameters
+        # 0.7.x prefers plan(metadata=MLAPlanMetadata.csr(...)) and run(query=, kv_cache=); older
+        # releases take flat CSR tensors and run(q_nope, q_pe, ckv_cache, kpe_cache).
+        self.canonical = ("metadata" in plan_params and hasattr(fmla, "MLAPlanMetadata")
+                          and "query" in run_params and "kv_cache" in run_params)
+        needed = (["metadata"] if self.canonical else
+                  ["qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr"])
+        needed += ["num_heads", "head_dim_ckv", "head_dim_kpe", "page_size", "causal", "sm_scale"]
+        missing = [n for n in needed if n not in plan_params]
+        run_needed = ["query", "kv_cache"] if self.canonical else ["q_nope", "q_pe", "ckv_cache",
+                                                                   "kpe_cache"]
+        missing += [f"run.{n}" for n in run_needed if n not in run_params]
+        if missing:
+            raise RuntimeError(
+                f"flashinfer {self.version}: BatchMLAPagedAttentionWrapper has an unexpected "
+                f"signature (missing {missing});\n  plan{inspect.signature(self.wrapper.plan)}\n"
+                f"  run{inspect.signature(self.wrapper.run)}")
+        self.plan_params = plan_params
+        self.run_has_out = "out" in run_params
+
+    def plan(self, layout: Layout, device_meta: dict):
+        torch = self.torch
+        pt = layout.point
+        kwargs = dict(num_heads=pt.H, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM,
+                      page_size=pt.page_size, causal=pt.q_len > 1, sm_scale=SOFTMAX_SCALE,
+                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        csr = {k: device_meta[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")}
+        if self.canonical:
+            kwargs["metadata"] = self.fmla.MLAPlanMetadata.csr(*csr.values())
+            for name, value in (("query_layout", "split"), ("kv_cache_layout", "split")):
+                if name in self.plan_params:
+                    kwargs[name] = value
+        else:
+            kwargs.update(csr)
+        kwargs = {k: v for k, v in kwargs.items() if k in self.plan_params}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.wrapper.plan(**kwargs)
+
+    def run(self, q_nope, q_pe, ckv, kpe, out=None):
+        extra = {"out": out} if (out is not None and self.run_has_out) else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            if self.canonical:
+                return self.wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), **extra)
+            return self.wrapper.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, **extra)
+
+
+@dataclasses.dataclass
+class TorchInputs:
+    """One point's query, caches and outputs as torch tensors, and FlashInfer's CSR metadata."""
+
+    meta: dict
+    q_nope: object
+    q_pe: object
+    views: list  # (ckv, kpe) per cache copy
+    outs: list  # one output per layer
+    layers: int
+
+    @classmethod
+    def build(cls, torch, layout: Layout, q, caches, layers: int, dev: str = "cuda") -> "TorchInputs":
+        pt = layout.point
+        meta = {
+            "qo_indptr": torch.arange(pt.B + 1, dtype=torch.int32, device=dev) * pt.q_len,
+            "kv_indptr": torch.from_numpy(layout.kv_indptr).to(dev),
+            "kv_indices": torch.from_numpy(layout.kv_indices).to(dev),
+            "kv_len_arr": torch.from_numpy(layout.lengths.astype(np.int32)).to(dev),
+        }
+        q_t = torch.from_dlpack(q)
+        q_nope = q_t[..., :KV_LORA_RANK].reshape(pt.B * pt.q_len, pt.H, KV_LORA_RANK).contiguous()
+        q_pe = q_t[..., KV_LORA_RANK:].reshape(pt.B * pt.q_len, pt.H, ROPE_DIM).contiguous()
+        views = []
+        for c in caches:
+            t = torch.from_dlpack(c)
+            views.append((t[..., :KV_LORA_RANK], t[..., KV_LORA_RANK:]))
+        outs = [torch.empty(pt.B * pt.q_len, pt.H, KV_LORA_RANK, dtype=torch.bfloat16, device=dev)
+                for _ in range(layers)]
+        return cls(meta, q_nope, q_pe, views, outs, layers)
+
+    def eager_step(self, peer: FlashInferPeer):
+        """A function running ``layers`` calls, each on the next cache copy (rotating over calls)."""
+        n = len(self.views)
+        n_sets = n // math.gcd(self.layers, n)
+        counter = [0]
+
+        def step():
+            base = (counter[0] % n_sets) * self.layers
+            counter[0] += 1
+            for i in range(self.layers):
+                peer.run(self.q_nope, self.q_pe, *self.views[(base + i) % n], out=self.outs[i])
+
+        return step
+
+    def graph_seconds_per_layer(self, torch, peer: FlashInferPeer, args) -> float:
+        """The same runs replayed from one CUDA graph (no Python per call)."""
+        n, layers = len(self.views), self.layers
+        # Each replay reads every copy once, in the same cyclic order as the eager runs (a replay
+        # that stopped part-way through the cycle would re-read a copy still in L2).
+        total = n * math.ceil(layers / n)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for j in range(min(total, 2 * layers)):
+                peer.run(self.q_nope, self.q_pe, *self.views[j % n], out=self.outs[j % layers])
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for j in range(total):
+                peer.run(self.q_nope, self.q_pe, *self.views[j % n], out=self.outs[j % layers])
+        torch.cuda.synchronize()
+        per_layer_s, _ = time_torch(graph.replay, total, args, torch)
+        del graph
+        return per_layer_s
+
+
+class FlashInferTimer:
+    """Times FlashInfer from torch on a point's caches: each of --fi-backends eagerly and from a
+    CUDA graph; the faster backend's numbers also go under ``flashinfer_torch_*``. Keeps one
+    wrapper per backend (and why one could not be made) across points."""
+
+    def __init__(self, torch, args, progress, device: str = "cuda"):
+        self.torch = torch
+        self.args = args
+        self.progress = progress
+        self.device = device
+        self.peers: dict[str, FlashInferPeer] = {}
+        self.errors: dict[str, str] = {}
+
+    def peer(self, backend: str) -> FlashInferPeer:
+        if backend not in self.peers and backend not in self.errors:
+            try:
+                self.peers[backend] = FlashInferPeer(self.torch, backend)
+            except Exception as e:  # noqa: BLE001
+                self.errors[backend] = f"{type(e).__name__}: {e}"
+        if backend in self.errors:
+            raise RuntimeError(self.errors[backend])
+        return self.peers[backend]
+
+    def run(self, run) -> None:
+        """``run``: the point (benchmarks.bench.PointRun)."""
+        import jax
+
+        torch = self.torch
+        jax.block_until_ready((run.q, run.caches))
+        inputs = TorchInputs.build(torch, run.layout, run.q, run.caches, self.args.layers, self.device)
+        try:
+            for backend in self.args.fi_backends:
+                try:
+                    self.time_backend(run, backend, inputs)
+                except Exception as e:  # noqa: BLE001
+                    run.record["errors"][f"flashinfer_{backend}"] = f"{type(e).__name__}: {e}"
+                    if self.args.verbose:
+                        traceback.print_exc()
+            self.pick_fastest(run)
+        finally:
+            torch.cuda.synchronize()  # the views, outputs and metadata die with this frame
+
+    def time_backend(self, run, backend: str, inputs: TorchInputs) -> None:
+        torch, args, record = self.torch, self.args, run.record
+        pt = run.layout.point
+        name = f"flashinfer_{backend}"
+        self.progress.status(f"{name}: plan (JIT build on first use)")
+        peer = self.peer(backend)
+
+        def replan():
+            peer.plan(run.layout, inputs.meta)
+            torch.cuda.synchronize()
+
+        replan()
+        record[f"{name}_plan_us"] = host_time_us(replan, args.plan_repeats)
+        out0 = peer.run(inputs.q_nope, inputs.q_pe, *inputs.views[0], out=inputs.outs[0]).view(
+            pt.B, pt.q_len, pt.H, KV_LORA_RANK)
+        torch.cuda.synchronize()
+        ok = run.check(name, out0[:run.checked].float().cpu().numpy())
+        run.outputs[name] = out0.clone()
+        if not ok:
+            return
+        self.progress.status(f"{name}: timing")
+        per_layer_s, how = time_torch(inputs.eager_step(peer), inputs.layers, args, torch)
+        record[f"{name}_us"] = per_layer_s * 1e6
+        record["flashinfer_timer"] = how
+        if args.fi_graph:
+            self.progress.status(f"{name}: CUDA graph")
+            try:
+                record[f"{name}_graph_us"] = inputs.graph_seconds_per_layer(torch, peer, args) * 1e6
+            except Exception as e:  # noqa: BLE001
+                record["errors"][f"{name}_graph"] = f"{type(e).__name__}: {e}"
+
+    def pick_fastest(self, run) -> None:
+        """The faster FlashInfer backend's numbers under the ``flashinfer_*`` names."""
+        record = run.record
+        timed = [b for b in self.args.fi_backends if record.get(f"flashinfer_{b}_us") is not None]
+        if not timed:
+            return
+        best = min(timed, key=lambda b: record[f"flashinfer_{b}_us"])
+        w = work(run.layout)
+        us = record[f"flashinfer_{best}_us"]
+        record["flashinfer_torch_us"] = us
+        record["flashinfer_torch_backend"] = best
+        record["flashinfer_plan_us"] = record.get(f"flashinfer_{best}_plan_us")
+        record["flashinfer_tflops"] = w["flops"] / (us * 1e-6) / 1e12
+        record["flashinfer_tbps"] = w["bytes"] / (us * 1e-6) / 1e12
+        graphs = [record[f"flashinfer_{b}_graph_us"] for b in self.args.fi_backends
+                  if record.get(f"flashinfer_{b}_graph_us") is not None]
+        if graphs:
+            record["flashinfer_graph_us"] = min(graphs)
+        record["methods_done"].append("flashinfer")
+
+
+def compare_bitwise(torch, record: dict, outputs: dict) -> None:
+    """jax_mla against FlashInfer-torch on the same cache, same backend when both ran."""
+    if "jax_mla" not in outputs:
+        return
+    chosen = record.get("jax_mla_backend")
+    name = f"flashinfer_{chosen}" if f"flashinfer_{chosen}" in outputs else next(
+        (k for k in outputs if k.startswith("flashinfer_")), None)
+    if name is None:
+        return
+    import jax
+
+    mine = torch.from_dlpack(jax.block_until_ready(outputs["jax_mla"]))
+    theirs = outputs[name]
+    record["jax_mla_vs_flashinfer_peer"] = name
+    record["jax_mla_vs_flashinfer_max_abs_diff"] = float(
+        (mine.float() - theirs.float()).abs().max().item())
+    record["jax_mla_vs_flashinfer_bitwise"] = bool(torch.equal(mine, theirs))

@@ -1,0 +1,126 @@
+"""Timers: jitted JAX calls on the wall clock, torch calls with triton's do_bench or CUDA events,
+host calls, and GPU kernels by their durations in a JAX profiler trace."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import inspect
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs))
+
+
+def time_jax(fn, arg_sets: list[tuple], layers: int, args) -> tuple[float, int]:
+    """Seconds per layer: back-to-back jitted calls (async dispatch), blocking once per round.
+
+    Returns (median seconds per layer, rounds). A call slower than --max-method-s is measured once.
+    """
+    import jax
+
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*arg_sets[0]))
+    one = time.perf_counter() - start
+    if one >= args.max_method_s:
+        return one / layers, 1
+    calls = max(1, min(2000, math.ceil(args.round_s / max(one, 1e-6))))
+    samples = []
+    spent = one
+    k = 1
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*arg_sets[k % len(arg_sets)])
+            k += 1
+        jax.block_until_ready(out)
+        dt = time.perf_counter() - t0
+        del out
+        samples.append(dt / (calls * layers))
+        spent += dt
+        if spent > args.max_method_s and len(samples) >= 2:
+            break
+    return median(samples), len(samples)
+
+
+def time_torch(fn, per_call: int, args, torch) -> tuple[float, str]:
+    """Seconds per layer of ``fn`` (which runs ``per_call`` layers) on the GPU, and the timer used.
+
+    triton.testing.do_bench (median; it flushes L2 before each call) where triton imports, else
+    CUDA events around rounds of back-to-back calls."""
+    try:
+        from triton.testing import do_bench
+    except Exception:  # noqa: BLE001
+        do_bench = None
+    if do_bench is not None:
+        kwargs = {"warmup": args.do_bench_warmup_ms, "rep": args.do_bench_rep_ms}
+        if "return_mode" in inspect.signature(do_bench).parameters:
+            ms = do_bench(fn, return_mode="median", **kwargs)
+        else:
+            ms = do_bench(fn, quantiles=[0.5], **kwargs)
+        if isinstance(ms, (list, tuple)):
+            ms = ms[0]
+        return float(ms) * 1e-3 / per_call, "triton.do_bench(median)"
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    one = start.elapsed_time(end) * 1e-3
+    calls = max(1, min(1000, math.ceil(args.round_s / max(one, 1e-6))))
+    samples = []
+    for _ in range(args.rounds):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) * 1e-3 / (calls * per_call))
+    return median(samples), "cuda_events(median of rounds)"
+
+
+def host_time_us(fn, repeats: int) -> float:
+    """Median µs of ``fn()`` on the host, after one warm-up call."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return median(samples) * 1e6
+
+
+def kernel_durations_us(trace_dir: str, kernel_name: str) -> list[float]:
+    """Durations (µs) of the events named like ``kernel_name`` in the perfetto traces under
+    ``trace_dir`` (what ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes)."""
+    durations = []
+    for path in glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True):
+        with gzip.open(path, "rt") as f:
+            events = json.load(f).get("traceEvents", [])
+        durations += [float(e["dur"]) for e in events
+                      if kernel_name in str(e.get("name", "")) and "dur" in e]
+    return durations
+
+
+def profiled_kernel_us(run, kernel_name: str) -> tuple[list[float], str | None]:
+    """(durations in µs of every launch of the GPU kernel named like ``kernel_name`` while
+    ``run()`` executes under the JAX profiler, why there are none or None)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        try:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                run()
+        except RuntimeError as e:  # e.g. no CUPTI, or another trace running
+            return [], f"profiler: {e}"
+        durations = kernel_durations_us(trace_dir, kernel_name)
+    return durations, None if durations else f"no {kernel_name} events in the profiler trace"
