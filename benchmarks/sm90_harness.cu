@@ -1,0 +1,720 @@
+// Standalone check and timing harness of the SM90 MLA decode kernel (ffi/sm90), no Python.
+//
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. \
+//        -I/work/fi/flashinfer/data/cutlass/include --expt-relaxed-constexpr \
+//        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
+//   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference
+//   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|all]
+//                                      # timing grid (graph replay, rotating caches), with the
+//                                      # default launch and the named LaunchOptions variants
+//   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
+//   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
+//                         [--bad] [--iters N] [--check-only] [--ref-requests N]
+//   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
+//   number of M tiles is even.
+//
+// Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
+// (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
+// NaN pages). --bad adds out-of-range page ids inside the lengths and lengths of 0, < q_len and
+// over the table's capacity. The reference treats them as the kernel documents: lengths clamped
+// to [0, capacity], tokens of out-of-range pages masked, rows that see nothing give 0 and -inf.
+#include <algorithm>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "ffi/sm90/launch.cuh"
+
+using namespace jax_mla::sm90;
+
+static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings ("--cluster2")
+
+#define CHECK_CUDA(call)                                                                  \
+  do {                                                                                    \
+    cudaError_t status_ = (call);                                                         \
+    if (status_ != cudaSuccess) {                                                         \
+      printf("CUDA error %s at %s:%d\n", cudaGetErrorString(status_), __FILE__, __LINE__); \
+      exit(2);                                                                            \
+    }                                                                                     \
+  } while (0)
+
+// ------------------------------------------------------------------------------ device helpers
+__device__ __forceinline__ uint32_t Hash(uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdull;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ull;
+  x ^= x >> 33;
+  return static_cast<uint32_t>(x);
+}
+__device__ __forceinline__ float RandUniform(uint64_t seed, uint64_t i) {
+  return (Hash(seed * 0x9E3779B97F4A7C15ull + i) >> 8) * (2.0f / 16777216.0f) - 1.0f;
+}
+
+__global__ void FillRandom(__nv_bfloat16* x, size_t n, uint64_t seed, float amp) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    x[i] = __float2bfloat16(amp * RandUniform(seed, i));
+  }
+}
+
+// Writes random values into the cache rows of every token < the clamped length (valid pages).
+__global__ void FillTokens(__nv_bfloat16* cache, const int* block_tables, const int* seq_lens,
+                           int max_pages, int page_size, int num_pages, uint64_t seed) {
+  const int b = blockIdx.y;
+  const long long cap = (long long)max_pages * page_size;
+  const int len = (int)std::min<long long>(std::max(seq_lens[b], 0), cap);
+  for (int t = blockIdx.x; t < len; t += gridDim.x) {
+    const int page = block_tables[(size_t)b * max_pages + t / page_size];
+    if (page < 0 || page >= num_pages) continue;
+    const size_t row = (size_t)page * page_size + t % page_size;
+    for (int c = threadIdx.x; c < kHeadDim; c += blockDim.x) {
+      cache[row * kHeadDim + c] = __float2bfloat16(RandUniform(seed, row * kHeadDim + c));
+    }
+  }
+}
+
+// fp32 reference: one block per (query row, request).
+constexpr int kRefThreads = 256;
+__global__ void __launch_bounds__(kRefThreads)
+ReferenceKernel(const __nv_bfloat16* q, const __nv_bfloat16* cache, const int* block_tables,
+                const int* seq_lens, int q_len, int num_heads, int num_pages, int page_size,
+                int max_pages, float softmax_scale, float output_scale, float* scores,
+                size_t scores_stride, float* out, float* lse) {
+  const int rows = q_len * num_heads;
+  const int row = blockIdx.x, b = blockIdx.y;
+  const size_t gr = (size_t)b * rows + row;
+  __shared__ float qs[kHeadDim];
+  __shared__ float red[kRefThreads];
+  for (int c = threadIdx.x; c < kHeadDim; c += blockDim.x) {
+    qs[c] = __bfloat162float(q[gr * kHeadDim + c]);
+  }
+  __syncthreads();
+  const long long cap = (long long)max_pages * page_size;
+  const int len = (int)std::min<long long>(std::max(seq_lens[b], 0), cap);
+  const int n_vis = std::max(0, len - q_len + row / num_heads + 1);
+  float* sc = scores + (size_t)blockIdx.x * scores_stride + (size_t)blockIdx.y * gridDim.x * scores_stride;
+  float local_max = -INFINITY;
+  for (int t = threadIdx.x; t < n_vis; t += blockDim.x) {
+    const int page = block_tables[(size_t)b * max_pages + t / page_size];
+    float s = -INFINITY;
+    if (page >= 0 && page < num_pages) {
+      const __nv_bfloat16* k = cache + ((size_t)page * page_size + t % page_size) * kHeadDim;
+      float acc = 0.f;
+      for (int c = 0; c < kHeadDim; ++c) acc += qs[c] * __bfloat162float(k[c]);
+      s = acc * softmax_scale;
+    }
+    sc[t] = s;
+    local_max = fmaxf(local_max, s);
+  }
+  red[threadIdx.x] = local_max;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] = fmaxf(red[threadIdx.x], red[threadIdx.x + w]);
+    __syncthreads();
+  }
+  const float mx = red[0];
+  __syncthreads();
+  float local_sum = 0.f;
+  for (int t = threadIdx.x; t < n_vis; t += blockDim.x) {
+    const float p = mx == -INFINITY ? 0.f : expf(sc[t] - mx);
+    sc[t] = p;
+    local_sum += p;
+  }
+  red[threadIdx.x] = local_sum;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) red[threadIdx.x] += red[threadIdx.x + w];
+    __syncthreads();
+  }
+  const float sum = red[0];
+  for (int c = threadIdx.x; c < kLatentDim; c += blockDim.x) {
+    float acc = 0.f;
+    for (int t = 0; t < n_vis; ++t) {
+      const float p = sc[t];
+      if (p == 0.f) continue;
+      const int page = block_tables[(size_t)b * max_pages + t / page_size];
+      acc += p * __bfloat162float(cache[((size_t)page * page_size + t % page_size) * kHeadDim + c]);
+    }
+    out[gr * kLatentDim + c] = sum > 0.f ? acc / sum * output_scale : 0.f;
+  }
+  if (threadIdx.x == 0) lse[gr] = sum > 0.f ? mx + logf(sum) : -INFINITY;
+}
+
+// ------------------------------------------------------------------------------ host side
+static float Bf16ToFloat(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+struct CaseSpec {
+  std::string name;
+  int batch = 1, q_len = 1, heads = 128, page = 64, L = 4096;
+  std::string dist = "uniform";  // fixed | uniform (U[L/2, 3L/2]) | skew (1..L) | tiny (1..L)
+  bool bad = false;
+  int ref_requests = -1;         // requests checked against the reference (-1: all)
+  uint64_t seed = 1;
+};
+
+struct Problem {
+  CaseSpec spec;
+  int max_pages = 0, num_pages = 0, copies = 1;
+  std::vector<int> lens;
+  std::vector<std::vector<int>> tables;  // per copy, batch * max_pages
+  __nv_bfloat16 *q = nullptr, *cache = nullptr, *out = nullptr;
+  float* lse = nullptr;
+  int *d_lens = nullptr;
+  std::vector<int*> d_tables;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  long long sum_len = 0;  // sum of clamped lengths
+  int num_sms = 0;
+  size_t cache_bytes = 0;
+
+  int rows() const { return spec.q_len * spec.heads; }
+
+  DecodeParams Params(int copy) const {
+    DecodeParams p{};
+    p.query = q;
+    p.kv_cache = cache;
+    p.block_tables = d_tables[copy];
+    p.seq_lens = d_lens;
+    p.out = out;
+    p.lse = lse;
+    p.workspace = workspace;
+    p.batch = spec.batch;
+    p.q_len = spec.q_len;
+    p.num_heads = spec.heads;
+    p.num_pages = num_pages;
+    p.page_size = spec.page;
+    p.max_pages = max_pages;
+    p.softmax_scale = 1.0f / sqrtf((float)kHeadDim);
+    p.output_scale = 1.0f;
+    p.num_sms = num_sms;
+    p.enable_pdl = true;
+    return p;
+  }
+
+  void Build(const CaseSpec& s, int want_copies) {
+    spec = s;
+    std::mt19937_64 rng(s.seed);
+    cudaDeviceProp prop;
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    num_sms = prop.multiProcessorCount;
+    lens.resize(s.batch);
+    for (int b = 0; b < s.batch; ++b) {
+      int L = s.L;
+      if (s.dist == "uniform") {
+        L = std::uniform_int_distribution<int>(std::max(1, s.L / 2), std::max(1, 3 * s.L / 2))(rng);
+      } else if (s.dist == "skew" || s.dist == "tiny") {
+        // lengths spread over 1..L, a few long ones dominating
+        double u = std::uniform_real_distribution<double>(0, 1)(rng);
+        L = std::max(1, (int)(s.L * u * u * u));
+        if (b == 0) L = s.L;
+      }
+      if (L < s.q_len && !s.bad) L = s.q_len;
+      lens[b] = L;
+    }
+    int max_len = *std::max_element(lens.begin(), lens.end());
+    int extra_pad = 3;
+    max_pages = (max_len + s.page - 1) / s.page + extra_pad;
+    if (s.bad) {
+      // Over-capacity, zero and sub-q_len lengths.
+      lens[0 % s.batch] = max_pages * s.page + 1000;
+      if (s.batch > 1) lens[1] = 0;
+      if (s.batch > 2) lens[2] = std::max(0, s.q_len - 1);
+      if (s.batch > 3) lens[3] = -5;
+    }
+    long long cap = (long long)max_pages * s.page;
+    std::vector<int> pages_needed(s.batch);
+    int total_needed = 0;
+    sum_len = 0;
+    for (int b = 0; b < s.batch; ++b) {
+      long long le = std::min<long long>(std::max(lens[b], 0), cap);
+      sum_len += le;
+      pages_needed[b] = (int)((le + s.page - 1) / s.page);
+      total_needed += pages_needed[b];
+    }
+    copies = std::max(1, want_copies);
+    int unused = total_needed / 8 + 8;
+    num_pages = total_needed * copies + unused;
+    std::vector<int> perm(num_pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    tables.assign(copies, std::vector<int>((size_t)s.batch * max_pages));
+    size_t next = 0;
+    for (int c = 0; c < copies; ++c) {
+      for (int b = 0; b < s.batch; ++b) {
+        for (int i = 0; i < max_pages; ++i) {
+          int v;
+          if (i < pages_needed[b]) {
+            v = perm[next++];
+          } else {
+            // garbage padding: out-of-range ids and ids of NaN (unused) pages
+            int kind = (int)(rng() % 4);
+            if (kind == 0) v = -1 - (int)(rng() % 1000);
+            else if (kind == 1) v = num_pages + (int)(rng() % 1000);
+            else if (kind == 2) v = (int)(rng() & 0x7fffffff);
+            else v = perm[total_needed * copies + (int)(rng() % unused)];
+          }
+          tables[c][(size_t)b * max_pages + i] = v;
+        }
+        if (s.bad && pages_needed[b] > 2 && b % 2 == 0) {
+          // out-of-range ids inside the length
+          tables[c][(size_t)b * max_pages + 1] = num_pages + 7;
+          tables[c][(size_t)b * max_pages + pages_needed[b] - 1] = -3;
+        }
+      }
+    }
+    size_t q_elems = (size_t)s.batch * rows() * kHeadDim;
+    cache_bytes = (size_t)num_pages * s.page * kHeadDim * 2;
+    CHECK_CUDA(cudaMalloc(&q, q_elems * 2));
+    CHECK_CUDA(cudaMalloc(&cache, cache_bytes));
+    CHECK_CUDA(cudaMalloc(&out, (size_t)s.batch * rows() * kLatentDim * 2));
+    CHECK_CUDA(cudaMalloc(&lse, (size_t)s.batch * rows() * 4));
+    CHECK_CUDA(cudaMalloc(&d_lens, s.batch * 4));
+    CHECK_CUDA(cudaMemcpy(d_lens, lens.data(), s.batch * 4, cudaMemcpyHostToDevice));
+    d_tables.resize(copies);
+    for (int c = 0; c < copies; ++c) {
+      CHECK_CUDA(cudaMalloc(&d_tables[c], tables[c].size() * 4));
+      CHECK_CUDA(cudaMemcpy(d_tables[c], tables[c].data(), tables[c].size() * 4,
+                            cudaMemcpyHostToDevice));
+    }
+    workspace_bytes = WorkspaceBytes(s.batch, s.q_len, s.heads, num_sms);
+    CHECK_CUDA(cudaMalloc(&workspace, workspace_bytes));
+    CHECK_CUDA(cudaMemset(workspace, 0xFF, workspace_bytes));
+    FillRandom<<<1024, 256>>>(q, q_elems, s.seed * 7 + 1, 3.0f);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaMemset(cache, 0xFF, cache_bytes));  // bf16 0xFFFF is NaN
+    for (int c = 0; c < copies; ++c) {
+      FillTokens<<<dim3(std::min(max_len + 1, 4096), s.batch), 128>>>(
+          cache, d_tables[c], d_lens, max_pages, s.page, num_pages, s.seed * 13 + c);
+      CHECK_CUDA(cudaGetLastError());
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  void Free() {
+    cudaFree(q);
+    cudaFree(cache);
+    cudaFree(out);
+    cudaFree(lse);
+    cudaFree(d_lens);
+    for (auto t : d_tables) cudaFree(t);
+    cudaFree(workspace);
+  }
+};
+
+static cudaStream_t CheckStream() {
+  static cudaStream_t stream = nullptr;
+  if (stream == nullptr) CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return stream;
+}
+
+static void RunOnce(const Problem& pb, int copy) {
+  DecodeParams p = pb.Params(copy);
+  CHECK_CUDA(LaunchSchedule(p, CheckStream()));
+  CHECK_CUDA(cudaGetLastError());
+  LaunchOptions opt;
+  if (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0) opt.cluster = 2;
+  CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
+}
+
+struct CheckResult {
+  double max_rel = 0, max_lse_err = 0;
+  int worst_req = -1;
+  bool nan = false, deterministic = true, empty_ok = true, pass = true;
+  int checked = 0;
+};
+
+static CheckResult Check(Problem& pb, double tol) {
+  const CaseSpec& s = pb.spec;
+  const int rows = pb.rows();
+  const size_t out_elems = (size_t)s.batch * rows * kLatentDim;
+  std::vector<uint16_t> out1(out_elems), out2(out_elems);
+  std::vector<float> lse1((size_t)s.batch * rows), lse2(lse1.size());
+  for (int run = 0; run < 2; ++run) {
+    CHECK_CUDA(cudaMemset(pb.out, 0xFF, out_elems * 2));
+    CHECK_CUDA(cudaMemset(pb.lse, 0xFF, lse1.size() * 4));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    RunOnce(pb, 0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaMemcpy(run ? out2.data() : out1.data(), pb.out, out_elems * 2,
+                          cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(run ? lse2.data() : lse1.data(), pb.lse, lse1.size() * 4,
+                          cudaMemcpyDeviceToHost));
+  }
+  CheckResult r;
+  r.deterministic = memcmp(out1.data(), out2.data(), out_elems * 2) == 0 &&
+                    memcmp(lse1.data(), lse2.data(), lse1.size() * 4) == 0;
+  for (size_t i = 0; i < out_elems; ++i) {
+    if (std::isnan(Bf16ToFloat(out1[i]))) { r.nan = true; break; }
+  }
+  for (float v : lse1) if (std::isnan(v)) r.nan = true;
+
+  const int nref = s.ref_requests < 0 ? s.batch : std::min(s.batch, s.ref_requests);
+  r.checked = nref;
+  int max_len = 0;
+  for (int b = 0; b < nref; ++b) max_len = std::max(max_len, std::max(pb.lens[b], 0));
+  max_len = std::min<long long>(max_len, (long long)pb.max_pages * s.page);
+  size_t stride = std::max(1, max_len);
+  float *d_scores, *d_ref, *d_ref_lse;
+  CHECK_CUDA(cudaMalloc(&d_scores, (size_t)nref * rows * stride * 4));
+  CHECK_CUDA(cudaMalloc(&d_ref, (size_t)nref * rows * kLatentDim * 4));
+  CHECK_CUDA(cudaMalloc(&d_ref_lse, (size_t)nref * rows * 4));
+  DecodeParams p = pb.Params(0);
+  ReferenceKernel<<<dim3(rows, nref), kRefThreads>>>(
+      pb.q, pb.cache, pb.d_tables[0], pb.d_lens, s.q_len, s.heads, pb.num_pages, s.page,
+      pb.max_pages, p.softmax_scale, p.output_scale, d_scores, stride, d_ref, d_ref_lse);
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> ref((size_t)nref * rows * kLatentDim), ref_lse((size_t)nref * rows);
+  CHECK_CUDA(cudaMemcpy(ref.data(), d_ref, ref.size() * 4, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(ref_lse.data(), d_ref_lse, ref_lse.size() * 4, cudaMemcpyDeviceToHost));
+  cudaFree(d_scores);
+  cudaFree(d_ref);
+  cudaFree(d_ref_lse);
+  for (int b = 0; b < nref; ++b) {
+    double max_ref = 0, max_err = 0;
+    for (size_t i = (size_t)b * rows * kLatentDim; i < (size_t)(b + 1) * rows * kLatentDim; ++i) {
+      max_ref = std::max(max_ref, (double)fabsf(ref[i]));
+      double e = fabs((double)Bf16ToFloat(out1[i]) - ref[i]);
+      if (std::isnan(e)) e = INFINITY;
+      max_err = std::max(max_err, e);
+    }
+    double rel = max_ref > 0 ? max_err / max_ref : (max_err == 0 ? 0 : INFINITY);
+    if (max_ref == 0 && max_err != 0) r.empty_ok = false;
+    if (rel > r.max_rel) { r.max_rel = rel; r.worst_req = b; }
+    for (int i = b * rows; i < (b + 1) * rows; ++i) {
+      double e;
+      if (std::isinf(ref_lse[i]) || std::isinf(lse1[i])) {
+        e = (ref_lse[i] == lse1[i]) ? 0 : INFINITY;
+        if (e != 0) r.empty_ok = false;
+      } else {
+        e = fabs(ref_lse[i] - lse1[i]);
+      }
+      if (std::isnan(e)) e = INFINITY;
+      r.max_lse_err = std::max(r.max_lse_err, e);
+    }
+  }
+  r.pass = !r.nan && r.deterministic && r.empty_ok && r.max_rel <= tol && r.max_lse_err <= 5e-3;
+  return r;
+}
+
+static void PrintCheckHeader() {
+  printf("| case | B | q_len | H | page | lengths | max rel err (worst req) | max LSE abs err | NaN | "
+         "deterministic | empty rows | result |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+}
+
+static bool RunCheck(const CaseSpec& s, double tol) {
+  Problem pb;
+  pb.Build(s, 1);
+  CheckResult r = Check(pb, tol);
+  int mn = *std::min_element(pb.lens.begin(), pb.lens.end());
+  int mx = *std::max_element(pb.lens.begin(), pb.lens.end());
+  printf("| %s | %d | %d | %d | %d | %s %d..%d%s | %.2e (%d) | %.2e | %s | %s | %s | %s |\n",
+         s.name.c_str(), s.batch, s.q_len, s.heads, s.page, s.dist.c_str(), mn, mx,
+         s.bad ? " bad" : "", r.max_rel, r.worst_req, r.max_lse_err, r.nan ? "YES" : "no",
+         r.deterministic ? "yes" : "NO", r.empty_ok ? "ok" : "BAD", r.pass ? "PASS" : "FAIL");
+  fflush(stdout);
+  pb.Free();
+  return r.pass;
+}
+
+static std::vector<CaseSpec> CheckSuite() {
+  std::vector<CaseSpec> v;
+  auto add = [&](const char* name, int B, int q, int H, int page, int L, const char* dist,
+                 bool bad = false) {
+    CaseSpec s;
+    s.name = name; s.batch = B; s.q_len = q; s.heads = H; s.page = page; s.L = L; s.dist = dist;
+    s.bad = bad; s.seed = 1000 + v.size();
+    v.push_back(s);
+  };
+  add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
+  add("b1-4k-h128-p32", 1, 1, 128, 32, 4096, "fixed");
+  add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
+  add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
+  add("q2-h128", 4, 2, 128, 64, 4096, "uniform");
+  add("q2-h128-p32", 4, 2, 128, 32, 4096, "uniform");
+  add("h8", 3, 1, 8, 64, 3000, "uniform");
+  add("h8-p32", 3, 1, 8, 32, 3000, "uniform");
+  add("b32-4k-h128", 32, 1, 128, 64, 4096, "uniform");
+  add("h32-q4", 5, 4, 32, 64, 2000, "uniform");
+  add("h64-q3-p32", 3, 3, 64, 32, 2500, "uniform");
+  add("h64", 6, 1, 64, 64, 5000, "uniform");
+  add("h16-q4", 7, 4, 16, 32, 1500, "uniform");
+  add("h8-q3", 4, 3, 8, 64, 700, "uniform");
+  add("tiny-h128", 16, 1, 128, 64, 70, "tiny");
+  add("tiny-q4-h16", 16, 4, 16, 32, 9, "tiny");
+  add("many-short-h16", 300, 1, 16, 64, 600, "tiny");
+  add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
+  add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
+  add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
+  return v;
+}
+
+static std::vector<CaseSpec> SanitizeSuite() {
+  std::vector<CaseSpec> v;
+  auto add = [&](const char* name, int B, int q, int H, int page, int L, const char* dist,
+                 bool bad = false) {
+    CaseSpec s;
+    s.name = name; s.batch = B; s.q_len = q; s.heads = H; s.page = page; s.L = L; s.dist = dist;
+    s.bad = bad; s.seed = 2000 + v.size();
+    v.push_back(s);
+  };
+  add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
+  add("skew-h16", 6, 1, 16, 64, 1500, "skew");
+  add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
+  add("h8", 3, 1, 8, 64, 500, "uniform");
+  add("h128-b8", 8, 1, 128, 64, 600, "uniform");
+  add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
+  return v;
+}
+
+struct Variant {
+  const char* name;
+  LaunchOptions options;
+};
+
+static std::vector<Variant> AllVariants(const std::string& which) {
+  std::vector<Variant> v;
+  LaunchOptions base;
+  v.push_back({"default", base});
+  if (which == "default") return v;
+  if (which == "cluster") {
+    LaunchOptions cluster2 = base;
+    cluster2.cluster = 2;
+    v.push_back({"cluster-2", cluster2});
+    return v;
+  }
+  if (which == "exp") {
+    const std::pair<const char*, int> exps[] = {{"x-noqk", 1}, {"x-nopv", 2}, {"x-nosoftmax", 4},
+                                                {"x-nomma", 3}, {"x-none", 7}};
+    for (auto [name, bits] : exps) {
+      LaunchOptions e = base;
+      e.experiment = bits;
+      e.cluster = 1;
+      v.push_back({name, e});
+    }
+    return v;
+  }
+  LaunchOptions late = base;
+  late.early_release = false;
+  late.cluster = 1;
+  v.push_back({"late-release", late});
+  LaunchOptions p128 = base;
+  p128.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
+  v.push_back({"l2-promo-128", p128});
+  LaunchOptions pnone = base;
+  pnone.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
+  v.push_back({"l2-promo-none", pnone});
+  LaunchOptions cluster2 = base;
+  cluster2.cluster = 2;
+  v.push_back({"cluster-2", cluster2});
+  LaunchOptions flip = base;
+  flip.kv_evict_first = 2;  // replaced per problem: the opposite of the default choice
+  v.push_back({"evict-flip", flip});
+  return v;
+}
+
+// Per-layer time: a CUDA graph of one schedule and `iters` decodes rotating among cache copies.
+static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& variants) {
+  Problem pb;
+  // Rotate among enough copies that the bytes touched per round exceed 4x the L2.
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const double one_copy = (double)s.batch * s.L * kHeadDim * 2;
+  int copies = (int)std::min(32.0, std::max(1.0, std::ceil(4.0 * prop.l2CacheSize / one_copy)));
+  pb.Build(s, copies);
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const double bytes = (double)pb.sum_len * kHeadDim * 2;
+  const double flops = 2.0 * (kHeadDim + kLatentDim) * s.heads * s.q_len * (double)pb.sum_len;
+  const double floor_us = std::max(bytes / 4.3e12, flops / 790e12) * 1e6;
+  const int rows = pb.rows();
+  for (const Variant& var : variants) {
+    LaunchOptions opt = var.options;
+    if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
+    if (g_cluster == 2 && std::string(var.name) == "default" && NumMTiles(s.q_len, s.heads) % 2 == 0) {
+      opt.cluster = 2;
+    }
+    if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
+    for (int i = 0; i < 3; ++i) {
+      DecodeParams p = pb.Params(i % pb.copies);
+      CHECK_CUDA(LaunchSchedule(p, stream));
+      CHECK_CUDA(LaunchDecode(p, stream, opt));
+    }
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    CHECK_CUDA(LaunchSchedule(pb.Params(0), stream));
+    for (int i = 0; i < iters; ++i) CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
+    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    cudaEvent_t e0, e1;
+    CHECK_CUDA(cudaEventCreate(&e0));
+    CHECK_CUDA(cudaEventCreate(&e1));
+    std::vector<float> times;
+    for (int rep = 0; rep < 5; ++rep) {
+      CHECK_CUDA(cudaEventRecord(e0, stream));
+      CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      CHECK_CUDA(cudaEventRecord(e1, stream));
+      CHECK_CUDA(cudaEventSynchronize(e1));
+      float ms;
+      CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      times.push_back(ms * 1000.f / iters);
+    }
+    CHECK_CUDA(cudaGetLastError());
+    std::sort(times.begin(), times.end());
+    const double us = times[times.size() / 2];
+    std::vector<uint16_t> out((size_t)s.batch * rows * kLatentDim);
+    CHECK_CUDA(cudaMemcpy(out.data(), pb.out, out.size() * 2, cudaMemcpyDeviceToHost));
+    bool nan = false;
+    for (auto v : out) if (std::isnan(Bf16ToFloat(v))) { nan = true; break; }
+    printf("| %d | %d | %d | %d | %d | %s | %.1f | %.1f | %.2f | %.0f | %.0f%% | %.1f..%.1f | %d | %s |\n",
+           s.heads, s.batch, s.L, s.q_len, s.page, var.name, us, floor_us, bytes / us / 1e6,
+           flops / us / 1e6, 100.0 * floor_us / us, times.front(), times.back(), pb.copies,
+           nan ? "NaN!" : "ok");
+    fflush(stdout);
+    CHECK_CUDA(cudaEventDestroy(e0));
+    CHECK_CUDA(cudaEventDestroy(e1));
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+    CHECK_CUDA(cudaGraphDestroy(graph));
+  }
+  CHECK_CUDA(cudaStreamDestroy(stream));
+  pb.Free();
+}
+
+static void PrintTimeHeader() {
+  printf("| H | B | L | q_len | page | variant | µs/layer | floor µs | TB/s | TFLOP/s | %% of floor | "
+         "spread µs | copies | output |\n");
+  printf("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+}
+
+static void PrintDevice() {
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  int driver = 0, runtime = 0;
+  cudaDriverGetVersion(&driver);
+  cudaRuntimeGetVersion(&runtime);
+  printf("device: %s, %d SMs, L2 %d MB, smem/block optin %zu, driver %d, runtime %d\n", prop.name,
+         prop.multiProcessorCount, prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin, driver,
+         runtime);
+  printf("kernel: %d threads, %d B dynamic smem, parts(H=128,q=1)=%d\n", kThreads, kSmemBytes,
+         NumParts(prop.multiProcessorCount, 1, 128));
+}
+
+int main(int argc, char** argv) {
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  std::vector<char*> args;
+  for (int i = 0; i < argc; ++i) {
+    if (std::string(argv[i]) == "--cluster2") g_cluster = 2;
+    else args.push_back(argv[i]);
+  }
+  argc = (int)args.size();
+  argv = args.data();
+  std::string mode = argc > 1 ? argv[1] : "check";
+  PrintDevice();
+  if (mode == "check") {
+    PrintCheckHeader();
+    int fails = 0;
+    for (auto& s : CheckSuite()) fails += !RunCheck(s, 2e-2);
+    printf("check: %d failures\n", fails);
+    return fails ? 1 : 0;
+  }
+  if (mode == "sanitize") {
+    PrintCheckHeader();
+    int fails = 0;
+    for (auto& s : SanitizeSuite()) fails += !RunCheck(s, 2e-2);
+    printf("sanitize suite: %d failures\n", fails);
+    return fails ? 1 : 0;
+  }
+  if (mode == "time") {
+    int iters = argc > 2 ? atoi(argv[2]) : 50;
+    const auto variants = AllVariants(argc > 3 ? argv[3] : "default");
+    PrintTimeHeader();
+    for (int H : {16, 128}) {
+      for (int B : {32, 128}) {
+        for (int L : {4096, 16384}) {
+          CaseSpec s;
+          s.name = "time"; s.batch = B; s.heads = H; s.L = L; s.page = 64; s.dist = "uniform";
+          s.seed = 77 + B + L + H;
+          RunTime(s, iters, variants);
+        }
+      }
+    }
+    for (auto [H, B, L] : std::vector<std::tuple<int, int, int>>{{128, 1, 4096}, {64, 128, 4096}, {8, 128, 4096}}) {
+      CaseSpec s;
+      s.name = "time"; s.batch = B; s.heads = H; s.L = L; s.page = 64;
+      s.dist = B == 1 ? "fixed" : "uniform";
+      RunTime(s, iters, variants);
+    }
+    {
+      CaseSpec s;
+      s.batch = 64; s.heads = 128; s.L = 4096; s.q_len = 2; s.page = 64;
+      RunTime(s, iters, variants);
+    }
+    return 0;
+  }
+  if (mode == "profile") {
+    // One decode of a timing-grid problem (for ncu): profile B L H [q_len]
+    CaseSpec s;
+    s.batch = argc > 2 ? atoi(argv[2]) : 128;
+    s.L = argc > 3 ? atoi(argv[3]) : 4096;
+    s.heads = argc > 4 ? atoi(argv[4]) : 64;
+    s.q_len = argc > 5 ? atoi(argv[5]) : 1;
+    Problem pb;
+    pb.Build(s, 1);
+    RunOnce(pb, 0);
+    RunOnce(pb, 0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    pb.Free();
+    printf("profile: done\n");
+    return 0;
+  }
+  if (mode == "one") {
+    CaseSpec s;
+    s.name = "one";
+    int iters = 50;
+    bool check_only = false;
+    for (int i = 2; i < argc; ++i) {
+      std::string a = argv[i];
+      auto next = [&]() { return i + 1 < argc ? argv[++i] : "0"; };
+      if (a == "--B") s.batch = atoi(next());
+      else if (a == "--L") s.L = atoi(next());
+      else if (a == "--H") s.heads = atoi(next());
+      else if (a == "--q-len") s.q_len = atoi(next());
+      else if (a == "--page") s.page = atoi(next());
+      else if (a == "--dist") s.dist = next();
+      else if (a == "--bad") s.bad = true;
+      else if (a == "--iters") iters = atoi(next());
+      else if (a == "--check-only" || a == "--sanitize") check_only = true;
+      else if (a == "--ref-requests") s.ref_requests = atoi(next());
+      else { printf("unknown argument %s\n", a.c_str()); return 2; }
+    }
+    PrintCheckHeader();
+    bool ok = RunCheck(s, 2e-2);
+    if (!check_only) {
+      PrintTimeHeader();
+      RunTime(s, iters, AllVariants("all"));
+    }
+    return ok ? 0 : 1;
+  }
+  printf("usage: %s check | sanitize | time [iters] | one --B .. --L .. --H ..\n", argv[0]);
+  return 2;
+}

@@ -1,0 +1,494 @@
+// The SM90 (Hopper) MLA decode kernel: persistent split-KV over a GPU-built schedule.
+//
+// CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads), one CTA per SM; grid (parts, M
+// tiles). Each CTA walks the (request, KV block) range that the schedule gives its part:
+//  - one producer thread loads the 64-row query tile once per request segment and every 64-token
+//    KV tile (64 x 576 bf16) as 32-token x 64-column bulk-tensor pieces (one page of 32, or half a
+//    page of 64, per piece row) into a 2-stage mbarrier pipeline; a stage goes back to the
+//    producer as soon as both warpgroups' PV on it is done;
+//  - QK^T: consumer warpgroup w computes the scores of tokens [32w, 32w + 32) for all 64 rows
+//    (WGMMA 64x32x16, both operands in shared memory);
+//  - the warpgroups exchange row maxima through shared memory, each writes its bf16
+//    probabilities into the shared P tile, then both run PV over all 64 tokens for their own 256
+//    output columns (WGMMA 64x256x16, V read as the transposed view of the KV tile in place);
+//  - a request handled whole writes bf16 output and LSE; a split one writes fp32 partial output
+//    and LSE to the workspace for the combine kernel.
+// Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
+// Safety: tokens at or beyond the (clamped) length, and 32-token halves whose page id is out of
+// range, are never loaded from the cache; their shared-memory rows are zeroed (so 0 * NaN never
+// enters PV) and their scores masked to -inf by select.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "decode_params.h"
+#include "schedule.cuh"
+#include "smem_layout.cuh"
+
+namespace jax_mla {
+namespace sm90 {
+
+struct DecodeKernelArgs {
+  DecodeParams p;
+  int num_parts;
+  int q_box_rows;       // rows per query bulk-tensor box: min(64, q_len * num_heads)
+  uint64_t kv_cache_hint;
+  float scale_log2;     // softmax_scale * log2(e)
+};
+
+namespace detail {
+
+using QkMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                             cute::SM90::GMMA::Major::K>;
+using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::MN>;
+
+template <class Mma, int N, size_t... I>
+__device__ __forceinline__ void MmaImpl(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
+                                        cute::SM90::GMMA::ScaleOut scale,
+                                        std::index_sequence<I...>) {
+  Mma::fma(desc_a, desc_b, d[I]..., scale);
+}
+
+template <class Op, int N>
+__device__ __forceinline__ void Gmma(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
+                                    bool accumulate) {
+  MmaImpl<Op>(desc_a, desc_b, d,
+               accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
+               std::make_index_sequence<N>{});
+}
+
+template <int N>
+__device__ __forceinline__ void FenceRegisters(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+__device__ __forceinline__ float Exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Cache row of the 32 tokens starting at token0 (a multiple of 32) of request b, or -1 when they
+// are beyond the length or their page id is out of range.
+__device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, int len) {
+  if (token0 >= len) return -1;
+  int page = p.block_tables[static_cast<long long>(b) * p.max_pages + token0 / p.page_size];
+  if (page < 0 || page >= p.num_pages) return -1;
+  return page * p.page_size + token0 % p.page_size;
+}
+
+constexpr float kNegInf = -__builtin_huge_valf();
+constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
+
+__device__ __forceinline__ uint32_t ClusterCtaRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// All threads of all CTAs of the cluster (not warp-aligned: callers may have diverged).
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
+// Hands a KV stage back to the producer of every CTA that multicasts into it.
+template <int kCluster>
+__device__ __forceinline__ void ReleaseStage(uint64_t* empty_barrier) {
+  if (kCluster == 1) {
+    cutlass::arch::ClusterBarrier::arrive(empty_barrier);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty_barrier, r, 1u);
+  }
+}
+
+__device__ __forceinline__ void ConsumerSync() {
+  cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
+}
+
+}  // namespace detail
+
+// kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
+// block); otherwise only once the next block's QK^T has been issued (PV overlaps that issue, but
+// the refill of a stage then starts only after the next block has landed).
+// kSkip (timing experiments only; results are wrong when non-zero): bit 0 skips the QK^T MMAs,
+// bit 1 the PV MMAs, bit 2 the softmax arithmetic and the row-max exchange.
+// kCluster == 2: the two CTAs of a cluster are consecutive M tiles of the same part (grid y), so
+// they walk the same KV blocks: each issues half of every KV tile's pieces, multicast into both
+// CTAs' shared memory, and a stage is refilled only once the consumers of both CTAs released it.
+template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1>
+__global__ void __launch_bounds__(kThreads, 1)
+DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
+             const DecodeKernelArgs args) {
+  using namespace detail;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
+  uint64_t* empty = full + kStages;
+  uint64_t* q_full = full + 2 * kStages;
+  uint64_t* q_empty = q_full + 1;
+
+  const DecodeParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int rows = p.q_len * p.num_heads;
+  const int mtile = blockIdx.y;
+  const int part = blockIdx.x;
+
+  // Query rows the bulk copy never writes (q_len * num_heads < 64) stay zero for the whole kernel.
+  if (tid < kConsumerThreads && args.q_box_rows < kBlockM) {
+    const int units = (kBlockM - args.q_box_rows) * kNumChunks * (kRowBytes / 16);
+    for (int i = tid; i < units; i += kConsumerThreads) {
+      const int row = args.q_box_rows + i / (kNumChunks * 8);
+      const int chunk = (i / 8) % kNumChunks;
+      const int unit = i % 8;
+      *reinterpret_cast<uint4*>(smem + kSmemQ + chunk * kChunkBytes + row * kRowBytes +
+                                unit * 16) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
+  if (tid == kConsumerThreads) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], kConsumerWarpgroups * kCluster);
+    }
+    Barrier::init(q_full, 1);
+    Barrier::init(q_empty, kConsumerWarpgroups);
+    cutlass::arch::fence_barrier_init();
+  }
+  if (kCluster > 1) {
+    ClusterSync();  // the peer multicasts into this CTA's stages and arrives on its barriers
+  } else {
+    __syncthreads();
+  }
+  const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
+
+  // Everything below reads inputs that earlier kernels in the stream may write.
+  GridDependencyWait();
+  GridDependencyLaunchDependents();
+
+  const ScheduleView view = ScheduleView::Load(p.workspace, p.batch, args.num_parts);
+  SegmentWalker walker(view, part, p.seq_lens, p.max_pages, p.page_size);
+  Segment seg_info;
+
+  if (warp >= kConsumerThreads / 32) {
+    // ---------------------------------------------------------------- producer warpgroup
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    if (warp == kConsumerThreads / 32 && lane == 0) {
+      const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
+      int it = 0, seg = 0;
+      while (walker.Next(seg_info)) {
+        if (seg > 0) Barrier::wait(q_empty, (seg - 1) & 1);
+        TxBarrier::arrive_and_expect_tx(q_full, q_bytes);
+        const int q_row = seg_info.b * rows + mtile * kBlockM;
+#pragma unroll 1
+        for (int c = 0; c < kNumChunks; ++c) {
+          cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
+                                       static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                       smem + kSmemQ + c * kChunkBytes, c * kChunkCols, q_row);
+        }
+        for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
+          const int stage = it % kStages;
+          const int round = it / kStages;
+          if (round > 0) Barrier::wait(&empty[stage], (round - 1) & 1);
+          int kv_row[2];
+          uint32_t bytes = 0;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            kv_row[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
+            if (kv_row[h] >= 0) bytes += kHalfTileBytes;
+          }
+          TxBarrier::arrive_and_expect_tx(&full[stage], bytes);
+          uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (kv_row[h] < 0) continue;
+#pragma unroll 1
+            for (int c = 0; c < kNumChunks; ++c) {
+              uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
+              if (kCluster == 1) {
+                cute::SM90_TMA_LOAD_2D::copy(&kv_map, &full[stage], args.kv_cache_hint, dst,
+                                             c * kChunkCols, kv_row[h]);
+              } else if ((h * kNumChunks + c) % kCluster == static_cast<int>(cta_rank)) {
+                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, &full[stage],
+                                                       static_cast<uint16_t>((1 << kCluster) - 1),
+                                                       args.kv_cache_hint, dst, c * kChunkCols,
+                                                       kv_row[h]);
+              }
+            }
+          }
+        }
+        ++seg;
+      }
+    }
+  } else {
+  // ------------------------------------------------------------------ consumer warpgroups
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  const int wg = warp / 4;
+  const int wg_tid = tid % 128;
+  const int r0 = (wg_tid / 32) * 16 + lane / 4;
+  const int r1 = r0 + 8;
+  const int gr0 = mtile * kBlockM + r0;
+  const int gr1 = mtile * kBlockM + r1;
+  const int quad_col = 2 * (lane % 4);
+  float* row_max = reinterpret_cast<float*>(smem + kSmemRowMax);
+  float* row_sum = reinterpret_cast<float*>(smem + kSmemRowSum);
+  uint8_t* p_tile = smem + kSmemP;
+  const uint32_t q_addr = SmemAddr(smem + kSmemQ);
+  const uint32_t kv_addr0 = SmemAddr(smem + kSmemKv);
+  const uint32_t p_addr = SmemAddr(p_tile);
+  const float sl2 = args.scale_log2;
+
+  float o[kLatentDim / kConsumerWarpgroups / 2];  // 64 x 256 fp32 over 128 threads
+  float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
+  int it = 0, seg = 0;
+
+  while (walker.Next(seg_info)) {
+    // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
+    const int limit0 = gr0 < rows ? seg_info.len - p.q_len + gr0 / p.num_heads : -1;
+    const int limit1 = gr1 < rows ? seg_info.len - p.q_len + gr1 / p.num_heads : -1;
+    float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+
+    Barrier::wait(q_full, seg & 1);
+
+    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
+      const int stage = it % kStages;
+      Barrier::wait(&full[stage], (it / kStages) & 1);
+      const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
+      const int token_base = k * kBlockN;
+      const int n_valid = min(kBlockN, seg_info.len - token_base);
+      const bool half_ok0 = KvRow(p, seg_info.b, token_base, seg_info.len) >= 0;
+      const bool half_ok1 = KvRow(p, seg_info.b, token_base + kHalfN, seg_info.len) >= 0;
+      if (n_valid < kBlockN || !half_ok0 || !half_ok1) {
+        // Zero the V columns of rows that were not loaded (or hold tokens past the length).
+        uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
+        constexpr int kUnits = kBlockN * kNumVChunks * (kRowBytes / 16);
+#pragma unroll 4
+        for (int i = tid; i < kUnits; i += kConsumerThreads) {
+          const int row = i / (kNumVChunks * 8);
+          const int chunk = (i / 8) % kNumVChunks;
+          const int unit = i % 8;
+          const bool ok = row < n_valid && (row < kHalfN ? half_ok0 : half_ok1);
+          if (!ok) {
+            *reinterpret_cast<uint4*>(stage_base + chunk * kChunkBytes + row * kRowBytes +
+                                      unit * 16) = make_uint4(0, 0, 0, 0);
+          }
+        }
+        cutlass::arch::fence_view_async_shared();
+        ConsumerSync();
+      }
+
+      // S = Q K^T for this warpgroup's 32 tokens.
+      FenceRegisters(s_acc);
+      cute::warpgroup_arrive();
+      if (kSkip & 1) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s_acc[i] = 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < ((kSkip & 1) ? 0 : kNumChunks); ++c) {
+#pragma unroll
+        for (int kk = 0; kk < kChunkCols / 16; ++kk) {
+          const uint64_t da = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
+          const uint64_t db =
+              KMajorDesc(kv_addr + c * kChunkBytes + wg * kHalfN * kRowBytes + kk * 32);
+          Gmma<QkMma>(da, db, s_acc, (c | kk) != 0);
+        }
+      }
+      cute::warpgroup_commit_batch();
+      if (!kEarlyRelease && k > seg_info.kv_begin) {
+        // The previous block's PV is done: its stage can be refilled.
+        cute::warpgroup_wait<1>();
+        if (wg_tid == 0) ReleaseStage<kCluster>(&empty[(it + kStages - 1) % kStages]);
+      }
+      cute::warpgroup_wait<0>();
+      FenceRegisters(s_acc);
+      FenceRegisters(o);
+      if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(q_empty);
+
+      // Masked online softmax; row maxima shared between the two warpgroups.
+      if (kSkip & 4) {
+#pragma unroll
+        for (int j = 0; j < kHalfN / 8; ++j) {
+          const int col = wg * kHalfN + 8 * j + quad_col;
+          *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r0, col)) =
+              PackBf16x2(s_acc[4 * j], s_acc[4 * j + 1]);
+          *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r1, col)) =
+              PackBf16x2(s_acc[4 * j + 2], s_acc[4 * j + 3]);
+        }
+        l0 = 1.f;
+        l1 = 1.f;
+        m0 = 0.f;
+        m1 = 0.f;
+      } else {
+      const bool half_ok = wg == 0 ? half_ok0 : half_ok1;
+      const int tok0 = token_base + wg * kHalfN + quad_col;
+      float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+      for (int j = 0; j < kHalfN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int tok = tok0 + 8 * j + e;
+          const float a = (half_ok && tok <= limit0) ? s_acc[4 * j + e] : kNegInf;
+          const float c = (half_ok && tok <= limit1) ? s_acc[4 * j + 2 + e] : kNegInf;
+          s_acc[4 * j + e] = a;
+          s_acc[4 * j + 2 + e] = c;
+          mx0 = fmaxf(mx0, a);
+          mx1 = fmaxf(mx1, c);
+        }
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      if ((lane & 3) == 0) {
+        row_max[wg * kBlockM + r0] = mx0;
+        row_max[wg * kBlockM + r1] = mx1;
+      }
+      ConsumerSync();
+      mx0 = fmaxf(mx0, row_max[(wg ^ 1) * kBlockM + r0]);
+      mx1 = fmaxf(mx1, row_max[(wg ^ 1) * kBlockM + r1]);
+      const float m_new0 = fmaxf(m0, mx0);
+      const float m_new1 = fmaxf(m1, mx1);
+      const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
+      const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
+      const float alpha0 = Exp2((m0 - mu0) * sl2);
+      const float alpha1 = Exp2((m1 - mu1) * sl2);
+      m0 = m_new0;
+      m1 = m_new1;
+      const float nb0 = -mu0 * sl2;
+      const float nb1 = -mu1 * sl2;
+      float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < kHalfN / 8; ++j) {
+        const float p00 = Exp2(fmaf(s_acc[4 * j + 0], sl2, nb0));
+        const float p01 = Exp2(fmaf(s_acc[4 * j + 1], sl2, nb0));
+        const float p10 = Exp2(fmaf(s_acc[4 * j + 2], sl2, nb1));
+        const float p11 = Exp2(fmaf(s_acc[4 * j + 3], sl2, nb1));
+        sum0 += p00 + p01;
+        sum1 += p10 + p11;
+        const int col = wg * kHalfN + 8 * j + quad_col;
+        *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r0, col)) = PackBf16x2(p00, p01);
+        *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r1, col)) = PackBf16x2(p10, p11);
+      }
+      l0 = l0 * alpha0 + sum0;
+      l1 = l1 * alpha1 + sum1;
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        o[4 * j + 0] *= alpha0;
+        o[4 * j + 1] *= alpha0;
+        o[4 * j + 2] *= alpha1;
+        o[4 * j + 3] *= alpha1;
+      }
+      }
+      cutlass::arch::fence_view_async_shared();
+      ConsumerSync();
+
+      // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
+      FenceRegisters(o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < ((kSkip & 2) ? 0 : kBlockN / 16); ++kk) {
+        const uint64_t da = KMajorDesc(p_addr + kk * 32);
+        const uint64_t db = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes +
+                                        kk * 16 * kRowBytes);
+        Gmma<PvMma>(da, db, o, true);
+      }
+      cute::warpgroup_commit_batch();
+      if (kEarlyRelease) {
+        cute::warpgroup_wait<0>();
+        if (wg_tid == 0) ReleaseStage<kCluster>(&empty[stage]);
+      }
+    }
+    cute::warpgroup_wait<0>();
+    FenceRegisters(o);
+    if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(&empty[(it + kStages - 1) % kStages]);
+
+    // Row sums: quad, then the two warpgroups (fixed order: deterministic and identical in both).
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    if ((lane & 3) == 0) {
+      row_sum[wg * kBlockM + r0] = l0;
+      row_sum[wg * kBlockM + r1] = l1;
+    }
+    ConsumerSync();
+    const float sum0 = row_sum[r0] + row_sum[kBlockM + r0];
+    const float sum1 = row_sum[r1] + row_sum[kBlockM + r1];
+    constexpr float kLn2 = 0.6931471805599453f;
+    const float inv0 = sum0 > 0.f ? 1.f / sum0 : 0.f;
+    const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;
+    const float lse0 = sum0 > 0.f ? (m0 * sl2 + __log2f(sum0)) * kLn2 : kNegInf;
+    const float lse1 = sum1 > 0.f ? (m1 * sl2 + __log2f(sum1)) * kLn2 : kNegInf;
+    const int col0 = wg * (kLatentDim / 2) + quad_col;
+
+    if (seg_info.whole) {
+      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+      const float f0 = inv0 * p.output_scale, f1 = inv1 * p.output_scale;
+      const size_t row_base = static_cast<size_t>(seg_info.b) * rows;
+      if (gr0 < rows) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr0) * kLatentDim + col0);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j] * f0, o[4 * j + 1] * f0);
+        if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr0] = lse0;
+      }
+      if (gr1 < rows) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr1) * kLatentDim + col0);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j + 2] * f1, o[4 * j + 3] * f1);
+        if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr1] = lse1;
+      }
+    } else {
+      const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
+      uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
+      float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
+      float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
+      const size_t slot_row = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
+      if (gr0 < rows) {
+        float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr0) * kLatentDim + col0);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) dst[4 * j] = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+        if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr0] = lse0;
+      }
+      if (gr1 < rows) {
+        float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr1) * kLatentDim + col0);
+#pragma unroll
+        for (int j = 0; j < 32; ++j)
+          dst[4 * j] = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+        if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr1] = lse1;
+      }
+    }
+    ++seg;
+  }
+  }
+  // The peer may still multicast into this CTA or arrive on its barriers until it is done.
+  if (kCluster > 1) ClusterSync();
+}
+
+}  // namespace sm90
+}  // namespace jax_mla

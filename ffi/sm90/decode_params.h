@@ -1,0 +1,117 @@
+// Parameters, tunables and workspace layout of the SM90 (Hopper) MLA decode kernels.
+//
+// Shared by the host launcher (launch.cuh) and the device code (schedule/decode/combine kernels).
+// Plain C++: no CUDA or CUTLASS headers needed to fill a DecodeParams or to size the workspace.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_mla {
+namespace sm90 {
+
+// Problem geometry (absorbed MLA: K row = 512 latent + 64 rope; V = the first 512 columns).
+constexpr int kLatentDim = 512;
+constexpr int kRopeDim = 64;
+constexpr int kHeadDim = kLatentDim + kRopeDim;  // 576
+
+// Tiling.
+constexpr int kBlockM = 64;                       // query rows (q_len * heads, packed) per CTA tile
+constexpr int kBlockN = 64;                       // KV tokens per pipeline stage
+constexpr int kHalfN = kBlockN / 2;               // tokens per consumer warpgroup in QK^T
+constexpr int kChunkCols = 64;                    // bf16 columns per 128-byte swizzle chunk
+constexpr int kNumChunks = kHeadDim / kChunkCols; // 9 chunks per 576-wide row
+constexpr int kNumVChunks = kLatentDim / kChunkCols;  // 8 chunks hold V
+constexpr int kStages = 2;                        // KV pipeline depth
+constexpr int kConsumerWarpgroups = 2;            // each owns 256 of the 512 output columns
+constexpr int kConsumerThreads = 128 * kConsumerWarpgroups;
+constexpr int kProducerThreads = 128;             // one warpgroup; its first thread issues the loads
+constexpr int kThreads = kConsumerThreads + kProducerThreads;
+// setmaxnreg budgets. The CTA keeps the registers it was launched with (kThreads x the entry cap
+// of __launch_bounds__(kThreads, 1), 168): what the producer gives up must cover what the
+// consumers take, or setmaxnreg.inc waits forever.
+constexpr int kConsumerRegisters = 232;
+constexpr int kProducerRegisters = 40;
+constexpr int kEntryRegisters = (65536 / kThreads) / 8 * 8;
+static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * kProducerRegisters <=
+                  kThreads * kEntryRegisters,
+              "setmaxnreg budgets exceed the CTA's register allocation");
+
+// Schedule cost model: a request costs kFixedCostBlocks + (its KV blocks) units; parts get
+// contiguous ranges of ceil(total / parts) units, but never fewer than kMinBlocksPerPart.
+constexpr int kFixedCostBlocks = 2;
+constexpr int kMinBlocksPerPart = 2;
+
+// Combine kernel: one warp per output row.
+constexpr int kCombineRowsPerBlock = 8;
+
+struct DecodeParams {
+  // Inputs.
+  const void* query;         // bf16 [batch, q_len, num_heads, 576]
+  const void* kv_cache;      // bf16 [num_pages, page_size, 576]
+  const int32_t* block_tables;  // [batch, max_pages]
+  const int32_t* seq_lens;      // [batch]
+  // Outputs.
+  void* out;                 // bf16 [batch, q_len, num_heads, 512]
+  float* lse;                // f32  [batch, q_len, num_heads], natural log
+  // Scratch owned by the caller: WorkspaceBytes(...) bytes, 256-byte aligned. The schedule lives
+  // at its start (written by LaunchSchedule, read by LaunchDecode); it only depends on seq_lens, so
+  // one schedule serves every layer of a step.
+  void* workspace;
+  int batch;
+  int q_len;
+  int num_heads;
+  int num_pages;
+  int page_size;             // 32 or 64
+  int max_pages;             // block table row length
+  float softmax_scale;
+  float output_scale;
+  int num_sms;               // multiprocessors to spread the persistent grid over
+  bool enable_pdl;           // programmatic dependent launch for the decode and combine kernels
+};
+
+__host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }
+
+__host__ __device__ inline int NumMTiles(int q_len, int num_heads) {
+  return CeilDivInt(q_len * num_heads, kBlockM);
+}
+
+// Parts (CTAs along grid x) of the persistent split-KV grid; grid y is the M tile.
+__host__ __device__ inline int NumParts(int num_sms, int q_len, int num_heads) {
+  int parts = num_sms / NumMTiles(q_len, num_heads);
+  return parts < 1 ? 1 : parts;
+}
+
+// Byte offsets of the workspace regions.
+struct WorkspaceLayout {
+  size_t schedule;      // int32 [batch + 1]: exclusive prefix of per-request costs, then the total
+  size_t partial_lse;   // f32 [slots, rows_pad]
+  size_t partial_out;   // f32 [slots, rows_pad, 512]
+  size_t total;
+  int slots;            // batch + parts: slot of (request b, part p) is b + p
+  int rows_pad;         // NumMTiles * 64
+};
+
+__host__ __device__ inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+__host__ __device__ inline WorkspaceLayout MakeWorkspaceLayout(int batch, int q_len,
+                                                               int num_heads, int num_parts) {
+  WorkspaceLayout w;
+  w.slots = batch + num_parts;
+  w.rows_pad = NumMTiles(q_len, num_heads) * kBlockM;
+  w.schedule = 0;
+  w.partial_lse = AlignUp(sizeof(int32_t) * (static_cast<size_t>(batch) + 1), 256);
+  w.partial_out =
+      AlignUp(w.partial_lse + sizeof(float) * static_cast<size_t>(w.slots) * w.rows_pad, 256);
+  w.total = AlignUp(w.partial_out + sizeof(float) * static_cast<size_t>(w.slots) * w.rows_pad *
+                                        kLatentDim,
+                    256);
+  return w;
+}
+
+inline size_t WorkspaceBytes(int batch, int q_len, int num_heads, int num_sms) {
+  return MakeWorkspaceLayout(batch, q_len, num_heads, NumParts(num_sms, q_len, num_heads)).total;
+}
+
+}  // namespace sm90
+}  // namespace jax_mla

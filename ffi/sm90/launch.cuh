@@ -1,0 +1,246 @@
+// Host launchers of the SM90 MLA decode.
+//
+// Per step:   LaunchSchedule(params, stream)   (reads seq_lens, writes the schedule)
+// Per layer:  LaunchDecode(params, stream)     (decode kernel, then combine kernel)
+// Both only enqueue work (no host sync, no allocation): safe inside CUDA graph capture and XLA
+// command buffers. The caller owns the workspace (WorkspaceBytes(...) bytes) and must keep
+// batch, q_len, num_heads and num_sms equal between the schedule and the decode of a step.
+// Include this header from exactly one translation unit compiled with
+//   -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include --expt-relaxed-constexpr
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <cmath>
+#include <mutex>
+
+#include "combine_kernel.cuh"
+#include "decode_kernel.cuh"
+#include "decode_params.h"
+#include "schedule.cuh"
+
+namespace jax_mla {
+namespace sm90 {
+
+// Knobs that benchmarks/sm90_harness.cu times against each other (docs/sm90-kernel.md has the
+// outcome). Production callers pass nothing and get the defaults.
+struct LaunchOptions {
+  bool early_release = true;  // see DecodeKernel's kEarlyRelease
+  CUtensorMapL2promotion kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  int kv_evict_first = -1;    // -1: evict-first hint when each KV tile is read by one CTA only
+  int experiment = 0;         // DecodeKernel's kSkip bits (timing experiments, wrong results)
+  int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
+                              // even number of M tiles)
+};
+
+namespace detail {
+
+inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &status) == cudaSuccess &&
+        status == cudaDriverEntryPointSuccess) {
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    }
+  });
+  return fn;
+}
+
+// 2-D bf16 map over [rows, 576] row-major, box of 64 columns x box_rows rows, 128-byte swizzle.
+inline bool EncodeRowMap(CUtensorMap* map, const void* base, uint64_t rows, uint32_t box_rows,
+                         CUtensorMapL2promotion promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B) {
+  auto encode = TensorMapEncoder();
+  if (encode == nullptr) return false;
+  cuuint64_t dims[2] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[1] = {static_cast<cuuint64_t>(kHeadDim) * 2};
+  cuuint32_t box[2] = {static_cast<cuuint32_t>(kChunkCols), box_rows};
+  cuuint32_t elem_strides[2] = {1, 1};
+  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims,
+                      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+inline bool ValidShape(const DecodeParams& p) {
+  if (p.batch < 1 || p.q_len < 1 || p.num_heads < 1 || p.num_pages < 1 || p.max_pages < 1) {
+    return false;
+  }
+  if (p.page_size != 32 && p.page_size != 64) return false;
+  if (static_cast<long long>(p.num_pages) * p.page_size >= (1ll << 31)) return false;
+  if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
+  if (!(p.softmax_scale > 0.f) || p.num_sms < 1) return false;
+  if ((reinterpret_cast<uintptr_t>(p.query) | reinterpret_cast<uintptr_t>(p.kv_cache) |
+       reinterpret_cast<uintptr_t>(p.out) | reinterpret_cast<uintptr_t>(p.workspace)) & 15) {
+    return false;
+  }
+  return true;
+}
+
+inline cudaError_t LaunchEx(const void* kernel, dim3 grid, dim3 block, size_t smem, bool pdl,
+                            cudaStream_t stream, void** args, int cluster_y = 1) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n].val.programmaticStreamSerializationAllowed = 1;
+    ++n;
+  }
+  if (cluster_y > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = 1;
+    attr[n].val.clusterDim.y = cluster_y;
+    attr[n].val.clusterDim.z = 1;
+    ++n;
+  }
+  config.attrs = attr;
+  config.numAttrs = n;
+  return cudaLaunchKernelExC(&config, kernel, args);
+}
+
+}  // namespace detail
+
+// Builds the split-KV schedule from seq_lens into the workspace (once per step).
+inline cudaError_t LaunchSchedule(const DecodeParams& p, cudaStream_t stream) {
+  if (!detail::ValidShape(p)) return cudaErrorInvalidValue;
+  const int32_t* seq_lens = p.seq_lens;
+  int batch = p.batch, max_pages = p.max_pages, page_size = p.page_size;
+  void* workspace = p.workspace;
+  void* args[] = {&seq_lens, &batch, &max_pages, &page_size, &workspace};
+  return detail::LaunchEx(reinterpret_cast<const void*>(&ScheduleKernel), dim3(1),
+                          dim3(kScheduleThreads), 0, p.enable_pdl, stream, args);
+}
+
+namespace detail {
+
+struct KernelInfo {
+  const void* kernel = nullptr;
+  int max_clusters = 0;  // co-resident clusters of kCluster CTAs (0 when kCluster == 1)
+};
+
+// Raises the shared-memory limit once per instantiation and, for cluster launches, reads how many
+// clusters fit on the device at once (before any graph capture uses the kernel).
+inline cudaError_t Prepare(const void* kernel, int cluster, KernelInfo* info) {
+  static std::mutex mutex;
+  static KernelInfo cache[16];
+  std::lock_guard<std::mutex> lock(mutex);
+  for (const KernelInfo& k : cache) {
+    if (k.kernel == kernel) {
+      *info = k;
+      return cudaSuccess;
+    }
+  }
+  cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (status != cudaSuccess) return status;
+  KernelInfo k;
+  k.kernel = kernel;
+  if (cluster > 1) {
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0);
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(1, cluster);
+    config.blockDim = dim3(kThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = cluster;
+    attr[0].val.clusterDim.z = 1;
+    config.attrs = attr;
+    config.numAttrs = 1;
+    status = cudaOccupancyMaxActiveClusters(&k.max_clusters, kernel, &config);
+    if (status != cudaSuccess) return status;
+  }
+  for (KernelInfo& slot : cache) {
+    if (slot.kernel == nullptr) {
+      slot = k;
+      break;
+    }
+  }
+  *info = k;
+  return cudaSuccess;
+}
+
+inline const void* SelectKernel(const LaunchOptions& options, int cluster) {
+  if (cluster == 2) {
+    return options.experiment == 0 && options.early_release
+               ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>)
+               : nullptr;
+  }
+  switch (options.experiment) {
+    case 0: return options.early_release ? reinterpret_cast<const void*>(&DecodeKernel<true, 0>)
+                                         : reinterpret_cast<const void*>(&DecodeKernel<false, 0>);
+    case 1: return reinterpret_cast<const void*>(&DecodeKernel<true, 1>);
+    case 2: return reinterpret_cast<const void*>(&DecodeKernel<true, 2>);
+    case 3: return reinterpret_cast<const void*>(&DecodeKernel<true, 3>);
+    case 4: return reinterpret_cast<const void*>(&DecodeKernel<true, 4>);
+    case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7>);
+    default: return nullptr;
+  }
+}
+
+}  // namespace detail
+
+// Decode (and combine) one layer, reading the schedule LaunchSchedule wrote.
+inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
+                                const LaunchOptions& options = LaunchOptions()) {
+  if (!detail::ValidShape(p)) return cudaErrorInvalidValue;
+  const int rows = p.q_len * p.num_heads;
+  const int m_tiles = NumMTiles(p.q_len, p.num_heads);
+  const int cluster = options.cluster >= 1 ? options.cluster : 1;
+  if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
+  const void* kernel = detail::SelectKernel(options, cluster);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  detail::KernelInfo info;
+  cudaError_t err = detail::Prepare(kernel, cluster, &info);
+  if (err != cudaSuccess) return err;
+
+  int parts = NumParts(p.num_sms, p.q_len, p.num_heads);
+  if (cluster > 1) {
+    const int fit = info.max_clusters * cluster / m_tiles;  // parts whose clusters all fit at once
+    if (fit >= 1 && fit < parts) parts = fit;
+  }
+  DecodeKernelArgs args;
+  args.p = p;
+  args.num_parts = parts;
+  args.q_box_rows = rows < kBlockM ? rows : kBlockM;
+  const bool evict_first =
+      options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;
+  args.kv_cache_hint = static_cast<uint64_t>(evict_first ? cute::TMA::CacheHintSm90::EVICT_FIRST
+                                                         : cute::TMA::CacheHintSm90::EVICT_NORMAL);
+  args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
+
+  CUtensorMap q_map, kv_map;
+  if (!detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
+                            args.q_box_rows) ||
+      !detail::EncodeRowMap(&kv_map, p.kv_cache,
+                            static_cast<uint64_t>(p.num_pages) * p.page_size, kHalfN,
+                            options.kv_l2_promotion)) {
+    return cudaErrorInvalidValue;
+  }
+  void* decode_args[] = {&q_map, &kv_map, &args};
+  err = detail::LaunchEx(kernel, dim3(parts, m_tiles), dim3(kThreads), kSmemBytes, p.enable_pdl,
+                         stream, decode_args, cluster);
+  if (err != cudaSuccess) return err;
+
+  DecodeParams cp = p;
+  int num_parts = parts;
+  void* combine_args[] = {&cp, &num_parts};
+  return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernel),
+                          dim3(CeilDivInt(rows, kCombineRowsPerBlock), p.batch),
+                          dim3(kCombineRowsPerBlock * 32), 0, p.enable_pdl, stream, combine_args);
+}
+
+}  // namespace sm90
+}  // namespace jax_mla

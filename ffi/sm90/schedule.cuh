@@ -1,0 +1,158 @@
+// The split-KV schedule of the SM90 decode kernel, built on the GPU from seq_lens.
+//
+// Request b has n_b = ceil(L_b / 64) KV blocks (L_b clamped to [0, max_pages * page_size]) and
+// costs kFixedCostBlocks + n_b units (0 when n_b == 0). ScheduleKernel writes the exclusive prefix
+// S[b] of those costs and the total S[batch]. Part p of the persistent grid owns the cost units
+// [p * Q, (p + 1) * Q) with Q = max(ceil(total / parts), kMinBlocksPerPart); block k of request b
+// sits at unit S[b] + kFixedCostBlocks + k, so the parts walk contiguous (request, block) ranges
+// and request b is split over parts PartOf(b, 0) .. PartOf(b, n_b - 1). Everything else (each
+// CTA's ranges, each request's split count) is derived from S by the kernels themselves.
+#pragma once
+
+#include <cstdint>
+
+#include "decode_params.h"
+
+namespace jax_mla {
+namespace sm90 {
+
+__device__ __forceinline__ void GridDependencyWait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void GridDependencyLaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Sequence length clamped to what the block table can address; negative lengths become 0.
+__device__ __forceinline__ int EffectiveLength(int seq_len, int max_pages, int page_size) {
+  long long capacity = static_cast<long long>(max_pages) * page_size;
+  long long len = seq_len < 0 ? 0 : seq_len;
+  return static_cast<int>(len < capacity ? len : capacity);
+}
+
+__device__ __forceinline__ int NumKvBlocks(int len) { return (len + kBlockN - 1) / kBlockN; }
+
+struct ScheduleView {
+  const int32_t* prefix;  // S[0..batch]
+  int batch;
+  int units_per_part;     // Q
+
+  __device__ __forceinline__ static ScheduleView Load(const void* workspace, int batch,
+                                                      int num_parts) {
+    ScheduleView v;
+    v.prefix = static_cast<const int32_t*>(workspace);
+    v.batch = batch;
+    int total = v.prefix[batch];
+    int q = (total + num_parts - 1) / num_parts;
+    v.units_per_part = q < kMinBlocksPerPart ? kMinBlocksPerPart : q;
+    return v;
+  }
+  __device__ __forceinline__ int Total() const { return prefix[batch]; }
+  // Last request b with S[b] <= x (x >= 0).
+  __device__ __forceinline__ int FindRequest(int x) const {
+    int lo = 0, hi = batch - 1;
+    while (lo < hi) {
+      int mid = (lo + hi + 1) >> 1;
+      if (prefix[mid] <= x) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+  }
+  __device__ __forceinline__ int PartOf(int b, int block) const {
+    return (prefix[b] + kFixedCostBlocks + block) / units_per_part;
+  }
+};
+
+// One work segment of a part: blocks [kv_begin, kv_end) of request b.
+struct Segment {
+  int b;
+  int kv_begin;
+  int kv_end;
+  int len;       // effective length of request b
+  bool whole;    // the segment is the whole request: write the final output directly
+};
+
+// Walks the segments of one part in order. Usage:
+//   SegmentWalker w(view, part, ...); Segment s; while (w.Next(s)) {...}
+struct SegmentWalker {
+  ScheduleView view;
+  const int32_t* seq_lens;
+  int max_pages, page_size;
+  int x0, x1, b;
+
+  __device__ __forceinline__ SegmentWalker(const ScheduleView& v, int part,
+                                           const int32_t* lens, int max_pages_, int page_size_)
+      : view(v), seq_lens(lens), max_pages(max_pages_), page_size(page_size_) {
+    int total = v.Total();
+    long long begin = static_cast<long long>(part) * v.units_per_part;
+    long long end = begin + v.units_per_part;
+    x0 = static_cast<int>(begin < total ? begin : total);
+    x1 = static_cast<int>(end < total ? end : total);
+    b = x0 < x1 ? v.FindRequest(x0) : v.batch;
+  }
+
+  __device__ __forceinline__ bool Next(Segment& s) {
+    while (b < view.batch && view.prefix[b] < x1) {
+      int cur = b++;
+      int len = EffectiveLength(seq_lens[cur], max_pages, page_size);
+      int n = NumKvBlocks(len);
+      int first = view.prefix[cur] + kFixedCostBlocks;
+      int kb = x0 - first, ke = x1 - first;
+      kb = kb < 0 ? 0 : (kb > n ? n : kb);
+      ke = ke < 0 ? 0 : (ke > n ? n : ke);
+      if (ke > kb) {
+        s.b = cur;
+        s.kv_begin = kb;
+        s.kv_end = ke;
+        s.len = len;
+        s.whole = (kb == 0 && ke == n);
+        return true;
+      }
+    }
+    return false;
+  }
+};
+
+constexpr int kScheduleThreads = 256;
+
+// One CTA: S[b] = sum of costs of requests < b, S[batch] = total.
+__global__ void __launch_bounds__(kScheduleThreads)
+ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size, void* workspace) {
+  GridDependencyWait();
+  int32_t* prefix = static_cast<int32_t*>(workspace);
+  __shared__ int warp_sums[kScheduleThreads / 32];
+  __shared__ int carry_in;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0) carry_in = 0;
+  __syncthreads();
+  for (int base = 0; base < batch; base += kScheduleThreads) {
+    int b = base + threadIdx.x;
+    int cost = 0;
+    if (b < batch) {
+      int n = NumKvBlocks(EffectiveLength(seq_lens[b], max_pages, page_size));
+      cost = n > 0 ? n + kFixedCostBlocks : 0;
+    }
+    int incl = cost;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      int v = __shfl_up_sync(0xffffffffu, incl, d);
+      if (lane >= d) incl += v;
+    }
+    if (lane == 31) warp_sums[warp] = incl;
+    __syncthreads();
+    int warp_offset = 0, chunk_total = 0;
+    for (int w = 0; w < kScheduleThreads / 32; ++w) {
+      if (w < warp) warp_offset += warp_sums[w];
+      chunk_total += warp_sums[w];
+    }
+    int carry = carry_in;
+    if (b < batch) prefix[b] = carry + warp_offset + incl - cost;
+    __syncthreads();
+    if (threadIdx.x == 0) carry_in = carry + chunk_total;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) prefix[batch] = carry_in;
+  GridDependencyLaunchDependents();
+}
+
+}  // namespace sm90
+}  // namespace jax_mla
