@@ -13,11 +13,8 @@ if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""
         filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]))
 
 import dataclasses
-import functools
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,22 +22,10 @@ import numpy as np
 import pytest
 
 import jax_mla
+from benchmarks.problem import relative_error, shuffled_block_tables
 from jax_mla import backends, gpu
 
 jax.config.update("jax_enable_x64", False)
-
-BENCH_DECODE = Path(__file__).parent.parent / "benchmarks" / "decode.py"
-
-
-@functools.cache
-def load_bench_decode():
-    """benchmarks/decode.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("bench_decode", BENCH_DECODE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
 
 @dataclasses.dataclass
 class Problem:
@@ -71,15 +56,11 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
     pages_per_request = -(-lengths // page_size)
     max_pages = int(pages_per_request.max()) + 1  # one padding column at least
     num_pages = int(pages_per_request.sum()) + spare_pages
-    order = rng.permutation(num_pages)
-    tables = np.full((batch, max_pages), -7, np.int64)
-    start = 0
-    for b, n in enumerate(pages_per_request):
-        tables[b, :n] = order[start:start + n]
-        start += n
-        if garbage_tables:
-            # Padding entries may hold anything, out-of-range ids included.
-            tables[b, n:] = rng.choice([-1, num_pages + 5, 10**6, int(order[-1])], size=max_pages - n)
+    tables, spare = shuffled_block_tables(rng, pages_per_request, num_pages, max_pages, fill=-7)
+    if garbage_tables:
+        # Padding entries may hold anything, out-of-range ids and an unused page included.
+        for b, n in enumerate(pages_per_request):
+            tables[b, n:] = rng.choice([-1, num_pages + 5, 10**6, *spare[-1:]], size=max_pages - n)
     cache = rng.standard_normal((num_pages, page_size, head_dim)).astype(np.float32)
     written = np.zeros((num_pages, page_size), bool)
     for b, n in enumerate(pages_per_request):
@@ -100,20 +81,29 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
 HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
 
 
+def build_ffi_target(tmp_path_factory, target: str):
+    """Builds one CMake target of ffi/ here for sm_90a (needs nvcc and apache-tvm-ffi); its library."""
+    if shutil.which("nvcc") is None or not HAS_TVM_FFI:
+        skip_or_fail("building ffi/ needs nvcc and apache-tvm-ffi")
+    build = tmp_path_factory.mktemp(target)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run(["cmake", "-S", root, "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90a",
+                    "-DJAX_MLA_BUILD_PLAN_TWIN=ON"], check=True, capture_output=True)
+    subprocess.run(["cmake", "--build", str(build), "--target", target], check=True, capture_output=True)
+    return build / "ffi" / f"lib{target}.so"
+
+
 @pytest.fixture(scope="session")
 def ffi_library_path(tmp_path_factory):
-    """The installed FFI library, else one built here from ffi/ (needs nvcc and apache-tvm-ffi)."""
+    """The installed FFI library, else one built here from ffi/."""
     path = gpu.library_path()
-    if path is not None:
-        return path
-    if shutil.which("nvcc") is None or not HAS_TVM_FFI:
-        pytest.skip("needs nvcc and apache-tvm-ffi to build ffi/")
-    build = tmp_path_factory.mktemp("ffi-build")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    subprocess.run(["cmake", "-S", root, "-B", str(build), "-DCMAKE_CUDA_ARCHITECTURES=90a"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
-    return build / "ffi" / gpu.LIBRARY_NAME
+    return path if path is not None else build_ffi_target(tmp_path_factory, "jax_mla_ffi")
+
+
+@pytest.fixture(scope="session")
+def plan_twin_path(tmp_path_factory):
+    """The GPU planner's host twin: a test-only library, never installed, built here from ffi/."""
+    return build_ffi_target(tmp_path_factory, "jax_mla_plan_twin")
 
 
 def gpu_backends_here() -> list[str]:
@@ -127,19 +117,129 @@ def backend_params():
     for name in (backends.FA3, backends.FA2):
         marks = [pytest.mark.gpu]
         if name not in runnable:
-            marks.append(pytest.mark.skip(reason=f"{name} needs a GPU that supports it ({runnable=})"))
+            why = gpu_blocker() or f"this GPU does not run it ({runnable=})"
+            marks.append(pytest.mark.skip(reason=f"{name}: {why}"))
         params.append(pytest.param(name, id=name, marks=marks))
     return params
 
 
-def relative_error(actual, expected) -> float:
+# ---- accuracy --------------------------------------------------------------------------------------
+
+# Worst output error allowed per request and head (over that request/head's own max |reference|)
+# and worst lse error in nats, by dtype; docs/testing.md has the measurements behind them.
+XLA_TOLERANCES = {"float32": (3e-5, 5e-5), "bfloat16": (1e-2, 5e-5)}
+GPU_KERNEL_TOLERANCES = {"bfloat16": (2e-2, 2e-2)}
+
+
+def tolerances(backend: str, dtype) -> tuple[float, float]:
+    """(output error, lse error in nats) that ``backend`` must meet in ``dtype``."""
+    kernel = backends.BY_NAME.get(backend)
+    gpu_kernel = kernel is not None and kernel.runs_on_capability is not None
+    table = GPU_KERNEL_TOLERANCES if gpu_kernel else XLA_TOLERANCES  # xla, and the torch reference
+    return table[jnp.dtype(dtype).name]
+
+
+def request_head_error(actual, expected) -> float:
+    """The worst, over requests and heads, of max |actual - expected| / max |expected| taken over
+    that request's query tokens and channels of that head. Arrays [B, q_len, H, R]."""
     actual = np.asarray(actual, np.float64)
     expected = np.asarray(expected, np.float64)
-    return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-6))
+    if not np.isfinite(actual).all():
+        return float("inf")
+    error = np.abs(actual - expected).max(axis=(1, 3))
+    scale = np.abs(expected).max(axis=(1, 3))
+    return float((error / np.maximum(scale, 1e-6)).max())
 
 
-def tolerance(dtype) -> float:
-    return 2e-2 if jnp.dtype(dtype) == jnp.bfloat16 else 1e-5
+def lse_error(actual, expected) -> float:
+    """Worst |actual - expected| in nats; rows that see nothing must be -inf in both."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    empty = np.isneginf(expected)
+    if not np.array_equal(np.isneginf(actual), empty) or not np.isfinite(actual[~empty]).all():
+        return float("inf")
+    return float(np.abs(actual[~empty] - expected[~empty]).max(initial=0.0))
+
+
+ACCURACY: dict[tuple[str, str], dict[str, tuple[float, str]]] = {}
+
+
+def record_accuracy(backend: str, dtype, **errors: float) -> None:
+    """Keep the worst error of each kind per (backend, dtype) for the end-of-run summary."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+    worst = ACCURACY.setdefault((backend, jnp.dtype(dtype).name), {})
+    for kind, value in errors.items():
+        if value >= worst.get(kind, (-1.0, ""))[0]:
+            worst[kind] = (value, test)
+
+
+def check_accuracy(out, lse, ref_out, ref_lse, *, backend: str) -> tuple[float, float]:
+    """Assert ``backend``'s (out, lse) meet its tolerances against a reference; returns the errors."""
+    out_error = request_head_error(out, ref_out)
+    lse_err = lse_error(lse, ref_lse)
+    record_accuracy(backend, out.dtype, output=out_error, lse=lse_err)
+    out_tol, lse_tol = tolerances(backend, out.dtype)
+    assert out_error < out_tol, f"{backend}: output error {out_error:.2e} per request/head >= {out_tol}"
+    assert lse_err < lse_tol, f"{backend}: lse error {lse_err:.2e} nats >= {lse_tol}"
+    return out_error, lse_err
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The worst accuracy each backend reached in this run (the GPU logs keep it)."""
+    if not ACCURACY:
+        return
+    terminalreporter.write_sep("-", "jax_mla accuracy: worst error per request/head, worst lse (nats)")
+    for (backend, dtype), worst in sorted(ACCURACY.items()):
+        for kind, (value, test) in sorted(worst.items()):
+            terminalreporter.write_line(f"{backend:10} {dtype:9} {kind:7} {value:.3e}  {test}")
+
+
+# ---- the switch that makes GPU tests required ------------------------------------------------------
+
+REQUIRE_GPU = "JAX_MLA_REQUIRE_GPU"
+
+
+def required_gpus() -> int:
+    """How many GPUs $JAX_MLA_REQUIRE_GPU says this run must test on (0 or unset: GPU tests may skip)."""
+    value = os.environ.get(REQUIRE_GPU, "").strip() or "0"
+    if not value.isdigit():
+        raise pytest.UsageError(f"{REQUIRE_GPU} must be a GPU count (0, 1, 2, ...), got {value!r}")
+    return int(value)
+
+
+def gpu_blocker(gpus: int = 1) -> str | None:
+    """What keeps this machine from running jax_mla's GPU backends on ``gpus`` GPUs, or None."""
+    found = sum(device.platform == "gpu" for device in jax.devices())
+    missing = []
+    if found < gpus:
+        missing.append(f"JAX sees {found} CUDA GPU(s), {gpus} needed (default backend "
+                       f"{jax.default_backend()!r})")
+    runtime = gpu.runtime_missing()
+    if runtime:
+        missing.append(runtime)
+    return "; ".join(missing) or None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Under JAX_MLA_REQUIRE_GPU=N a ``gpu`` test (``multi_gpu``: when N >= 2) that this machine
+    cannot run fails, naming what is missing, before any skip mark is read."""
+    required = required_gpus()
+    if not required or item.get_closest_marker("gpu") is None:
+        return
+    gpus = 2 if item.get_closest_marker("multi_gpu") else 1
+    if gpus > required:
+        return
+    blocker = gpu_blocker(gpus)
+    if blocker:
+        pytest.fail(f"{REQUIRE_GPU}={required} requires the GPU tests, but {blocker}", pytrace=False)
+
+
+def skip_or_fail(reason: str):
+    """Skip a GPU test, or fail it under JAX_MLA_REQUIRE_GPU (a setup problem, not the hardware)."""
+    if required_gpus():
+        pytest.fail(f"{REQUIRE_GPU} requires the GPU tests, but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 @pytest.fixture
@@ -147,4 +247,5 @@ def problem_factory():
     return make_problem
 
 
-__all__ = ["Problem", "backend_params", "jax_mla", "make_problem", "relative_error", "tolerance"]
+__all__ = ["Problem", "backend_params", "check_accuracy", "jax_mla", "make_problem", "relative_error",
+           "request_head_error"]

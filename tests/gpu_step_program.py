@@ -2,7 +2,7 @@
 
 Run as a program so XLA_FLAGS can differ between runs:
 ``python gpu_step_program.py OUT_DIR [host|device]`` (where the step's schedule is built).
-Prints one JSON line: checksum and error against the torch reference.
+Prints one JSON line: checksum, and layer 0's output and lse errors against the torch reference.
 """
 
 import json
@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
-from conftest import make_problem, relative_error  # noqa: E402
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]
+from conftest import lse_error, make_problem, request_head_error  # noqa: E402
 
 import jax_mla  # noqa: E402
 from jax_mla.reference import reference_from_jax  # noqa: E402
@@ -47,10 +47,11 @@ def main(out_dir: Path, planner: str):
     out_dir.mkdir(parents=True, exist_ok=True)
     np.save(out_dir / "out.npy", np.asarray(outs, np.float32))
     np.save(out_dir / "lse.npy", np.asarray(lses))
-    ref, _ = reference_from_jax(problem.query, caches[0], problem.block_tables, problem.seq_lens,
-                                softmax_scale=problem.softmax_scale)
+    ref, ref_lse = reference_from_jax(problem.query, caches[0], problem.block_tables,
+                                      problem.seq_lens, softmax_scale=problem.softmax_scale)
     print(json.dumps({"checksum": float(np.asarray(outs, np.float64).sum()),
-                      "max_rel_err": relative_error(outs[0], ref.numpy())}))
+                      "output_error": request_head_error(outs[0], ref.numpy()),
+                      "lse_error": lse_error(lses[0], ref_lse.numpy())}))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import pytest
 from conftest import make_problem
 
 import jax_mla
+from jax_mla import backends, gpu
 
 P = make_problem(0, batch=2, q_len=1, num_heads=16, page_size=16, max_len=40)
 Q, KV, BT, SL = P.arrays
@@ -48,6 +52,13 @@ DECODE_ERRORS = [
     (dict(plan=object()), TypeError, r"plan must be None, 'device' or a jax_mla.Plan"),
     (dict(plan="device", backend="xla"), ValueError,
      r"plan is only read by the fa3/fa2 backends; backend 'xla' takes plan=None, got str"),
+    (dict(kv_lora_rank=512.0), TypeError, r"kv_lora_rank must be an int, got float"),
+    (dict(query=Q[:, :, :0]), ValueError, r"query's num_heads \(dim 2\) must be >= 1, got query shape "
+                                          r"\(2, 1, 0, 576\)"),
+    (dict(block_tables=BT[:, :0]), ValueError,
+     r"block_tables must have at least one page column, got \(2, 0\)"),
+    (dict(backend=None), TypeError, r"backend must be a str \('auto' or one of \['trtllm-gen', 'fa3', "
+                                    r"'fa2', 'xla'\]\), got NoneType"),
 ]
 
 
@@ -58,6 +69,26 @@ def test_decode_rejects(overrides, error, message):
         pytest.skip("only meaningful on a CPU-only machine")
     with pytest.raises(error, match=message):
         call(**overrides)
+
+
+def test_fa3_without_flashinfer_names_the_package(monkeypatch):
+    """On a GPU whose environment lacks FlashInfer, asking for fa3 says what to install."""
+    monkeypatch.setattr(backends, "platform_of", lambda *arrays: "gpu")
+    monkeypatch.setattr(gpu, "library_path", lambda: Path("libjax_mla_ffi.so"))
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # find_spec reports it absent
+    with pytest.raises(ValueError, match=r"backend 'fa3' is unavailable: flashinfer-python is not "
+                                         r"installed \(pip install 'jax_mla\[cuda\]'\); available "
+                                         r"here: \['xla'\]"):
+        call(query=Q.astype(jnp.bfloat16), kv_cache=KV.astype(jnp.bfloat16), backend="fa3")
+
+
+def test_trtllm_gen_refuses_a_device_plan(monkeypatch):
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["trtllm-gen", "fa3", "fa2", "xla"])
+    with pytest.raises(ValueError, match=r"plan is only read by the fa3/fa2 backends; backend "
+                                         r"'trtllm-gen' takes plan=None, got str"):
+        call(query=Q.astype(jnp.bfloat16), kv_cache=KV.astype(jnp.bfloat16), backend="trtllm-gen",
+             plan="device")
 
 
 def test_errors_are_raised_at_trace_time():

@@ -1,0 +1,40 @@
+"""The README's promises that a CPU machine can check: its end-to-end snippet runs and is right,
+and its backend table lists exactly the backends of ``jax_mla.backends.TABLE``."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+
+from conftest import relative_error
+from jax_mla import backends
+from jax_mla.reference import reference_from_jax
+
+README = (Path(__file__).parent.parent / "README.md").read_text()
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README, flags=re.S)
+
+
+def test_end_to_end_snippet_runs_and_matches_the_reference():
+    snippet = next(block for block in python_blocks() if "def decode_step" in block)
+    scope: dict = {}
+    exec(compile(snippet, "README.md", "exec"), scope)
+    assert len(scope["outs"]) == scope["LAYERS"]
+    for layer, out in enumerate(scope["outs"]):
+        expected, _ = reference_from_jax(scope["queries"][layer], scope["cache"], scope["block_tables"],
+                                         scope["seq_lens"], softmax_scale=192 ** -0.5)
+        assert out.shape == (4, 1, 16, 512)
+        assert relative_error(np.asarray(out, np.float32), expected.numpy()) < 2e-2
+
+
+def test_backend_table_matches_the_code():
+    section = README.split("\n## Backends\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `([^`]+)` \| ([^|]+) \|", section, flags=re.M)
+    listed = {name: where.strip() for name, where in rows}
+    assert list(listed) == [backend.name for backend in backends.TABLE]
+    for backend in backends.TABLE:
+        assert listed[backend.name] == backend.runs_on
