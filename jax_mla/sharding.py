@@ -1,66 +1,22 @@
 """Tensor- and data-parallel MLA decode: every backend runs per device on its own shard.
 
-``jax_mla.decode`` routes its backend call through :func:`call`, which wraps the per-shard kernel in a
-``jax.experimental.custom_partitioning`` op. Under ``jax.jit`` over a multi-device mesh the SPMD
+``jax_mla.decode`` routes its backend call through :func:`call`, which wraps the per-shard kernel in
+a ``jax.experimental.custom_partitioning`` op. Under ``jax.jit`` over a multi-device mesh the SPMD
 partitioner then runs the kernel once per device on that device's shard (no all-gather of the query
-or the cache), for both partitioners: Shardy (JAX's default) through an einsum-style
-``sharding_rule`` and GSPMD through ``infer_sharding_from_operands``; the final shardings are chosen
-by ``partition`` in both cases. Each device's kernel sees a plain unsharded problem of its local
-shapes; the wrapper adds no work at run time.
+or the cache), with rules for both partitioners: Shardy through an einsum-style ``sharding_rule``
+and GSPMD through ``infer_sharding_from_operands``; ``partition`` chooses the final shardings in
+both cases. Single-device calls, and calls under transformations other than ``jit``, run the kernel
+directly.
 
-A call is wrapped only when its arrays can be sharded: tracers of ``jit`` in a process with several
-devices, or concrete arrays that live on several devices (these are compiled through the same
-partitioner, so eager and jitted calls agree). Single-device calls run the kernel directly, as they
-did before this module existed; under ``jit`` on one device the wrapper lowers to the plain kernel
-(the compiled program is the same).
-
-Supported layouts of query [B, q_len, H, D], kv_cache [num_pages, page_size, D], block_tables
-[B, max_pages] and seq_lens [B] (``d``: the data axes, ``t``: the head axes)::
+Layouts (``d``: data axes, ``t``: head axes)::
 
     query   P(d, None, t, None)     kv_cache  P(None, None, None)     global page ids
     query   P(d, None, t, None)     kv_cache  P(d,    None, None)     per-shard page pools
     out     P(d, None, t, None)     lse       P(d, None, t)
     block_tables P(d, None)         seq_lens  P(d)
 
-* Heads (query dim 2) may be sharded over any mesh axes ("TP"): MLA's latent cache is shared by
-  every head, so the cache is replicated over the head axes and each device attends its heads to it.
-  The output and lse keep the query's head sharding. (An axis used for the batch is dropped from
-  the heads.)
-* The batch (query dim 0, block_tables dim 0, seq_lens dim 0) may be sharded over other mesh axes
-  ("DP"); the output and lse keep it. The batch sharding is taken from the query.
-* The cache's page dim (kv_cache dim 0) may be replicated (every device holds the whole pool, block
-  table ids are global, semantics equal the unsharded call) or sharded over exactly the data axes:
-  then **each data shard owns its own page pool** (``num_pages / n`` pages, concatenated in shard
-  order) and **its block-table ids are local to that pool**. With a sharded pool the kv_cache's
-  sharding decides the data axes: the batch is (re)sharded over the pool's axes, and B and
-  num_pages must be divisible by the number of pools. Note that this makes the result depend on the
-  cache's sharding: the same arrays run unsharded read the ids as global ones, so give the cache its
-  pool sharding explicitly (``in_shardings`` / ``device_put``), do not leave it to propagation.
-* Every other dim (q_len, D, page_size, max_pages) is forced replicated: a sharding there is
-  undone by the partitioner with an all-gather before the kernel (correct, but it costs
-  communication; shard only batch and heads). Shard batch and heads evenly: an uneven batch
-  raises, an uneven head split is correct but may be gathered too.
-* ``plan``: the arrays of a work-schedule plan (a pytree such as ``jax_mla.Plan``; its array leaves
-  become extra operands, other leaves stay static) are replicated on every device. A plan describes
-  one device's work: with only heads sharded, build it for the *local* head count (H / head shards)
-  and the whole batch, and put it on every device of the mesh
-  (``jax.device_put(plan, NamedSharding(mesh, P()))``: a plan committed to one device cannot join
-  a computation over several). One plan cannot describe several batch shards, so a plan together
-  with a batch sharded over more than one device raises; pass ``plan=None`` there (the FFI
-  backends then plan on each device's host from its local ``seq_lens``) or ``plan="device"``
-  (each device builds its own schedule on the GPU). A plan for the local head count given to a
-  call that turns out not to be partitioned (one device) raises ``PlanMismatchError`` while the
-  program compiles.
-
-Layout errors are found while XLA partitions the program, i.e. in ``jit(f).lower(...).compile()`` or
-the first call, so they reach the caller wrapped in a ``jax.errors.JaxRuntimeError`` whose text holds
-``LayoutError: jax_mla sharding: ...``. Errors a kernel raises for its local shapes (e.g. a plan
-built for the global head count) arrive the same way.
-
-Limits: transformations other than ``jit`` (``vmap``, ``grad``) bypass the wrapper: under them the
-kernel is called directly and XLA partitions it on its own (an FFI kernel then runs on gathered
-arrays). Per-shard kernels must not use Python host callbacks: ``jax.pure_callback`` inside the
-partitioned program crashed the process on jax 0.10.2 (CPU); FFI custom calls are what it is for.
+docs/sharding.md describes the layouts, plans under sharding, and where layout errors surface
+(``LayoutError``, wrapped in a ``JaxRuntimeError`` while the program compiles).
 """
 
 from __future__ import annotations
