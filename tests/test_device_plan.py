@@ -163,9 +163,8 @@ CASES = {
     # Small-work costs that add up past 2^31: the kernel's block-wide scan carries them in 64 bits.
     "huge-64bit-costs": ([2**30 + 7, 2**30 + 1000, 3 * 2**28], 1, 128),
 }
-# Benchmark points where one fixed way of balancing lost 1.22-1.32x to MLAPlan (and ran 1.21-1.27x
-# slower on the H200, docs/gpu-schedule.md): (B, L, H, q_len) with the benchmark's
-# own lengths.
+# Benchmark points where one fixed way of balancing lost to MLAPlan under its cost model
+# (docs/gpu-schedule.md): (B, L, H, q_len) with the benchmark's own lengths.
 BENCH_CASES = [(32, 32768, 128, 2), (32, 32768, 128, 1), (128, 16384, 16, 2), (128, 4096, 16, 1),
                (32, 16384, 16, 1)]
 
