@@ -24,6 +24,7 @@ XLA = "xla"
 FA3 = "fa3"
 FA2 = "fa2"
 TRTLLM_GEN = "trtllm-gen"
+SM90 = "sm90"
 AUTO = "auto"
 
 Capability = tuple[int, int]
@@ -84,6 +85,13 @@ def _trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, ou
                              output_scale=output_scale, kv_lora_rank=kv_lora_rank)
 
 
+def _sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+                 kv_lora_rank, plan):
+    del plan
+    return gpu.sm90_decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
+                           output_scale=output_scale, kv_lora_rank=kv_lora_rank)
+
+
 BF16 = (jnp.dtype(jnp.bfloat16),)
 
 TABLE: tuple[Backend, ...] = (
@@ -93,6 +101,10 @@ TABLE: tuple[Backend, ...] = (
             BF16, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA3)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
             BF16, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA2)),
+    # jax_mla's own Hopper kernel (ffi/sm90), after fa3/fa2 so that "auto" keeps fa3 until the
+    # committed benchmark shows sm90 faster.
+    Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
+            BF16, takes_plan=False, applies_output_scale=True, decode=_sm90_decode),
     Backend(XLA, "any JAX platform", None,
             (), takes_plan=False, applies_output_scale=True, decode=_xla_decode),
 )
@@ -123,7 +135,12 @@ def available_backends(platform: str | None = None) -> list[str]:
     platform = platform or jax.default_backend()
     if not _is_cuda(platform) or gpu.runtime_missing() is not None:
         return runnable_on(None)
-    return runnable_on(gpu.capability())
+    return [name for name in runnable_on(gpu.capability())
+            if name not in _EXTRA_REQUIREMENTS or _EXTRA_REQUIREMENTS[name]() is None]
+
+
+# Backends that need more than the GPU runtime: name -> () -> why it cannot run, or None.
+_EXTRA_REQUIREMENTS = {SM90: lambda: gpu.sm90_missing()}
 
 
 def resolve(backend: str, platform: str, dtype=jnp.bfloat16) -> str:
@@ -159,5 +176,8 @@ def _why_unavailable(backend: Backend, platform: str) -> str:
     if missing:
         return f"backend {backend.name!r} is unavailable: {missing}"
     major, minor = gpu.capability()
+    extra = _EXTRA_REQUIREMENTS.get(backend.name, lambda: None)()
+    if backend.runs_on_gpu((major, minor)) and extra:
+        return f"backend {backend.name!r} is unavailable: {extra}"
     return (f"backend {backend.name!r} runs on {backend.runs_on} and cannot run on this GPU "
             f"(compute capability {major}.{minor})")

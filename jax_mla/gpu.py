@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 import importlib.util
 import os
 import sysconfig
@@ -29,7 +30,11 @@ TARGETS = {
                                     "execute": "JaxMlaFaDecodeSelfPlan"},
     "jax_mla_trtllm_decode": {"execute": "JaxMlaTrtllmDecode"},
     "jax_mla_device_plan": {"execute": "JaxMlaDevicePlan"},
+    "jax_mla_sm90_decode": {"execute": "JaxMlaSm90Decode"},
 }
+# Targets a library may have been built without (ffi/CMakeLists.txt skips the sm90 handler when it
+# finds no CUTLASS headers): register_targets skips them, sm90_missing() says why.
+OPTIONAL_TARGETS = ("jax_mla_sm90_decode",)
 # ffi::State types of the handlers: name -> symbols returning its type id and type info.
 STATE_TYPES = {
     "jax_mla_plan_staging": ("JaxMlaPlanStagingTypeId", "JaxMlaPlanStagingTypeInfo"),
@@ -74,7 +79,18 @@ def runtime_missing() -> str | None:
     for module, package in (("flashinfer", "flashinfer-python"), ("tvm_ffi", "apache-tvm-ffi")):
         if importlib.util.find_spec(module) is None:
             return f"{package} is not installed (pip install 'jax_mla[cuda]')"
+    found = _installed_version("flashinfer-python")
+    if found is not None and found != FLASHINFER_VERSION:
+        return (f"flashinfer-python {found} is installed but jax_mla is built against "
+                f"{FLASHINFER_VERSION} (pip install 'jax_mla[cuda]')")
     return None
+
+
+def _installed_version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:  # importable without metadata (a source tree)
+        return None
 
 
 @functools.cache
@@ -95,6 +111,8 @@ def register_targets() -> None:
                                          "type_info": jax.ffi.pycapsule(type_info())},
                                   platform="CUDA")
     for target, stages in TARGETS.items():
+        if target in OPTIONAL_TARGETS and not all(hasattr(library, s) for s in stages.values()):
+            continue
         handlers = {stage: jax.ffi.pycapsule(getattr(library, symbol))
                     for stage, symbol in stages.items()}
         jax.ffi.register_ffi_target(target, handlers, platform="CUDA")
@@ -276,3 +294,106 @@ def device_plan_call(seq_lens, *, q_len: int, num_heads: int, max_pages: int, nu
         seq_lens, q_len=np.int64(q_len), num_heads=np.int64(num_heads),
         max_pages=np.int64(max_pages), sm_count=np.int64(num_sms), causal=q_len > 1,
         plan_info=np.asarray(layout.plan_info, np.int64))
+
+
+# ---- the sm90 kernel (ffi/sm90: jax_mla's own Hopper MLA decode) --------------------------------
+
+SM90_PAGE_SIZES = (32, 64)
+SM90_DIMS = (512, 64)  # (kv_lora_rank, rope_dim)
+SM90_MAX_Q_LEN = 4
+SM90_MAX_HEADS = 128
+SM90_SYMBOL = "JaxMlaSm90Decode"
+
+
+@functools.cache
+def sm90_missing() -> str | None:
+    """Why the sm90 backend cannot run here beyond what ``runtime_missing`` covers, or None: the
+    FFI library must have been built with its handler (which needs CUTLASS headers at build time)."""
+    path = library_path()
+    if path is None:
+        return runtime_missing() or "jax_mla's FFI library was not built"
+    try:
+        import tvm_ffi  # noqa: F401  the library resolves libtvm_ffi.so by soname
+
+        library = ctypes.CDLL(str(path))
+    except (ImportError, OSError) as error:
+        return f"jax_mla's FFI library {path} cannot be loaded: {error}"
+    if not hasattr(library, SM90_SYMBOL):
+        return (f"jax_mla's FFI library {path} was built without the sm90 handler (no CUTLASS "
+                "headers at build time: pip install nvidia-cutlass or set CUTLASS_INCLUDE_DIR, then "
+                "reinstall jax_mla)")
+    return None
+
+
+def sm90_workspace_bytes(batch: int, q_len: int, num_heads: int, num_sms: int) -> int:
+    """Scratch bytes of one sm90 decode: ``WorkspaceBytes`` of ffi/sm90/decode_params.h.
+
+    The schedule (int32 [batch + 1]), then fp32 partial LSEs [slots, rows_pad] and partial outputs
+    [slots, rows_pad, 512], each region 256-byte aligned; slots = batch + parts, rows_pad = the
+    query rows (q_len * num_heads) rounded up to 64-row tiles, parts = num_sms // M tiles (>= 1).
+    """
+    def align(x: int) -> int:
+        return -(-x // 256) * 256
+
+    m_tiles = -(-(q_len * num_heads) // 64)
+    parts = max(num_sms // m_tiles, 1)
+    slots, rows_pad = batch + parts, m_tiles * 64
+    partial_lse = align(4 * (batch + 1))
+    partial_out = align(partial_lse + 4 * slots * rows_pad)
+    return align(partial_out + 4 * slots * rows_pad * SM90_DIMS[0])
+
+
+def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int, softmax_scale: float) -> None:
+    """Raise ``ValueError`` for what the sm90 kernel does not run (names the argument, the
+    expectation and what was given)."""
+    batch, q_len, num_heads, head_dim = query.shape
+    num_pages, page_size, _ = kv_cache.shape
+    max_pages = block_tables.shape[1]
+    if (kv_lora_rank, head_dim - kv_lora_rank) != SM90_DIMS:
+        raise ValueError(f"sm90 supports (kv_lora_rank, rope_dim) = {SM90_DIMS}, got "
+                         f"({kv_lora_rank}, {head_dim - kv_lora_rank})")
+    if page_size not in SM90_PAGE_SIZES:
+        raise ValueError(f"sm90 needs kv_cache page_size in {SM90_PAGE_SIZES}, got {page_size}")
+    if not 1 <= q_len <= SM90_MAX_Q_LEN:
+        raise ValueError(f"sm90 supports query q_len (dim 1) in [1, {SM90_MAX_Q_LEN}], got {q_len}")
+    if not 1 <= num_heads <= SM90_MAX_HEADS:
+        raise ValueError(f"sm90 supports query num_heads (dim 2) in [1, {SM90_MAX_HEADS}], got "
+                         f"{num_heads}")
+    if num_pages < 1:
+        raise ValueError(f"sm90 needs kv_cache with at least one page, got shape {tuple(kv_cache.shape)}")
+    if num_pages * page_size >= 2**31:
+        raise ValueError(f"sm90 supports kv_cache num_pages * page_size < 2**31 tokens, got "
+                         f"{num_pages} * {page_size}")
+    if max_pages * page_size >= 2**30:
+        raise ValueError(f"sm90 supports block_tables max_pages * page_size < 2**30 tokens, got "
+                         f"{max_pages} * {page_size}")
+    if batch * (max_pages * page_size // 64 + 3) >= 2**31:
+        raise ValueError(f"sm90 supports batch * (max_pages * page_size / 64 + 3) < 2**31, got "
+                         f"batch {batch}, max_pages {max_pages}, page_size {page_size}")
+    if not np.float32(softmax_scale) > 0:
+        raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
+
+
+def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
+                output_scale: float, kv_lora_rank: int):
+    """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``.
+
+    Builds its split-KV schedule from ``seq_lens`` on the GPU inside the call (no host work).
+    Returns out bf16 [B, q_len, H, 512] (scaled by ``output_scale``) and lse float32 [B, q_len, H].
+    """
+    check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
+    batch, q_len, num_heads, _ = query.shape
+    if batch == 0:
+        return (jnp.zeros((0, q_len, num_heads, kv_lora_rank), query.dtype),
+                jnp.zeros((0, q_len, num_heads), jnp.float32))
+    register_targets()
+    num_sms = sm_count()
+    results = (
+        jax.ShapeDtypeStruct((batch, q_len, num_heads, kv_lora_rank), query.dtype),
+        jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),
+        jax.ShapeDtypeStruct((sm90_workspace_bytes(batch, q_len, num_heads, num_sms),), jnp.uint8),
+    )
+    out, lse, _ = jax.ffi.ffi_call("jax_mla_sm90_decode", results)(
+        query, kv_cache, block_tables, seq_lens, softmax_scale=np.float64(softmax_scale),
+        output_scale=np.float64(output_scale), sm_count=np.int64(num_sms), enable_pdl=True)
+    return out, lse

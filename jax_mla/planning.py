@@ -123,7 +123,7 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
         raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got shape {lengths.shape} "
                          f"dtype {lengths.dtype}")
     for name, value in (("num_heads", num_heads), ("max_pages", max_pages), ("q_len", q_len)):
-        if not isinstance(value, int) or value < 1:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if lengths.min() < q_len:
         raise ValueError(f"every seq_lens entry must be >= q_len={q_len} (it counts the new tokens), "

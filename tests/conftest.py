@@ -114,7 +114,7 @@ def backend_params():
     """Every backend, GPU ones marked ``gpu`` and skipped where this machine cannot run them."""
     params = [pytest.param(backends.XLA, id="xla")]
     runnable = gpu_backends_here()
-    for name in (backends.FA3, backends.FA2):
+    for name in (backends.FA3, backends.FA2, backends.SM90):
         marks = [pytest.mark.gpu]
         if name not in runnable:
             why = gpu_blocker() or f"this GPU does not run it ({runnable=})"

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
+from conftest import lse_error, make_problem, request_head_error, tolerances
 
-from jax_mla import api, backends, gpu
+import jax_mla
+from jax_mla import api, backends, gpu, xla_backend
+from jax_mla.reference import reference_from_jax
 
 
 @pytest.mark.parametrize("capability,expected", [
     ((8, 0), ["fa2", "xla"]),
     ((8, 9), ["fa2", "xla"]),
-    ((9, 0), ["fa3", "fa2", "xla"]),
+    ((9, 0), ["fa3", "fa2", "sm90", "xla"]),
     ((10, 0), ["trtllm-gen", "fa2", "xla"]),
     ((10, 3), ["trtllm-gen", "fa2", "xla"]),
     ((12, 0), ["fa2", "xla"]),
@@ -78,3 +81,38 @@ def test_every_backend_shares_one_plan_rule():
         else:
             with pytest.raises(ValueError, match=rf"backend '{backend.name}' takes plan=None"):
                 api.check_plan_argument("device", backend)
+
+
+@pytest.fixture
+def stand_in_kernels(monkeypatch):
+    """fa3, fa2 and trtllm-gen runnable here, their kernels replaced by the xla backend: unscaled
+    for fa3/fa2 (whose kernels leave output_scale to jax_mla.decode), scaled for trtllm-gen (whose
+    kernel applies it)."""
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["trtllm-gen", "fa3", "fa2", "xla"])
+
+    def fa_decode(name, *arrays, softmax_scale, kv_lora_rank, plan):
+        return xla_backend.decode(*arrays, softmax_scale=softmax_scale, output_scale=1.0,
+                                  kv_lora_rank=kv_lora_rank, return_lse=True)
+
+    def trtllm_decode(*arrays, softmax_scale, output_scale, kv_lora_rank):
+        return xla_backend.decode(*arrays, softmax_scale=softmax_scale, output_scale=output_scale,
+                                  kv_lora_rank=kv_lora_rank, return_lse=True)
+
+    monkeypatch.setattr(gpu, "fa_decode", fa_decode)
+    monkeypatch.setattr(gpu, "trtllm_decode", trtllm_decode)
+
+
+@pytest.mark.parametrize("backend", ["fa3", "fa2", "trtllm-gen"])
+@pytest.mark.parametrize("output_scale", [0.5, 0.37, -2.0])
+def test_every_backend_scales_the_output_once(stand_in_kernels, backend, output_scale):
+    """jax_mla.decode's output is output_scale times the attention, whether the kernel or the
+    wrapper applies the scale."""
+    problem = make_problem(3, batch=2, q_len=2, num_heads=16, page_size=32, dtype=jnp.bfloat16)
+    out, lse = jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale,
+                              output_scale=output_scale, backend=backend, return_lse=True)
+    ref_out, ref_lse = reference_from_jax(*problem.arrays, softmax_scale=problem.softmax_scale,
+                                          output_scale=output_scale)
+    out_tol, lse_tol = tolerances(backends.XLA, jnp.bfloat16)
+    assert request_head_error(out, ref_out.numpy()) < out_tol
+    assert lse_error(lse, ref_lse.numpy()) < lse_tol

@@ -24,9 +24,35 @@ def dtype_for(backend):
     return jnp.float32 if backend == "xla" else jnp.bfloat16
 
 
+def rejection(backend, problem, kv_lora_rank=None) -> str | None:
+    """The ValueError message with which ``backend`` must refuse this problem, or None if it runs it."""
+    if backend != "sm90":
+        return None
+    _, q_len, _, head_dim = problem.query.shape
+    page_size = problem.kv_cache.shape[1]
+    if (kv_lora_rank or head_dim - 64) != 512:
+        return r"sm90 supports \(kv_lora_rank, rope_dim\) = \(\(512, 64\),\), got"
+    if page_size not in (32, 64):
+        return rf"sm90 needs kv_cache page_size in \(32, 64\), got {page_size}"
+    if q_len > 4:
+        return rf"sm90 supports query q_len \(dim 1\) in \[1, 4\], got {q_len}"
+    return None
+
+
+def rejected(problem, backend, **kwargs) -> bool:
+    """Whether ``backend`` must refuse the problem; if so, check that it does, at trace time."""
+    message = rejection(backend, problem, kwargs.get("kv_lora_rank"))
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            jax.jit(lambda *a: jax_mla.decode(*a, backend=backend, **kwargs)).trace(*problem.arrays)
+    return message is not None
+
+
 def check_against_reference(problem, backend, *, output_scale=1.0, kv_lora_rank=None, jit=True):
     kwargs = dict(softmax_scale=problem.softmax_scale, output_scale=output_scale,
                   kv_lora_rank=kv_lora_rank)
+    if rejected(problem, backend, **kwargs):
+        return None
     fn = lambda q, kv, bt, sl: jax_mla.decode(q, kv, bt, sl, return_lse=True, backend=backend, **kwargs)
     out, lse = (jax.jit(fn) if jit else fn)(*problem.arrays)
     ref_out, ref_lse = reference_from_jax(*problem.arrays, **kwargs)
@@ -46,7 +72,7 @@ def test_matches_reference(backend, batch, q_len, num_heads, page_size):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_eager_equals_jit(backend):
-    problem = make_problem(1, batch=3, q_len=2, num_heads=16, page_size=16, dtype=dtype_for(backend))
+    problem = make_problem(1, batch=3, q_len=2, num_heads=16, page_size=32, dtype=dtype_for(backend))
     kwargs = dict(softmax_scale=problem.softmax_scale, backend=backend)
     eager = jax_mla.decode(*problem.arrays, **kwargs)
     jitted = jax.jit(lambda *a: jax_mla.decode(*a, **kwargs))(*problem.arrays)
@@ -58,7 +84,8 @@ def test_eager_equals_jit(backend):
 def test_small_latent_rank(backend):
     problem = make_problem(2, batch=3, q_len=2, num_heads=16, page_size=32, kv_lora_rank=256,
                            dtype=dtype_for(backend))
-    check_against_reference(problem, backend, kv_lora_rank=256)
+    if check_against_reference(problem, backend, kv_lora_rank=256) is None:
+        return
     out = jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale, backend=backend)
     assert out.shape == (3, 2, 16, 256)
 
@@ -81,7 +108,7 @@ def test_lengths_all_one_and_all_page_multiples(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tables_and_lengths_are_traced(backend):
     """One compiled program serves different lengths and tables of the same shape."""
-    first = make_problem(5, batch=3, q_len=1, num_heads=16, page_size=16, seq_lens=[5, 40, 70],
+    first = make_problem(5, batch=3, q_len=1, num_heads=16, page_size=32, seq_lens=[5, 40, 70],
                          dtype=dtype_for(backend))
     traces = []
 
@@ -117,6 +144,8 @@ def check_against_per_token_loop(problem, backend, *, kv_lora_rank=512, output_s
     """decode and the torch reference both against ``oracles.per_token_decode``."""
     kwargs = dict(softmax_scale=problem.softmax_scale, output_scale=output_scale,
                   kv_lora_rank=kv_lora_rank)
+    if rejected(problem, backend, **kwargs):
+        return
     out, lse = jax.jit(lambda *a: jax_mla.decode(*a, backend=backend, return_lse=True, **kwargs))(
         *problem.arrays)
     want_out, want_lse = per_token_decode(*problem.arrays, **kwargs)

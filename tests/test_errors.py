@@ -58,7 +58,7 @@ DECODE_ERRORS = [
     (dict(block_tables=BT[:, :0]), ValueError,
      r"block_tables must have at least one page column, got \(2, 0\)"),
     (dict(backend=None), TypeError, r"backend must be a str \('auto' or one of \['trtllm-gen', 'fa3', "
-                                    r"'fa2', 'xla'\]\), got NoneType"),
+                                    r"'fa2', 'sm90', 'xla'\]\), got NoneType"),
 ]
 
 

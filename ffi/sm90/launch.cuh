@@ -126,26 +126,31 @@ namespace detail {
 
 struct KernelInfo {
   const void* kernel = nullptr;
+  int device = -1;
   int max_clusters = 0;  // co-resident clusters of kCluster CTAs (0 when kCluster == 1)
 };
 
-// Raises the shared-memory limit once per instantiation and, for cluster launches, reads how many
-// clusters fit on the device at once (before any graph capture uses the kernel).
+// Raises the shared-memory limit once per instantiation and device (function attributes are per
+// device) and, for cluster launches, reads how many clusters fit on the device at once (before any
+// graph capture uses the kernel).
 inline cudaError_t Prepare(const void* kernel, int cluster, KernelInfo* info) {
   static std::mutex mutex;
-  static KernelInfo cache[16];
+  static KernelInfo cache[64];
+  int device = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
   std::lock_guard<std::mutex> lock(mutex);
   for (const KernelInfo& k : cache) {
-    if (k.kernel == kernel) {
+    if (k.kernel == kernel && k.device == device) {
       *info = k;
       return cudaSuccess;
     }
   }
-  cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (status != cudaSuccess) return status;
   KernelInfo k;
   k.kernel = kernel;
+  k.device = device;
   if (cluster > 1) {
     status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0);
     cudaLaunchConfig_t config = {};

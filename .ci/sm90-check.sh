@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# sm90 backend check on the H200 machine, in the environment .ci/gpu-h200.sh prepares:
+#   .ci/gpu-h200.sh cmd .ci/sm90-check.sh      (or run it directly: it calls gpu-h200.sh itself)
+# 1. the built FFI library exports JaxMlaSm90Decode
+# 2. python3 -m pytest -q -rs tests/test_sm90.py (JAX_MLA_REQUIRE_GPU=1: nothing may skip)
+# 3. the standalone harness (benchmarks/sm90_harness.cu): nvcc build, then its `check` suite
+# 4. compute-sanitizer memcheck on the jax path: one small sm90 decode through jax_mla.decode
+# Logs go to $OUT (sm90-*.log); a summary table is printed last. SM90_CHECK picks the parts
+# (default "tests,harness,memcheck"); SM90_HARNESS names an already built harness to use.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jax_mla_out}; mkdir -p "$OUT"
+if [ -z "${JAX_MLA_FFI_LIB:-}" ]; then exec .ci/gpu-h200.sh cmd "$0" "$@"; fi
+export PYTHONPATH="$PWD/tests:$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_PREALLOCATE=false
+declare -A status
+parts=",${SM90_CHECK:-tests,harness,memcheck},"
+
+nm -D "$JAX_MLA_FFI_LIB" | grep " T JaxMla" > "$OUT/sm90-symbols.log"
+if grep -q " T JaxMlaSm90Decode$" "$OUT/sm90-symbols.log"; then status[symbol]=ok; else status[symbol]=MISSING; fi
+
+if [[ $parts == *,tests,* ]]; then
+  JAX_MLA_REQUIRE_GPU=1 timeout 1200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_sm90.py \
+    > "$OUT/sm90-tests.log" 2>&1
+  status[pytest]="rc=$? $(tail -1 "$OUT/sm90-tests.log")"
+fi
+
+if [[ $parts == *,harness,* ]]; then
+  harness=${SM90_HARNESS:-/tmp/sm90_harness}
+  if [ ! -x "$harness" ]; then
+    CUTLASS=$(python3 -c "import importlib.util, os; s = importlib.util.find_spec('flashinfer'); \
+print(os.path.join(s.submodule_search_locations[0], 'data', 'cutlass', 'include'))")
+    { time nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. -I"$CUTLASS" \
+        --expt-relaxed-constexpr benchmarks/sm90_harness.cu -o "$harness"; } \
+      > "$OUT/sm90-harness-build.log" 2>&1
+    status[harness_build]="rc=$?"
+  fi
+  if [ -x "$harness" ]; then
+    timeout 900 "$harness" check > "$OUT/sm90-harness-check.log" 2>&1
+    status[harness_check]="rc=$? $(tail -1 "$OUT/sm90-harness-check.log")"
+  fi
+fi
+
+# One buffer per allocation (no pool), so memcheck sees the true bounds of every XLA buffer; only
+# jax_mla's sm90 kernels are instrumented; no command buffers.
+memcheck() {
+  XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+    timeout 1200 compute-sanitizer --tool memcheck --error-exitcode 9 "$@" \
+    python3 -c "import test_sm90; test_sm90.sanitize_program()" > "$OUT/sm90-memcheck.log" 2>&1
+}
+if [[ $parts == *,memcheck,* ]]; then
+  memcheck --kernel-name kns=jax_mla4sm90
+  rc=$?
+  if grep -qiE "unknown option|unrecognized|invalid.*kernel-name" "$OUT/sm90-memcheck.log"; then
+    memcheck; rc=$?  # this compute-sanitizer has no kernel filter: check every kernel
+  fi
+  status[memcheck]="rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sm90-memcheck.log" | tail -1)"
+fi
+
+{ echo "| sm90 check | result |"
+  echo "|---|---|"
+  for key in symbol pytest harness_build harness_check memcheck; do
+    echo "| $key | ${status[$key]:-not run} |"
+  done; } | tee "$OUT/sm90-summary.md"

@@ -1,0 +1,475 @@
+"""The sm90 backend (jax_mla's own Hopper kernel, ffi/sm90): how it lowers, what it refuses, and on an
+SM90 GPU its results against the float32 torch reference, on bad inputs, under jit/scan and inside
+XLA command buffers."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HAS_TVM_FFI, make_problem
+
+import jax_mla
+from jax_mla import api, backends, gpu, xla_backend
+
+HERE = Path(__file__).parent
+SM90 = backends.SM90
+
+
+# ---- lowering, checks and availability: no GPU needed -------------------------------------------
+
+@pytest.fixture
+def lowering_stubs(monkeypatch):
+    """The SM count a GPU would supply and no library loading, so lowering runs on any machine."""
+    monkeypatch.setattr(gpu, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(gpu, "register_targets", lambda: None)
+
+
+def shapes(batch=4, q_len=2, num_heads=128, num_pages=64, page_size=64, max_pages=8, head_dim=576):
+    return (jax.ShapeDtypeStruct((batch, q_len, num_heads, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((num_pages, page_size, head_dim), jnp.bfloat16),
+            jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
+            jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def lower(*arrays, softmax_scale=0.135, output_scale=0.5, kv_lora_rank=512):
+    """The StableHLO text of one device's sm90 decode, lowered for CUDA."""
+    def fn(*a):
+        return api.run_backend(backends.BY_NAME[SM90], *a, softmax_scale=softmax_scale,
+                               output_scale=output_scale, kv_lora_rank=kv_lora_rank,
+                               device_plan=False)
+    return jax.jit(fn).trace(*arrays).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_call_line(text):
+    return next(line for line in text.splitlines() if "@jax_mla_sm90_decode(" in line)
+
+
+@pytest.mark.parametrize("batch,q_len,num_heads,page_size", [(4, 2, 128, 64), (1, 1, 8, 32),
+                                                             (33, 4, 16, 64)])
+def test_lowering_is_one_custom_call_with_the_vocabulary(lowering_stubs, batch, q_len, num_heads,
+                                                         page_size):
+    text = lower(*shapes(batch, q_len, num_heads, page_size=page_size))
+    call = custom_call_line(text)
+    assert text.count("stablehlo.custom_call") == 1
+    for attribute in ("softmax_scale = 1.350000e-01 : f64", "output_scale = 5.000000e-01 : f64",
+                      "sm_count = 132 : i64", "enable_pdl = true"):
+        assert attribute in call, call
+    operands = [f"tensor<{batch}x{q_len}x{num_heads}x576xbf16>", f"tensor<64x{page_size}x576xbf16>",
+                f"tensor<{batch}x8xi32>", f"tensor<{batch}xi32>"]
+    workspace = gpu.sm90_workspace_bytes(batch, q_len, num_heads, 132)
+    results = [f"tensor<{batch}x{q_len}x{num_heads}x512xbf16>", f"tensor<{batch}x{q_len}x{num_heads}xf32>",
+               f"tensor<{workspace}xui8>"]
+    signature = call.rsplit(" : ", 1)[1]
+    inputs, outputs = signature.split(" -> ")
+    assert re.findall(r"tensor<[^>]+>", inputs) == operands
+    assert re.findall(r"tensor<[^>]+>", outputs) == results
+    assert "stablehlo.multiply" not in text  # the kernel applies output_scale itself
+
+
+def test_workspace_formula_by_hand():
+    # 132 SMs, q_len * H = 256 rows: 4 M tiles, 33 parts, slots = 4 + 33, rows_pad = 256.
+    slots, rows_pad = 4 + 33, 256
+    lse_at = 256  # int32 [5] rounded up to 256
+    out_at = -(-(lse_at + 4 * slots * rows_pad) // 256) * 256
+    total = -(-(out_at + 4 * slots * rows_pad * 512) // 256) * 256
+    assert gpu.sm90_workspace_bytes(4, 2, 128, 132) == total
+    assert gpu.sm90_workspace_bytes(1, 1, 8, 132) == 256 + 256 * -(-(4 * 133 * 64) // 256) + 4 * 133 * 64 * 512
+
+
+WORKSPACE_CASES = [(b, q, h, sms) for b in (1, 3, 32, 129, 1000) for q in (1, 2, 3, 4)
+                   for h in (1, 8, 16, 33, 64, 128) for sms in (1, 78, 132, 133)]
+
+
+@pytest.mark.skipif(not HAS_TVM_FFI, reason="apache-tvm-ffi provides the runtime the library links to")
+def test_workspace_formula_equals_the_kernels(ffi_library_path):
+    import tvm_ffi  # noqa: F401  (loads libtvm_ffi.so, which the library resolves by soname)
+
+    library = ctypes.CDLL(str(ffi_library_path))
+    if not hasattr(library, "JaxMlaSm90WorkspaceBytes"):
+        pytest.skip(f"{ffi_library_path} was built without the sm90 handler (no CUTLASS headers)")
+    assert hasattr(library, gpu.SM90_SYMBOL)
+    kernel = library.JaxMlaSm90WorkspaceBytes
+    kernel.restype = ctypes.c_size_t
+    kernel.argtypes = [ctypes.c_int64] * 4
+    for case in WORKSPACE_CASES:
+        assert gpu.sm90_workspace_bytes(*case) == kernel(*case), case
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(page_size=16), r"sm90 needs kv_cache page_size in \(32, 64\), got 16"),
+    (dict(page_size=128), r"sm90 needs kv_cache page_size in \(32, 64\), got 128"),
+    (dict(head_dim=448), r"sm90 supports \(kv_lora_rank, rope_dim\) = \(512, 64\), got \(384, 64\)"),
+    (dict(q_len=5), r"sm90 supports query q_len \(dim 1\) in \[1, 4\], got 5"),
+    (dict(num_heads=129), r"sm90 supports query num_heads \(dim 2\) in \[1, 128\], got 129"),
+    (dict(num_heads=0), r"sm90 supports query num_heads \(dim 2\) in \[1, 128\], got 0"),
+    (dict(num_pages=0), r"sm90 needs kv_cache with at least one page, got shape \(0, 64, 576\)"),
+    (dict(num_pages=2**25), r"sm90 supports kv_cache num_pages \* page_size < 2\*\*31 tokens, got "
+                            r"33554432 \* 64"),
+    (dict(max_pages=2**24), r"sm90 supports block_tables max_pages \* page_size < 2\*\*30 tokens, got "
+                            r"16777216 \* 64"),
+    (dict(max_pages=2**23, batch=2**10), r"sm90 supports batch \* \(max_pages \* page_size / 64 \+ 3\) "
+                                         r"< 2\*\*31, got batch 1024, max_pages 8388608, page_size 64"),
+])
+def test_unsupported_shapes_are_named(lowering_stubs, change, message):
+    with pytest.raises(ValueError, match=message):
+        lower(*shapes(**change), kv_lora_rank=change.get("head_dim", 576) - 64)
+
+
+def test_kv_lora_rank_other_than_512_is_refused(lowering_stubs):
+    with pytest.raises(ValueError, match=r"\(kv_lora_rank, rope_dim\) = \(512, 64\), got \(448, 128\)"):
+        lower(*shapes(), kv_lora_rank=448)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.1, 1e-50])
+def test_softmax_scale_must_be_positive_in_float32(lowering_stubs, scale):
+    with pytest.raises(ValueError, match=rf"sm90 needs softmax_scale > 0 \(in float32\), got {scale}"):
+        lower(*shapes(), softmax_scale=scale)
+
+
+def test_unsupported_shapes_are_named_through_decode(monkeypatch, lowering_stubs):
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["fa3", "fa2", SM90, "xla"])
+    query, cache, tables, lens = shapes(page_size=16)
+    with pytest.raises(ValueError, match=r"page_size in \(32, 64\), got 16"):
+        jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=0.1, backend=SM90)).trace(
+            query, cache, tables, lens)
+    with pytest.raises(ValueError, match=r"backend 'sm90' takes plan=None"):
+        jax_mla.decode(*shapes(), softmax_scale=0.1, backend=SM90, plan="device")
+
+
+def test_empty_batch_needs_no_kernel(lowering_stubs):
+    text = lower(*shapes(batch=0))
+    assert "custom_call" not in text
+    out, lse = api.run_backend(backends.BY_NAME[SM90], jnp.zeros((0, 1, 16, 576), jnp.bfloat16),
+                               jnp.zeros((4, 64, 576), jnp.bfloat16), jnp.zeros((0, 3), jnp.int32),
+                               jnp.zeros((0,), jnp.int32), softmax_scale=0.1, output_scale=1.0,
+                               kv_lora_rank=512, device_plan=False)
+    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 1, 16)
+
+
+def test_sm90_is_listed_after_fa3_and_fa2():
+    names = [b.name for b in backends.TABLE]
+    assert names.index(SM90) > names.index(backends.FA2) > names.index(backends.FA3)
+    sm90 = backends.BY_NAME[SM90]
+    assert sm90.runs_on_gpu((9, 0)) and not sm90.runs_on_gpu((10, 0)) and not sm90.runs_on_gpu((8, 0))
+    assert not sm90.takes_plan and sm90.applies_output_scale
+
+
+@pytest.fixture
+def fake_hopper(monkeypatch):
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
+    monkeypatch.setattr(gpu, "capability", lambda device=None: (9, 0))
+
+
+def test_available_on_hopper_when_the_library_has_it(monkeypatch, fake_hopper):
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    assert backends.available_backends("gpu") == ["fa3", "fa2", SM90, "xla"]
+    assert backends.resolve("auto", "gpu", jnp.bfloat16) == "fa3"
+    assert backends.resolve(SM90, "gpu", jnp.bfloat16) == SM90
+
+
+def test_unavailable_when_the_library_lacks_it(monkeypatch, fake_hopper):
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: "built without the sm90 handler")
+    assert backends.available_backends("gpu") == ["fa3", "fa2", "xla"]
+    with pytest.raises(ValueError, match=r"backend 'sm90' is unavailable: built without the sm90 "
+                                         r"handler; available here: \['fa3', 'fa2', 'xla'\]"):
+        backends.resolve(SM90, "gpu")
+
+
+def test_other_gpus_are_told_the_architecture(monkeypatch):
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
+    monkeypatch.setattr(gpu, "capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    with pytest.raises(ValueError, match=r"backend 'sm90' runs on SM90 \(H100, H200\) and cannot run "
+                                         r"on this GPU \(compute capability 10.0\)"):
+        backends.resolve(SM90, "gpu")
+
+
+@pytest.mark.skipif(not HAS_TVM_FFI, reason="loading a library needs apache-tvm-ffi's runtime")
+def test_a_library_without_the_handler_is_reported(monkeypatch):
+    import tvm_ffi.libinfo
+
+    monkeypatch.setenv("JAX_MLA_FFI_LIB", tvm_ffi.libinfo.find_libtvm_ffi())  # a library without it
+    assert "was built without the sm90 handler" in gpu.sm90_missing.__wrapped__()
+    assert "CUTLASS" in gpu.sm90_missing.__wrapped__()
+
+
+def test_output_scale_is_applied_once(monkeypatch):
+    """The kernel scales (applies_output_scale=True): jax_mla.decode must not scale again."""
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: [SM90, "xla"])
+
+    def stand_in(*arrays, softmax_scale, output_scale, kv_lora_rank):
+        return xla_backend.decode(*arrays, softmax_scale=softmax_scale, output_scale=output_scale,
+                                  kv_lora_rank=kv_lora_rank, return_lse=True)
+
+    monkeypatch.setattr(gpu, "sm90_decode", stand_in)
+    problem = make_problem(3, batch=2, q_len=2, num_heads=8, page_size=32, dtype=jnp.bfloat16)
+    out = jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale, output_scale=-0.5,
+                         backend=SM90)
+    unscaled = jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale, backend="xla")
+    np.testing.assert_allclose(np.asarray(out, np.float32), -0.5 * np.asarray(unscaled, np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+# ---- on an SM90 GPU -----------------------------------------------------------------------------
+
+def sm90_blocker() -> str | None:
+    if SM90 in jax_mla.available_backends():
+        return None
+    if jax.default_backend() != "gpu":
+        return f"no CUDA GPU (default backend {jax.default_backend()!r})"
+    return gpu.runtime_missing() or gpu.sm90_missing() or "this GPU is not SM90"
+
+
+@pytest.fixture
+def sm90_gpu():
+    blocker = sm90_blocker()
+    if blocker:
+        if os.environ.get("JAX_MLA_REQUIRE_GPU", "0").strip() not in ("", "0"):
+            pytest.fail(f"JAX_MLA_REQUIRE_GPU requires the sm90 GPU tests, but {blocker}", pytrace=False)
+        pytest.skip(f"sm90: {blocker}")
+
+
+def on_gpu(test):
+    """Marks a test ``gpu`` and runs it only where the sm90 backend is available."""
+    return pytest.mark.gpu(pytest.mark.usefixtures("sm90_gpu")(test))
+
+
+OUT_TOL = 2e-2  # per request, over that request's max |reference|
+LSE_TOL = 2e-2  # nats
+
+
+def sm90(problem, output_scale=1.0):
+    return jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale,
+                          output_scale=output_scale, backend=SM90, return_lse=True)
+
+
+def reference(problem, output_scale=1.0):
+    from jax_mla.reference import reference_from_jax
+
+    out, lse = reference_from_jax(*problem.arrays, softmax_scale=problem.softmax_scale,
+                                  output_scale=output_scale)
+    return out.numpy(), lse.numpy()
+
+
+def per_request_error(actual, expected) -> float:
+    """Worst over requests of max |actual - expected| / max |expected| over that request; a request
+    whose reference is all zero must be exactly zero."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    if not np.isfinite(actual).all():
+        return float("inf")
+    error = np.abs(actual - expected).reshape(len(actual), -1).max(axis=1)
+    scale = np.abs(expected).reshape(len(expected), -1).max(axis=1)
+    if np.any(error[scale == 0] != 0):
+        return float("inf")
+    return float((error[scale > 0] / scale[scale > 0]).max(initial=0.0))
+
+
+def lse_error(actual, expected) -> float:
+    """Worst |actual - expected| in nats; rows that see nothing must be -inf in both."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    empty = np.isneginf(expected)
+    if not np.array_equal(np.isneginf(actual), empty) or not np.isfinite(actual[~empty]).all():
+        return float("inf")
+    return float(np.abs(actual[~empty] - expected[~empty]).max(initial=0.0))
+
+
+def assert_close(out, lse, ref_out, ref_lse):
+    out_error, lse_err = per_request_error(out, ref_out), lse_error(lse, ref_lse)
+    assert out_error < OUT_TOL and lse_err < LSE_TOL, f"output {out_error:.3e}, lse {lse_err:.3e}"
+
+
+def assert_identical(first, second):
+    for a, b in zip(first, second):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+@pytest.mark.parametrize("page_size", [32, 64])
+@pytest.mark.parametrize("num_heads", [8, 16, 64, 128])
+@pytest.mark.parametrize("q_len", [1, 2, 4])
+@pytest.mark.parametrize("batch", [1, 3, 32])
+@on_gpu
+def test_matches_the_reference(batch, q_len, num_heads, page_size):
+    """NaN-poisoned unused pages and page tails, garbage table padding (make_problem); run twice:
+    bit-identical."""
+    problem = make_problem(100 + batch, batch=batch, q_len=q_len, num_heads=num_heads,
+                           page_size=page_size, max_len=700, dtype=jnp.bfloat16,
+                           seq_lens=[555] if batch == 1 else None)  # not just q_len tokens
+    first = sm90(problem)
+    assert_close(*first, *reference(problem))
+    assert_identical(first, sm90(problem))
+
+
+@pytest.mark.parametrize("num_heads,q_len", [(128, 1), (16, 2), (32, 4), (1, 1), (3, 3)])
+@on_gpu
+def test_skewed_lengths_and_output_scale(num_heads, q_len):
+    """One long request among short ones: split over many parts and merged by the combine kernel."""
+    lengths = [q_len, 40_000, 1 + q_len, 64, 65, 4097, 128, 3000]
+    problem = make_problem(7, batch=len(lengths), q_len=q_len, num_heads=num_heads, page_size=64,
+                           seq_lens=lengths, dtype=jnp.bfloat16)
+    first = sm90(problem, output_scale=0.37)
+    assert_close(*first, *reference(problem, output_scale=0.37))
+    assert_identical(first, sm90(problem, output_scale=0.37))
+
+
+def defined_reference(query, cache, tables, lengths, softmax_scale):
+    """What docs/sm90-kernel.md defines for any input, in float64: lengths clamped to [0, max_pages
+    * page_size]; tokens on pages whose id is outside [0, num_pages) masked; a row that sees no
+    token gives 0 and lse -inf."""
+    query, cache = (np.asarray(x.astype(jnp.float32), np.float64) for x in (query, cache))
+    tables, lengths = np.asarray(tables), np.asarray(lengths)
+    batch, q_len, num_heads, _ = query.shape
+    num_pages, page_size, _ = cache.shape
+    out = np.zeros((batch, q_len, num_heads, 512))
+    lse = np.full((batch, q_len, num_heads), -np.inf)
+    for b in range(batch):
+        length = int(np.clip(lengths[b], 0, tables.shape[1] * page_size))
+        pages = tables[b, np.arange(length) // page_size]
+        valid = (pages >= 0) & (pages < num_pages)
+        keys = np.zeros((length, 576))
+        keys[valid] = cache[pages[valid], np.arange(length)[valid] % page_size]
+        for i in range(q_len):
+            seen = valid & (np.arange(length) <= length - q_len + i)
+            if not seen.any():
+                continue
+            logits = query[b, i] @ keys[seen].T * softmax_scale  # [H, n]
+            top = logits.max(axis=1, keepdims=True)
+            weights = np.exp(logits - top)
+            total = weights.sum(axis=1, keepdims=True)
+            out[b, i] = weights @ keys[seen, :512] / total
+            lse[b, i] = (top + np.log(total))[:, 0]
+    return out, lse
+
+
+@pytest.mark.parametrize("page_size", [32, 64])
+@on_gpu
+def test_bad_inputs_give_the_defined_result(page_size):
+    """Out-of-range page ids inside the lengths, lengths over the table's capacity, below q_len,
+    zero and negative: no fault, the documented result, nothing from the NaN pages no table names."""
+    rng = np.random.default_rng(5)
+    q_len, num_heads, max_pages, num_pages = 2, 16, 4, 40
+    lengths = np.array([0, -5, 1, 1000, 70, 2**31 - 1, 2, 100, -(2**31)], np.int32)
+    batch = len(lengths)
+    tables = rng.integers(0, 30, size=(batch, max_pages)).astype(np.int32)  # pages 30.. unnamed
+    tables[3, 1] = -1
+    tables[4, 0] = num_pages
+    tables[5, 2] = 10**6
+    tables[7, :] = -(2**31)  # no valid page at all
+    cache = rng.standard_normal((num_pages, page_size, 576)).astype(np.float32)
+    cache[30:] = np.nan
+    query = rng.standard_normal((batch, q_len, num_heads, 576)).astype(np.float32)
+    arrays = (jnp.asarray(query, jnp.bfloat16), jnp.asarray(cache, jnp.bfloat16),
+              jnp.asarray(tables), jnp.asarray(lengths))
+    first = jax_mla.decode(*arrays, softmax_scale=0.1, backend=SM90, return_lse=True)
+    jax.block_until_ready(first)
+    assert_close(*first, *defined_reference(*arrays, 0.1))
+    assert_identical(first, jax_mla.decode(*arrays, softmax_scale=0.1, backend=SM90, return_lse=True))
+    # The device is still healthy: a normal problem afterwards is right.
+    problem = make_problem(9, batch=4, q_len=1, num_heads=16, page_size=page_size, dtype=jnp.bfloat16)
+    assert_close(*sm90(problem), *reference(problem))
+
+
+def make_step(softmax_scale, output_scale=1.0, chain=True):
+    """A jitted decode step: lax.scan over stacked per-layer caches; with ``chain`` each layer's
+    query adds the previous layer's output (as a model's residual stream would)."""
+    @jax.jit
+    def step(query, caches, tables, lens):
+        def layer(q, cache):
+            out, lse = jax_mla.decode(q, cache, tables, lens, softmax_scale=softmax_scale,
+                                      output_scale=output_scale, backend=SM90, return_lse=True)
+            return (q.at[..., :512].add(out * 0.1) if chain else q), (out, lse)
+        _, (outs, lses) = jax.lax.scan(layer, query, caches)
+        return outs, lses
+
+    return step
+
+
+@on_gpu
+def test_inside_jit_and_scan_over_layers():
+    problem = make_problem(21, batch=6, q_len=2, num_heads=64, page_size=64, max_len=2000,
+                           dtype=jnp.bfloat16)
+    layers = 4
+    caches = jnp.stack([problem.kv_cache * (1 + 0.05 * i) for i in range(layers)])
+    step = make_step(problem.softmax_scale, chain=False)
+    outs, lses = step(problem.query, caches, problem.block_tables, problem.seq_lens)
+    for i in range(layers):
+        direct = jax_mla.decode(problem.query, caches[i], problem.block_tables, problem.seq_lens,
+                                softmax_scale=problem.softmax_scale, backend=SM90, return_lse=True)
+        assert_identical((outs[i], lses[i]), direct)
+        assert_close(outs[i], lses[i], *reference(dataclasses.replace(problem, kv_cache=caches[i])))
+    assert_identical((outs, lses), step(problem.query, caches, problem.block_tables, problem.seq_lens))
+    chained = make_step(problem.softmax_scale)(problem.query, caches, problem.block_tables,
+                                               problem.seq_lens)
+    assert np.isfinite(np.asarray(chained[0], np.float32)).all()
+    assert_identical((chained[0][0], chained[1][0]), (outs[0], lses[0]))  # same layer-0 inputs
+
+
+def step_program(out_dir: str) -> None:
+    """Run as a subprocess by the command-buffer test: an 8-layer jitted step, saved to out_dir."""
+    problem = make_problem(21, batch=16, q_len=2, num_heads=128, page_size=64, max_len=2000,
+                           dtype=jnp.bfloat16)
+    caches = jnp.stack([problem.kv_cache * (1 + 0.01 * i) for i in range(8)])
+    step = make_step(problem.softmax_scale, output_scale=0.5)
+    arrays = (problem.query, caches, problem.block_tables, problem.seq_lens)
+    step(*arrays)
+    outs, lses = step(*arrays)
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    np.save(path / "out.npy", np.asarray(outs, np.float32))
+    np.save(path / "lse.npy", np.asarray(lses))
+    ref_out, ref_lse = reference(problem, output_scale=0.5)
+    print(json.dumps({"output_error": per_request_error(outs[0], ref_out),
+                      "lse_error": lse_error(lses[0], ref_lse)}))
+
+
+def run_step_program(out_dir: Path, xla_flags: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS=xla_flags,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), str(HERE.parent),
+                                                        os.environ.get("PYTHONPATH")])))
+    code = "import sys, test_sm90; test_sm90.step_program(sys.argv[1])"
+    result = subprocess.run([sys.executable, "-c", code, str(out_dir)], env=env, cwd=HERE.parent,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@on_gpu
+def test_inside_an_xla_command_buffer(tmp_path):
+    """The jitted step under XLA command buffers (CUDA graphs) equals the plain run bit for bit,
+    and the decode's custom call sits inside a command buffer."""
+    flags = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,WHILE,CONDITIONAL "
+             "--xla_gpu_graph_min_graph_size=1")
+    dump = tmp_path / "dump"
+    graphs = run_step_program(tmp_path / "graphs", f"{flags} --xla_dump_to={dump}")
+    plain = run_step_program(tmp_path / "plain", "--xla_gpu_enable_command_buffer=")
+    for key in ("out", "lse"):
+        np.testing.assert_array_equal(np.load(tmp_path / "graphs" / f"{key}.npy"),
+                                      np.load(tmp_path / "plain" / f"{key}.npy"))
+    assert graphs["output_error"] < OUT_TOL and graphs["lse_error"] < LSE_TOL, graphs
+    thunks = "".join(p.read_text() for p in dump.glob("*jit_step*thunk_sequence_after_thunk_passes.txt"))
+    top_level = [line for line in thunks.splitlines() if re.match(r"\d+: ", line)]
+    nested = [line for line in thunks.splitlines() if re.match(r"\s+\d+: ", line)]
+    assert any("kCommandBuffer" in line for line in top_level), thunks[:3000]
+    assert any("kCustomCall" in line for line in nested), thunks[:3000]
+    assert not any("kCustomCall" in line for line in top_level), thunks[:3000]
+
+
+def sanitize_program() -> None:
+    """One small sm90 decode and its check, for compute-sanitizer (.ci/sm90-check.sh)."""
+    problem = make_problem(4, batch=3, q_len=2, num_heads=16, page_size=32, dtype=jnp.bfloat16)
+    out, lse = sm90(problem)
+    error = per_request_error(out, reference(problem)[0])
+    print(json.dumps({"output_error": error}))
+    assert error < OUT_TOL
