@@ -4,6 +4,7 @@
 #   .ci/gpu-h200.sh cmd bash .ci/gpu-h200-x2.sh [--tests] [--gpu0 "ARGS"] [--gpu1 "ARGS"]
 #
 #   --tests       GPU 1: the GPU test suite, in three pytest processes side by side (t-*.log;
+#                 GPU 0 runs the sm90 backend's tests, t-sm90.log, after the two-GPU tests;
 #                 XLA's autotuning off, as it only costs compile time there);
 #                 both GPUs first: the multi_gpu tests and the example with --tp 2 (t-multi.log).
 #                 JAX_MLA_REQUIRE_GPU (1; 2 for the multi_gpu run) makes GPU tests that cannot run fail.
@@ -37,16 +38,20 @@ bench_on() {  # GPU, LOG, ARGS strings (one benchmark each)...
   done
 }
 pytest_gpu1() {  # LOG, pytest args...
-  local log=$1; shift
-  CUDA_VISIBLE_DEVICES=1 JAX_MLA_REQUIRE_GPU=1 XLA_FLAGS=--xla_gpu_autotune_level=0 \
+  pytest_on 1 "$@"
+}
+pytest_on() {  # GPU, LOG, pytest args...
+  local gpu=$1 log=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpu JAX_MLA_REQUIRE_GPU=1 XLA_FLAGS=--xla_gpu_autotune_level=0 \
     python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
 }
 
 gpu1_chain() {
   if [ $tests = 1 ]; then
     pytest_gpu1 t-decode-xla.log tests/test_decode.py -k xla &
-    pytest_gpu1 t-decode-fa.log tests/test_decode.py -k "not xla" &
-    pytest_gpu1 t-rest.log tests --ignore=tests/test_decode.py -m "not multi_gpu" &
+    pytest_gpu1 t-decode-fa.log tests/test_decode.py -k "fa3 or fa2" &
+    pytest_gpu1 t-rest.log tests --ignore=tests/test_decode.py --ignore=tests/test_sm90.py \
+      -m "not multi_gpu" &
     wait
   fi
   bench_on 1 bench.log "${gpu1[@]}"
@@ -57,6 +62,8 @@ gpu1_chain &
 if [ $tests = 1 ]; then
   { JAX_MLA_REQUIRE_GPU=2 python3 -m pytest -q -rs -p no:cacheprovider tests/test_sharding.py -m multi_gpu
     python3 examples/deepseek_layer.py --tp 2; } >"$OUT/t-multi.log" 2>&1
+  # GPU 0, after the two-GPU tests: jax_mla's own kernel (the sm90 backend).
+  pytest_on 0 t-sm90.log tests/test_sm90.py tests/test_decode.py -k "sm90 or Sm90"
 fi
 bench_on 0 bench.log "${gpu0[@]}"
 wait
