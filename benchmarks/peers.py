@@ -253,8 +253,8 @@ def compare_bitwise(torch, record: dict, outputs: dict) -> None:
         return
     import jax
 
-    mine = torch.from_dlpack(jax.block_until_ready(outputs["jax_mla"]))
     theirs = outputs[name]
+    mine = torch.from_dlpack(jax.block_until_ready(outputs["jax_mla"])).to(theirs.device)
     record["jax_mla_vs_flashinfer_peer"] = name
     record["jax_mla_vs_flashinfer_max_abs_diff"] = float(
         (mine.float() - theirs.float()).abs().max().item())

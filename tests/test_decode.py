@@ -31,7 +31,7 @@ def rejection(backend, problem, kv_lora_rank=None) -> str | None:
     _, q_len, _, head_dim = problem.query.shape
     page_size = problem.kv_cache.shape[1]
     if (kv_lora_rank or head_dim - 64) != 512:
-        return r"sm90 supports \(kv_lora_rank, rope_dim\) = \(\(512, 64\),\), got"
+        return r"sm90 supports \(kv_lora_rank, rope_dim\) = \(512, 64\), got \(256, 64\)"
     if page_size not in (32, 64):
         return rf"sm90 needs kv_cache page_size in \(32, 64\), got {page_size}"
     if q_len > 4:

@@ -139,7 +139,7 @@ def test_plan_mismatch_is_rejected():
                         max_pages=problem.block_tables.shape[1])
     with pytest.raises(ValueError, match="plan was built for .*num_heads': 32"):
         jax_mla.decode(*problem.arrays, softmax_scale=0.1, backend=FA_BACKENDS[0], plan=plan)
-    with pytest.raises(TypeError, match="needs bfloat16"):
+    with pytest.raises(TypeError, match="needs query and kv_cache of dtype bfloat16"):
         jax_mla.decode(*[x.astype(jnp.float32) if x.dtype == jnp.bfloat16 else x
                          for x in problem.arrays], softmax_scale=0.1, backend=FA_BACKENDS[0])
     with pytest.raises(ValueError, match=r"every seq_lens entry must be >= q_len=2"):
