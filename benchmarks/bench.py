@@ -218,6 +218,8 @@ class Bench:
             one, plan = _naive_layer, None
         elif method == "jax_mla_xla":
             one, plan = _xla_backend_layer, None
+        elif method == "jax_mla_sm90":
+            one, plan = _sm90_backend_layer, None
         else:
             one, plan = self.jax_mla_layer(run, method)
         options = m.GRAPH_COMPILER_OPTIONS if method == "jax_mla_graph" else None
@@ -350,3 +352,9 @@ def _xla_backend_layer(query, cache, tables, lens, plan_):
     import jax_mla
 
     return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, backend="xla")
+
+
+def _sm90_backend_layer(query, cache, tables, lens, plan_):
+    import jax_mla
+
+    return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, backend="sm90")

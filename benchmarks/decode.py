@@ -19,6 +19,7 @@ Methods (``--backends``):
                   shared by its layers (as a CUDA graph where jax_mla_graph is timed too); also
                   times the planner kernel alone (device_plan_us, from a profiler trace) and per
                   call in CUDA graphs of 128 planner calls (device_plan_graph_us)
+  jax_mla_sm90    jax_mla.decode(backend="sm90"): jax_mla's own Hopper kernel, N layers
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
