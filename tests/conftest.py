@@ -128,7 +128,7 @@ def backend_params():
 # Worst output error allowed per request and head (over that request/head's own max |reference|)
 # and worst lse error in nats, by dtype; docs/testing.md has the measurements behind them.
 XLA_TOLERANCES = {"float32": (3e-5, 5e-5), "bfloat16": (1e-2, 5e-5)}
-GPU_KERNEL_TOLERANCES = {"bfloat16": (2e-2, 2e-2)}
+GPU_KERNEL_TOLERANCES = {"bfloat16": (2e-2, 4e-3)}
 
 
 def tolerances(backend: str, dtype) -> tuple[float, float]:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HAS_TVM_FFI, make_problem
+from conftest import HAS_TVM_FFI, make_problem, tolerances
 
 import jax_mla
 from jax_mla import api, backends, gpu, xla_backend
@@ -245,8 +245,7 @@ def on_gpu(test):
     return pytest.mark.gpu(pytest.mark.usefixtures("sm90_gpu")(test))
 
 
-OUT_TOL = 2e-2  # per request, over that request's max |reference|
-LSE_TOL = 2e-2  # nats
+OUT_TOL, LSE_TOL = tolerances(SM90, jnp.bfloat16)  # per request/head; nats
 
 
 def sm90(problem, output_scale=1.0):
