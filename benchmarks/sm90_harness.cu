@@ -433,54 +433,54 @@ static bool RunCheck(const CaseSpec& s, double tol) {
   return r.pass;
 }
 
-static std::vector<CaseSpec> CheckSuite() {
-  std::vector<CaseSpec> v;
-  auto add = [&](const char* name, int B, int q, int H, int page, int L, const char* dist,
-                 bool bad = false) {
+// Collects a suite's cases; each case's seed is the suite's base plus its position.
+struct Suite {
+  std::vector<CaseSpec> cases;
+  int seed_base;
+
+  void add(const char* name, int B, int q, int H, int page, int L, const char* dist,
+           bool bad = false) {
     CaseSpec s;
     s.name = name; s.batch = B; s.q_len = q; s.heads = H; s.page = page; s.L = L; s.dist = dist;
-    s.bad = bad; s.seed = 1000 + v.size();
-    v.push_back(s);
-  };
-  add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
-  add("b1-4k-h128-p32", 1, 1, 128, 32, 4096, "fixed");
-  add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
-  add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
-  add("q2-h128", 4, 2, 128, 64, 4096, "uniform");
-  add("q2-h128-p32", 4, 2, 128, 32, 4096, "uniform");
-  add("h8", 3, 1, 8, 64, 3000, "uniform");
-  add("h8-p32", 3, 1, 8, 32, 3000, "uniform");
-  add("b32-4k-h128", 32, 1, 128, 64, 4096, "uniform");
-  add("h32-q4", 5, 4, 32, 64, 2000, "uniform");
-  add("h64-q3-p32", 3, 3, 64, 32, 2500, "uniform");
-  add("h64", 6, 1, 64, 64, 5000, "uniform");
-  add("h16-q4", 7, 4, 16, 32, 1500, "uniform");
-  add("h8-q3", 4, 3, 8, 64, 700, "uniform");
-  add("tiny-h128", 16, 1, 128, 64, 70, "tiny");
-  add("tiny-q4-h16", 16, 4, 16, 32, 9, "tiny");
-  add("many-short-h16", 300, 1, 16, 64, 600, "tiny");
-  add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
-  add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
-  add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
-  return v;
+    s.bad = bad; s.seed = seed_base + static_cast<int>(cases.size());
+    cases.push_back(s);
+  }
+};
+
+static std::vector<CaseSpec> CheckSuite() {
+  Suite v{{}, 1000};
+  v.add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
+  v.add("b1-4k-h128-p32", 1, 1, 128, 32, 4096, "fixed");
+  v.add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
+  v.add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
+  v.add("q2-h128", 4, 2, 128, 64, 4096, "uniform");
+  v.add("q2-h128-p32", 4, 2, 128, 32, 4096, "uniform");
+  v.add("h8", 3, 1, 8, 64, 3000, "uniform");
+  v.add("h8-p32", 3, 1, 8, 32, 3000, "uniform");
+  v.add("b32-4k-h128", 32, 1, 128, 64, 4096, "uniform");
+  v.add("h32-q4", 5, 4, 32, 64, 2000, "uniform");
+  v.add("h64-q3-p32", 3, 3, 64, 32, 2500, "uniform");
+  v.add("h64", 6, 1, 64, 64, 5000, "uniform");
+  v.add("h16-q4", 7, 4, 16, 32, 1500, "uniform");
+  v.add("h8-q3", 4, 3, 8, 64, 700, "uniform");
+  v.add("tiny-h128", 16, 1, 128, 64, 70, "tiny");
+  v.add("tiny-q4-h16", 16, 4, 16, 32, 9, "tiny");
+  v.add("many-short-h16", 300, 1, 16, 64, 600, "tiny");
+  v.add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
+  v.add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
+  v.add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
+  return v.cases;
 }
 
 static std::vector<CaseSpec> SanitizeSuite() {
-  std::vector<CaseSpec> v;
-  auto add = [&](const char* name, int B, int q, int H, int page, int L, const char* dist,
-                 bool bad = false) {
-    CaseSpec s;
-    s.name = name; s.batch = B; s.q_len = q; s.heads = H; s.page = page; s.L = L; s.dist = dist;
-    s.bad = bad; s.seed = 2000 + v.size();
-    v.push_back(s);
-  };
-  add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
-  add("skew-h16", 6, 1, 16, 64, 1500, "skew");
-  add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
-  add("h8", 3, 1, 8, 64, 500, "uniform");
-  add("h128-b8", 8, 1, 128, 64, 600, "uniform");
-  add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
-  return v;
+  Suite v{{}, 2000};
+  v.add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
+  v.add("skew-h16", 6, 1, 16, 64, 1500, "skew");
+  v.add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
+  v.add("h8", 3, 1, 8, 64, 500, "uniform");
+  v.add("h128-b8", 8, 1, 128, 64, 600, "uniform");
+  v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
+  return v.cases;
 }
 
 struct Variant {

@@ -13,6 +13,7 @@ if ("xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""
         filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]))
 
 import dataclasses
+import re
 import shutil
 import subprocess
 
@@ -182,6 +183,18 @@ def check_accuracy(out, lse, ref_out, ref_lse, *, backend: str) -> tuple[float, 
     assert out_error < out_tol, f"{backend}: output error {out_error:.2e} per request/head >= {out_tol}"
     assert lse_err < lse_tol, f"{backend}: lse error {lse_err:.2e} nats >= {lse_tol}"
     return out_error, lse_err
+
+
+def assert_custom_calls_in_command_buffers(dump_dir) -> None:
+    """In the thunk sequence XLA dumped for a jitted ``step`` (jax 0.11 forms command buffers at
+    the thunk level), every custom call sits inside a command buffer and none outside."""
+    thunks = "".join(p.read_text()
+                     for p in dump_dir.glob("*jit_step*thunk_sequence_after_thunk_passes.txt"))
+    top_level = [line for line in thunks.splitlines() if re.match(r"\d+: ", line)]
+    nested = [line for line in thunks.splitlines() if re.match(r"\s+\d+: ", line)]
+    assert any("kCommandBuffer" in line for line in top_level), thunks[:3000]
+    assert any("kCustomCall" in line for line in nested), thunks[:3000]
+    assert not any("kCustomCall" in line for line in top_level), thunks[:3000]
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (check_accuracy, gpu_backends_here, gpu_blocker, make_problem, record_accuracy,
-                      request_head_error, skip_or_fail, tolerances)
+from conftest import (assert_custom_calls_in_command_buffers, check_accuracy, gpu_backends_here,
+                      gpu_blocker, make_problem, record_accuracy, request_head_error, skip_or_fail,
+                      tolerances)
 
 import jax_mla
 from jax_mla import backends, gpu
@@ -181,14 +181,7 @@ def test_command_buffer_step_matches(tmp_path, planner):
     for key in ("out", "lse"):
         np.testing.assert_array_equal(np.load(tmp_path / "graphs" / f"{key}.npy"),
                                       np.load(tmp_path / "plain" / f"{key}.npy"))
-    # XLA forms command buffers at the thunk level (jax 0.11): in the step's thunk sequence the
-    # custom calls (jax_mla's decode, and its planner) sit inside a command buffer, none outside.
-    thunks = "".join(p.read_text() for p in dump.glob("*jit_step*thunk_sequence_after_thunk_passes.txt"))
-    top_level = [line for line in thunks.splitlines() if re.match(r"\d+: ", line)]
-    nested = [line for line in thunks.splitlines() if re.match(r"\s+\d+: ", line)]
-    assert any("kCommandBuffer" in line for line in top_level), thunks[:3000]
-    assert any("kCustomCall" in line for line in nested), thunks[:3000]
-    assert not any("kCustomCall" in line for line in top_level), thunks[:3000]
+    assert_custom_calls_in_command_buffers(dump)  # jax_mla's decode, and its planner
     record_accuracy(auto_backend(), jnp.bfloat16, output=graphs["output_error"], lse=graphs["lse_error"])
     out_tol, lse_tol = tolerances(auto_backend(), jnp.bfloat16)
     assert graphs["output_error"] < out_tol and graphs["lse_error"] < lse_tol, graphs
