@@ -128,7 +128,7 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if lengths.min() < q_len:
         raise ValueError(f"every seq_lens entry must be >= q_len={q_len} (it counts the new tokens), "
                          f"got min {int(lengths.min())}")
-    fa_backends = [b for b in backends.available_backends("gpu") if b in (backends.FA3, backends.FA2)]
+    fa_backends = [b for b in backends.available_backends("gpu") if backends.BY_NAME[b].takes_plan]
     if not fa_backends:
         raise ValueError(f"jax_mla.plan needs a GPU that runs fa3 or fa2; available here: "
                          f"{backends.available_backends()}")
