@@ -7,14 +7,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import backends, planning, sharding, validation
+from jax_mla import backends, planning, sharding, validation, value_checks
 
 DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
 
 def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
            softmax_scale: float, output_scale: float = 1.0, return_lse: bool = False,
-           backend: str = "auto", kv_lora_rank: int | None = None, plan=None):
+           backend: str = "auto", kv_lora_rank: int | None = None, plan=None, checks: bool = False):
     """Multi-head Latent Attention decode over a paged cache. Callable inside ``jax.jit``.
 
     Args:
@@ -36,6 +36,10 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         by every layer; ``"device"`` to build one on the GPU inside this call; None to plan inside
         the call on the host, which reads ``seq_lens`` back (a device sync) and cannot be captured
         in a CUDA graph. Other backends take only None.
+      checks: check the values before any backend runs (``jax_mla.value_checks``): page ids that a
+        request reads lie in [0, num_pages), q_len <= seq_lens <= max_pages * page_size, and query
+        is finite. Eagerly a failed check raises; inside ``jax.jit`` wrap the jitted function in
+        ``jax.experimental.checkify.checkify`` and call ``err.throw()`` (docs/bad-values.md).
 
     With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
     ``[0, seq_len - q_len + i]``.
@@ -48,11 +52,14 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
     softmax_scale = validation.check_finite_scale("softmax_scale", softmax_scale)
     output_scale = validation.check_finite_scale("output_scale", output_scale)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    for name, flag in (("return_lse", return_lse), ("checks", checks)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     chosen = backends.BY_NAME[backends.resolve(backend, backends.platform_of(query, kv_cache),
                                                 query.dtype)]
     check_plan_argument(plan, chosen)
+    if checks:
+        value_checks.check_values(query, kv_cache, block_tables, seq_lens)
     kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
                                device_plan=isinstance(plan, str))

@@ -41,7 +41,9 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
       latent: [T, kv_lora_rank], the normalised latent ``c_kv``.
       k_rope: [T, rope_dim], the rotated RoPE key.
       slot_mapping: int32 [T], ``page * page_size + offset``; negative slots are padding and are
-        skipped (so are slots past the cache). No other row of the cache changes.
+        skipped (so are slots past the cache). No other row of the cache changes. A slot named
+        more than once holds, channel by channel, one of the tokens written to it; which one is
+        unspecified (docs/bad-values.md).
 
     Under ``jax.jit(..., donate_argnums=0)`` the update happens in place: XLA aliases the donated
     cache to the result and copies nothing but the written rows.

@@ -232,6 +232,7 @@ def fa_decode(backend: str, query, kv_cache, block_tables, seq_lens, *, softmax_
         out, lse, _ = jax.ffi.ffi_call("jax_mla_fa_decode", results)(
             flat_query, kv_cache, block_tables, plan.int_workspace, **attrs)
     else:
+        planning.check_works_fit(batch, q_len, num_heads, layout)
         results.append(jax.ShapeDtypeStruct((layout.int_workspace_bytes,), jnp.uint8))
         out, lse, _, _ = jax.ffi.ffi_call("jax_mla_fa_decode_self_plan", results)(
             flat_query, kv_cache, block_tables, seq_lens, plan_fn=plan_fn, q_len=np.int64(q_len),
@@ -379,13 +380,11 @@ def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float
     """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``.
 
     Builds its split-KV schedule from ``seq_lens`` on the GPU inside the call (no host work).
+    Needs B >= 1 (``jax_mla.decode`` refuses an empty batch).
     Returns out bf16 [B, q_len, H, 512] (scaled by ``output_scale``) and lse float32 [B, q_len, H].
     """
     check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
     batch, q_len, num_heads, _ = query.shape
-    if batch == 0:
-        return (jnp.zeros((0, q_len, num_heads, kv_lora_rank), query.dtype),
-                jnp.zeros((0, q_len, num_heads), jnp.float32))
     register_targets()
     num_sms = sm_count()
     results = (

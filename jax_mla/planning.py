@@ -128,13 +128,15 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if lengths.min() < q_len:
         raise ValueError(f"every seq_lens entry must be >= q_len={q_len} (it counts the new tokens), "
                          f"got min {int(lengths.min())}")
+    num_sms = gpu_sm_count("jax_mla.plan", device)
     fa_backends = [b for b in backends.available_backends("gpu") if backends.BY_NAME[b].takes_plan]
     if not fa_backends:
         raise ValueError(f"jax_mla.plan needs a GPU that runs fa3 or fa2; available here: "
                          f"{backends.available_backends()}")
-    layout = schedule_layout(gpu.sm_count(device), q_len, num_heads, kv_lora_rank)
+    layout = schedule_layout(num_sms, q_len, num_heads, kv_lora_rank)
     lengths = lengths.astype(np.int32)
     batch = lengths.size
+    check_works_fit(batch, q_len, num_heads, layout)
     staging = np.zeros(layout.int_workspace_bytes, np.uint8)
     planner = gpu.fa_plan_function(fa_backends[0], kv_lora_rank, rope_dim)
     plan_info, staged_bytes = planner(
@@ -149,11 +151,34 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
                 layout)
 
 
-def max_works_fit(batch: int, q_len: int, num_heads: int, num_clusters: int, cluster_size: int) -> bool:
-    """Whether any lengths fit MLAPlan's 16384 works: each tile gives at most one short chunk, and
-    the full-length chunks number at most the clusters."""
+def max_batch_for_works(q_len: int, num_heads: int, num_clusters: int, cluster_size: int) -> int:
+    """The largest batch whose schedule fits MLAPlan's 16384 works for any lengths: each query
+    tile gives at most one short chunk, and the full-length chunks number at most the clusters."""
     tiles = -(-q_len * num_heads // (cluster_size * CTA_TILE_Q))
-    return batch * tiles + num_clusters <= MAX_TOTAL_WORKS
+    return (MAX_TOTAL_WORKS - num_clusters) // tiles
+
+
+def check_works_fit(batch: int, q_len: int, num_heads: int, layout: ScheduleLayout) -> None:
+    """Raise ``ValueError`` unless every fa3/fa2 schedule of ``batch`` requests fits FlashInfer's
+    16384 works; shared by ``plan``, ``device_plan`` and the self-planning path, whatever the lengths."""
+    cluster_size, num_clusters = layout.plan_info[:2]
+    limit = max_batch_for_works(q_len, num_heads, num_clusters, cluster_size)
+    if batch > limit:
+        raise ValueError(f"batch {batch} x q_len {q_len} x {num_heads} heads may exceed FlashInfer's "
+                         f"{MAX_TOTAL_WORKS} scheduled works; split the batch into calls of at most "
+                         f"{limit} requests")
+
+
+def gpu_sm_count(caller: str, device=None) -> int:
+    """The SM count of ``device`` (default: the first CUDA device), or a ``ValueError`` saying that
+    ``caller`` builds the schedule on a CUDA GPU and this process has none."""
+    from jax_mla import gpu
+
+    try:
+        return gpu.sm_count(device)
+    except RuntimeError as error:  # jax.devices("gpu") where JAX has no CUDA backend
+        raise ValueError(f"{caller} builds the fa3/fa2 schedule on a CUDA GPU; this process has none "
+                         f"(platform {jax.default_backend()})") from error
 
 
 def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
@@ -170,15 +195,13 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
     from jax_mla import gpu
 
     batch = seq_lens.shape[0]
-    num_sms = gpu.sm_count()
+    num_sms = gpu_sm_count("jax_mla.device_plan")
     layout = schedule_layout(num_sms, q_len, num_heads, kv_lora_rank)
-    cluster_size, num_clusters = layout.plan_info[:2]
+    num_clusters = layout.plan_info[1]
     if num_clusters > DEVICE_PLAN_MAX_CLUSTERS:
         raise ValueError(f"the GPU planner handles at most {DEVICE_PLAN_MAX_CLUSTERS} clusters, this "
                          f"GPU has {num_clusters} ({num_sms} SMs); use jax_mla.plan")
-    if not max_works_fit(batch, q_len, num_heads, num_clusters, cluster_size):
-        raise ValueError(f"batch {batch} x q_len {q_len} x {num_heads} heads may exceed FlashInfer's "
-                         f"{MAX_TOTAL_WORKS} scheduled works; split the batch")
+    check_works_fit(batch, q_len, num_heads, layout)
     int_workspace = gpu.device_plan_call(seq_lens, q_len=q_len, num_heads=num_heads,
                                          max_pages=max_pages, num_sms=num_sms, layout=layout)
     return Plan(int_workspace, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)

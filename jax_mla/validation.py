@@ -87,6 +87,9 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
             f"kv_cache's last dim must equal query's last dim {head_dim} "
             f"(kv_lora_rank + rope_dim), got kv_cache shape {tuple(kv_cache.shape)}"
         )
+    if batch < 1:
+        raise ValueError(f"query's batch (dim 0) must be >= 1 (an empty batch has nothing to decode), "
+                         f"got query shape {tuple(query.shape)}")
     if q_len < 1:
         raise ValueError(f"query's q_len (dim 1) must be >= 1, got query shape {tuple(query.shape)}")
     if num_heads < 1:

@@ -20,6 +20,11 @@ def pages_per_chunk(page_size: int, max_pages: int) -> int:
     return max(1, min(max_pages, CHUNK_TOKENS // page_size))
 
 
+def clamp_lengths(seq_lens, capacity: int):
+    """int32 [B]: each length clamped to [0, capacity], the tokens a block-table row can address."""
+    return jnp.clip(seq_lens, 0, capacity)
+
+
 @functools.partial(
     jax.jit, static_argnames=("softmax_scale", "output_scale", "kv_lora_rank", "return_lse")
 )
@@ -35,6 +40,10 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
     Returns:
       out [B, q_len, H, kv_lora_rank] in query.dtype, and lse float32 [B, q_len, H] (natural log)
       when ``return_lse``; rows that see no kv get out 0 and lse -inf.
+
+    Bad values never read another request's pages (docs/bad-values.md): a length is clamped to
+    [0, max_pages * page_size] before anything else uses it, and a token whose page id lies outside
+    [0, num_pages) is treated like a token past the length (never read, masked out).
     """
     batch, q_len, num_heads, _ = query.shape
     num_pages, page_size, head_dim = kv_cache.shape
@@ -45,6 +54,7 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
 
     padded_tables = jnp.pad(block_tables, ((0, 0), (0, num_chunks * chunk_pages - max_pages)))
     q = query.astype(jnp.float32) * softmax_scale
+    seq_lens = clamp_lengths(seq_lens, max_pages * page_size)
     # Last kv position (exclusive) that query token i may see: bottom-right causal.
     visible_end = seq_lens[:, None] - q_len + 1 + jnp.arange(q_len)[None, :]  # [B, q_len]
 
@@ -52,17 +62,19 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
         running_max, running_sum, acc = carry
         pages = lax.dynamic_slice_in_dim(padded_tables, chunk * chunk_pages, chunk_pages, axis=1)
         positions = chunk * chunk_tokens + jnp.arange(chunk_tokens)  # [T]
-        token_in_request = positions[None, :] < seq_lens[:, None]  # [B, T]
-        # Never index with a page id past the request's pages, even out-of-range ones.
+        # Never index with a page id past the request's pages, nor with an out-of-range one.
         page_starts = (chunk * chunk_pages + jnp.arange(chunk_pages)) * page_size
         page_in_request = page_starts[None, :] < seq_lens[:, None]  # [B, chunk_pages]
-        safe_pages = jnp.where(page_in_request & (pages >= 0) & (pages < num_pages), pages, 0)
+        page_valid = page_in_request & (pages >= 0) & (pages < num_pages)
+        safe_pages = jnp.where(page_valid, pages, 0)
+        token_present = ((positions[None, :] < seq_lens[:, None])
+                         & jnp.repeat(page_valid, page_size, axis=1))  # [B, T]
         kv = kv_cache[safe_pages].reshape(batch, chunk_tokens, head_dim).astype(jnp.float32)
-        kv = jnp.where(token_in_request[..., None], kv, 0.0)  # hide NaN tails before the matmul
+        kv = jnp.where(token_present[..., None], kv, 0.0)  # hide NaN tails before the matmul
 
         logits = jnp.einsum("bshd,btd->bsht", q, kv, precision=lax.Precision.HIGHEST)
-        visible = positions[None, None, :] < visible_end[:, :, None]  # [B, q_len, T]
-        logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)
+        visible = (positions[None, None, :] < visible_end[:, :, None]) & token_present[:, None, :]
+        logits = jnp.where(visible[:, :, None, :], logits, -jnp.inf)  # visible: [B, q_len, T]
 
         new_max = jnp.maximum(running_max, logits.max(axis=-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -80,7 +92,7 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
         jnp.zeros((batch, q_len, num_heads, kv_lora_rank), jnp.float32),
     )
     # Chunks past the longest request hold nothing visible: stop before them.
-    chunks_needed = jnp.clip(-(-jnp.max(seq_lens) // chunk_tokens), 0, num_chunks)
+    chunks_needed = jnp.clip(-(-jnp.max(seq_lens, initial=0) // chunk_tokens), 0, num_chunks)
     running_max, running_sum, acc = lax.fori_loop(0, chunks_needed, step, init)
     nonempty = running_sum > 0
     out = acc / jnp.where(nonempty, running_sum, 1.0)[..., None] * output_scale

@@ -322,7 +322,8 @@ def test_a_plan_of_the_wrong_type_is_rejected():
     (np.ones((4,), np.int32), dict(num_heads=0), ValueError, r"num_heads must be a positive int, got 0"),
     (np.ones((4,), np.int32), dict(q_len=True), ValueError, r"q_len must be a positive int, got True"),
     (np.array([1, 5]), dict(q_len=2), ValueError, r"every seq_lens entry must be >= q_len=2"),
-    (np.array([3, 5]), {}, ValueError, r"jax_mla.plan needs a GPU that runs fa3 or fa2; available here"),
+    (np.array([3, 5]), {}, ValueError, r"jax_mla.plan builds the fa3/fa2 schedule on a CUDA GPU; this "
+                                       r"process has none \(platform cpu\)"),
 ])
 def test_plan_rejects(seq_lens, kwargs, error, message):
     args = dict(num_heads=16, max_pages=4, q_len=1)
@@ -331,7 +332,7 @@ def test_plan_rejects(seq_lens, kwargs, error, message):
         with pytest.raises(TypeError, match="seq_lens must be host values"):
             jax.jit(lambda sl: planning.plan(sl, **args)).trace(seq_lens)
         return
-    if "needs a GPU" in message and jax.default_backend() != "cpu":
+    if "CUDA GPU" in message and jax.default_backend() != "cpu":
         pytest.skip("only meaningful on a CPU-only machine")
     with pytest.raises(error, match=message):
         planning.plan(seq_lens, **args)

@@ -148,16 +148,6 @@ def test_unsupported_shapes_are_named_through_decode(monkeypatch, lowering_stubs
         jax_mla.decode(*shapes(), softmax_scale=0.1, backend=SM90, plan="device")
 
 
-def test_empty_batch_needs_no_kernel(lowering_stubs):
-    text = lower(*shapes(batch=0))
-    assert "custom_call" not in text
-    out, lse = api.run_backend(backends.BY_NAME[SM90], jnp.zeros((0, 1, 16, 576), jnp.bfloat16),
-                               jnp.zeros((4, 64, 576), jnp.bfloat16), jnp.zeros((0, 3), jnp.int32),
-                               jnp.zeros((0,), jnp.int32), softmax_scale=0.1, output_scale=1.0,
-                               kv_lora_rank=512, device_plan=False)
-    assert out.shape == (0, 1, 16, 512) and lse.shape == (0, 1, 16)
-
-
 def test_sm90_is_listed_after_fa3_and_fa2():
     names = [b.name for b in backends.TABLE]
     assert names.index(SM90) > names.index(backends.FA2) > names.index(backends.FA3)

@@ -1,0 +1,65 @@
+"""``decode(..., checks=True)``: device-side checks of the values that shape checks cannot see.
+
+The checks are XLA ops (``jax.experimental.checkify.check``) that run before any backend, so they
+work for every backend and on every platform, and with ``checks=False`` nothing of them is traced.
+Called eagerly, a failed check raises at once; inside ``jax.jit`` the caller functionalises the
+checks with ``checkify.checkify`` and reads the error from its result (docs/bad-values.md)::
+
+    err, out = checkify.checkify(jax.jit(step))(*args)
+    err.throw()
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import checkify
+
+
+def check_values(query, kv_cache, block_tables, seq_lens) -> None:
+    """Check ``decode``'s values; each failed check names the argument, the request and the value.
+
+    Args:
+      query: [B, q_len, H, D], B >= 1; kv_cache: [num_pages, page_size, D]; block_tables: int32
+        [B, max_pages]; seq_lens: int32 [B] (already shape-checked).
+    Raises:
+      checkify.JaxRuntimeError (a ValueError) when called eagerly and a check fails. Staged by
+      ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
+      "Cannot abstractly evaluate a checkify.check which was not functionalized".
+    """
+    _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1])
+    _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
+    _check_finite_query(query)
+
+
+def _check_lengths(seq_lens, q_len: int, capacity: int) -> None:
+    _check_none(seq_lens < q_len, seq_lens,
+                f"seq_lens[{{0}}] = {{1}} is below q_len = {q_len}: a length counts the request's "
+                "new tokens")
+    _check_none(seq_lens > capacity, seq_lens,
+                f"seq_lens[{{0}}] = {{1}} exceeds the block table's capacity max_pages * page_size "
+                f"= {capacity}")
+
+
+def _check_page_ids(block_tables, seq_lens, num_pages: int, page_size: int) -> None:
+    """Only the entries a request reads: those below ceil(seq_len / page_size)."""
+    used = -(-jnp.clip(seq_lens, 0, block_tables.shape[1] * page_size) // page_size)  # [B]
+    read = jnp.arange(block_tables.shape[1])[None, :] < used[:, None]  # [B, max_pages]
+    out_of_range = (block_tables < 0) | (block_tables >= num_pages)
+    _check_none(read & out_of_range, block_tables,
+                f"block_tables[{{0}}, {{1}}] = {{2}} is not a page of kv_cache (ids are in "
+                f"[0, {num_pages})) but request {{0}} reads it (page {{1}} of its length)")
+
+
+def _check_finite_query(query) -> None:
+    _check_none(~jnp.isfinite(query), query,
+                "query[{0}, {1}, {2}, {3}] = {4} is not finite (request {0}, query token {1}, "
+                "head {2}, channel {3})")
+
+
+def _check_none(bad, values, message: str) -> None:
+    """``checkify.check`` that no entry of ``bad`` is set; ``message`` is formatted with the first
+    bad entry's index (one field per dim of ``bad``) followed by its entry of ``values``."""
+    flat = bad.reshape(-1)
+    first = jnp.argmax(flat)
+    index = jnp.unravel_index(first, bad.shape)
+    checkify.check(~flat[first], message, *index, values.reshape(-1)[first])
