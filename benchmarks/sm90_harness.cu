@@ -619,6 +619,15 @@ static void PrintDevice() {
          NumParts(prop.multiProcessorCount, 1, 128));
 }
 
+// Checks every case of a suite against the reference; the exit status of the harness.
+static int RunSuite(const std::vector<CaseSpec>& suite, const char* label) {
+  PrintCheckHeader();
+  int fails = 0;
+  for (const auto& s : suite) fails += !RunCheck(s, 2e-2);
+  printf("%s: %d failures\n", label, fails);
+  return fails ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   std::vector<char*> args;
@@ -630,20 +639,8 @@ int main(int argc, char** argv) {
   argv = args.data();
   std::string mode = argc > 1 ? argv[1] : "check";
   PrintDevice();
-  if (mode == "check") {
-    PrintCheckHeader();
-    int fails = 0;
-    for (auto& s : CheckSuite()) fails += !RunCheck(s, 2e-2);
-    printf("check: %d failures\n", fails);
-    return fails ? 1 : 0;
-  }
-  if (mode == "sanitize") {
-    PrintCheckHeader();
-    int fails = 0;
-    for (auto& s : SanitizeSuite()) fails += !RunCheck(s, 2e-2);
-    printf("sanitize suite: %d failures\n", fails);
-    return fails ? 1 : 0;
-  }
+  if (mode == "check") return RunSuite(CheckSuite(), "check");
+  if (mode == "sanitize") return RunSuite(SanitizeSuite(), "sanitize suite");
   if (mode == "time") {
     int iters = argc > 2 ? atoi(argv[2]) : 50;
     const auto variants = AllVariants(argc > 3 ? argv[3] : "default");
