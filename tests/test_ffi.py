@@ -139,6 +139,17 @@ def test_fa_lowering_with_a_plan_is_a_pure_device_call(lowering_stubs):
                                               plan=wrong), *SHAPES)
 
 
+@pytest.mark.parametrize("workspace", [jnp.zeros((1024,), jnp.uint8), jnp.zeros((592464,), jnp.int8)])
+def test_a_plan_with_a_wrong_workspace_fails_at_trace_time(lowering_stubs, workspace):
+    layout = planning.schedule_layout(132, 2, 128, 512)
+    plan = planning.Plan(workspace, 4, 2, 128, 8, 512, layout)
+    message = (rf"plan.int_workspace must be uint8 \[{layout.int_workspace_bytes}\] for this schedule "
+               rf"layout, got {workspace.dtype} \[{workspace.shape[0]}\]")
+    with pytest.raises(planning.PlanMismatchError, match=message):
+        lower_for_cuda(lambda *a: run_backend("fa3", *a, softmax_scale=0.1, output_scale=1.0,
+                                              plan=plan), *SHAPES)
+
+
 def dataflow(text):
     """The main function's values: {name: (op, operand names)} and the returned names."""
     values, returned = {}, []
