@@ -3,7 +3,8 @@
 ``decode`` runs an MLA decode kernel through an XLA FFI custom call on NVIDIA GPUs and a chunked
 pure-XLA implementation everywhere else (``jax_mla.backends.TABLE`` lists the backends); ``plan`` and
 ``device_plan`` build the fa3/fa2 work schedule once per step; ``write_kv`` updates the paged cache
-in place.
+in place, a float cache or the fp8 cache of ``jax_mla.fp8_cache`` (``allocate_cache(...,
+dtype="fp8")``).
 """
 
 from jax_mla.api import decode

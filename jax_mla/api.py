@@ -21,7 +21,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       query: [B, q_len, H, kv_lora_rank + rope_dim]; the absorbed query (``q_nope @ W_UK`` then
         ``q_pe``).
       kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim], same dtype as ``query``. The first
-        ``kv_lora_rank`` channels of a token are both its latent key part and its value.
+        ``kv_lora_rank`` channels of a token are both its latent key part and its value. Or the fp8
+        cache: uint8 [num_pages, page_size, row_bytes] from ``allocate_cache(..., dtype="fp8")``
+        (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend.
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.
@@ -29,7 +31,7 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       output_scale: multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
-        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype.
+        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
@@ -56,7 +58,7 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     chosen = backends.BY_NAME[backends.resolve(backend, backends.platform_of(query, kv_cache),
-                                                query.dtype)]
+                                                query.dtype, backends.cache_format_of(kv_cache))]
     check_plan_argument(plan, chosen)
     if checks:
         value_checks.check_values(query, kv_cache, block_tables, seq_lens)

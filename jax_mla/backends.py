@@ -6,8 +6,9 @@ Every backend's ``decode`` has one signature::
            plan) -> (out [B, q_len, H, kv_lora_rank] in query.dtype, lse float32 [B, q_len, H])
 
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
-there and takes the query's dtype. That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on
-Hopper (SM90), fa2 on other CUDA GPUs from SM80, and xla everywhere else.
+there and takes the query's dtype and the cache's format (``FLOAT_CACHE`` or ``FP8_CACHE``). That
+order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2 on other CUDA GPUs
+from SM80, and xla everywhere else and for the fp8 cache.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_mla import gpu, xla_backend
+from jax_mla import fp8_cache, gpu, xla_backend
 
 XLA = "xla"
 FA3 = "fa3"
@@ -28,6 +29,10 @@ SM90 = "sm90"
 AUTO = "auto"
 
 Capability = tuple[int, int]
+
+# Cache formats: a cache of the query's floating dtype, or the fp8 cache (docs/fp8-cache.md).
+FLOAT_CACHE = "float"
+FP8_CACHE = fp8_cache.FP8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +44,9 @@ class Backend:
       runs_on: where it runs, in words (for messages and docs).
       runs_on_capability: whether a CUDA GPU of this compute capability runs it; None for a backend
         that needs no GPU.
-      dtypes: the query/cache dtypes it takes; empty for any floating dtype.
+      dtypes: the query dtypes it takes (a float cache has the query's dtype); empty for any
+        floating dtype.
+      cache_formats: the cache formats it takes (``FLOAT_CACHE``, ``FP8_CACHE``).
       takes_plan: whether it reads a work schedule (``plan=`` a ``jax_mla.Plan`` or "device").
       applies_output_scale: whether its kernel multiplies by ``output_scale`` itself.
       decode: the implementation, with the signature in the module docstring.
@@ -49,12 +56,17 @@ class Backend:
     runs_on: str
     runs_on_capability: Callable[[Capability], bool] | None
     dtypes: tuple
+    cache_formats: tuple[str, ...]
     takes_plan: bool
     applies_output_scale: bool
     decode: Callable
 
     def takes_dtype(self, dtype) -> bool:
         return not self.dtypes or jnp.dtype(dtype) in self.dtypes
+
+    def takes(self, dtype, cache_format: str) -> bool:
+        """Whether it takes a query of ``dtype`` with a cache of ``cache_format``."""
+        return self.takes_dtype(dtype) and cache_format in self.cache_formats
 
     def runs_on_gpu(self, capability: Capability) -> bool:
         return self.runs_on_capability is not None and self.runs_on_capability(capability)
@@ -93,20 +105,22 @@ def _sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, outp
 
 
 BF16 = (jnp.dtype(jnp.bfloat16),)
+FLOAT_ONLY = (FLOAT_CACHE,)
 
 TABLE: tuple[Backend, ...] = (
     Backend(TRTLLM_GEN, "SM100/SM103 (B200, GB200, B300)", lambda cc: cc in ((10, 0), (10, 3)),
-            BF16, takes_plan=False, applies_output_scale=True, decode=_trtllm_decode),
+            BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_trtllm_decode),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA3)),
+            BF16, FLOAT_ONLY, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA3)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
-            BF16, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA2)),
+            BF16, FLOAT_ONLY, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA2)),
     # jax_mla's own Hopper kernel (ffi/sm90), after fa3/fa2 so that "auto" keeps fa3 until the
     # committed benchmark shows sm90 faster.
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, takes_plan=False, applies_output_scale=True, decode=_sm90_decode),
+            BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_sm90_decode),
     Backend(XLA, "any JAX platform", None,
-            (), takes_plan=False, applies_output_scale=True, decode=_xla_decode),
+            (), (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
+            decode=_xla_decode),
 )
 BY_NAME = {backend.name: backend for backend in TABLE}
 ALL_BACKENDS = tuple(BY_NAME)
@@ -143,24 +157,35 @@ def available_backends(platform: str | None = None) -> list[str]:
 _EXTRA_REQUIREMENTS = {SM90: lambda: gpu.sm90_missing()}
 
 
-def resolve(backend: str, platform: str, dtype=jnp.bfloat16) -> str:
-    """The name of the backend to run for a ``backend=`` argument on ``platform`` with query/cache ``dtype``.
+def cache_format_of(kv_cache) -> str:
+    """``FP8_CACHE`` for an fp8 cache (uint8), else ``FLOAT_CACHE``."""
+    return FP8_CACHE if fp8_cache.is_fp8_cache(kv_cache) else FLOAT_CACHE
 
-    "auto" takes the first available backend that takes ``dtype``. A named backend must be
-    available here and take ``dtype``; otherwise the error says why and what is available.
+
+def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str = FLOAT_CACHE) -> str:
+    """The name of the backend to run for a ``backend=`` argument on ``platform`` with a query of
+    ``dtype`` and a cache of ``cache_format``.
+
+    "auto" takes the first available backend that takes both. A named backend must be available
+    here and take both; otherwise the error says why and what is available.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
                         f"{type(backend).__name__}")
     available = available_backends(platform)
     if backend == AUTO:
-        return next(name for name in available if BY_NAME[name].takes_dtype(dtype))
+        return next(name for name in available if BY_NAME[name].takes(dtype, cache_format))
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")
     chosen = BY_NAME[backend]
     if backend not in available:
         raise ValueError(f"{_why_unavailable(chosen, platform)}; available here: {available}")
+    if cache_format not in chosen.cache_formats:
+        takers = [b.name for b in TABLE if cache_format in b.cache_formats]
+        raise TypeError(f"backend {backend!r} takes {' or '.join(d.name for d in chosen.dtypes)} "
+                        f"caches only, got an {cache_format} cache (docs/fp8-cache.md); backends "
+                        f"that take it: {takers}")
     if not chosen.takes_dtype(dtype):
         raise TypeError(f"backend {backend!r} needs query and kv_cache of dtype "
                         f"{' or '.join(str(d) for d in chosen.dtypes)}, got {jnp.dtype(dtype)}; "

@@ -3,6 +3,8 @@
 Layout: ``kv_cache[num_pages, page_size, kv_lora_rank + rope_dim]``. A token's row holds its latent
 ``c_kv`` (first ``kv_lora_rank`` channels, both key part and value) followed by its RoPE key ``k_pe``.
 Token ``t`` of a request lives at slot ``block_table[t // page_size] * page_size + t % page_size``.
+The fp8 cache (``dtype="fp8"``) is uint8 ``[num_pages, page_size, row_bytes]`` with rows in
+``jax_mla.fp8_cache``'s layout (docs/fp8-cache.md), slotted the same way.
 
 JAX owns the cache. ``torch_view`` gives torch a zero-copy, read-only-by-convention view through
 DLPack; drop it before the cache is donated to a jitted step (PJRT refuses to donate a buffer with a
@@ -14,22 +16,43 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_mla import validation
+from jax_mla import fp8_cache, validation
 
 
 def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, rope_dim: int = 64,
                    dtype=jnp.bfloat16, device=None) -> jax.Array:
-    """A zeroed cache ``[num_pages, page_size, kv_lora_rank + rope_dim]`` of ``dtype``."""
+    """A zeroed cache on ``device`` (default: JAX's default device).
+
+    Args:
+      dtype: a floating dtype (bf16, f16, f32) for a cache ``[num_pages, page_size, kv_lora_rank +
+        rope_dim]`` of that dtype, or the string ``"fp8"`` for the fp8 cache: uint8 ``[num_pages,
+        page_size, row_bytes]``, 656 bytes a token for (512, 64) (docs/fp8-cache.md).
+    """
     for name, value in (("num_pages", num_pages), ("page_size", page_size),
                         ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a floating dtype, got {jnp.dtype(dtype)}")
-    cache = jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), dtype)
+    if isinstance(dtype, str) and dtype == fp8_cache.FP8:
+        row_bytes = fp8_cache.layout(kv_lora_rank, rope_dim).row_bytes
+        cache = jnp.zeros((num_pages, page_size, row_bytes), fp8_cache.STORAGE_DTYPE)
+    else:
+        cache = jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), _float_dtype(dtype))
     return jax.device_put(cache, device) if device is not None else cache
+
+
+def _float_dtype(dtype) -> jnp.dtype:
+    """``dtype`` as a floating jnp dtype of 16 bits or more; TypeError otherwise, naming "fp8"."""
+    try:
+        name = jnp.dtype(dtype)
+    except TypeError:
+        name = repr(dtype)
+    if isinstance(name, str) or not jnp.issubdtype(name, jnp.floating) or name.itemsize < 2:
+        raise TypeError(f"dtype must be a floating dtype of 16 bits or more (bfloat16, float16, "
+                        f"float32), or {fp8_cache.FP8!r} for the fp8 cache with per-group scales "
+                        f"(docs/fp8-cache.md), got {name}")
+    return name
 
 
 def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
@@ -37,7 +60,9 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     """Write ``T`` tokens into the paged cache and return the updated cache.
 
     Args:
-      kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim].
+      kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim] of a floating dtype, where the rows
+        are cast to its dtype, or the fp8 cache (uint8 [num_pages, page_size, row_bytes]), where
+        they are quantised (``fp8_cache.quantize_rows``).
       latent: [T, kv_lora_rank], the normalised latent ``c_kv``.
       k_rope: [T, rope_dim], the rotated RoPE key.
       slot_mapping: int32 [T], ``page * page_size + offset``; negative slots are padding and are
@@ -49,13 +74,16 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     cache to the result and copies nothing but the written rows.
     """
     validation.check_write_args(kv_cache, latent, k_rope, slot_mapping)
-    num_pages, page_size, head_dim = kv_cache.shape
+    num_pages, page_size, row_size = kv_cache.shape
     num_slots = num_pages * page_size
-    rows = jnp.concatenate([latent, k_rope], axis=-1).astype(kv_cache.dtype)
+    if fp8_cache.is_fp8_cache(kv_cache):
+        rows = fp8_cache.quantize_rows(latent, k_rope)
+    else:
+        rows = jnp.concatenate([latent, k_rope], axis=-1).astype(kv_cache.dtype)
     # Padding slots point past the end, where mode="drop" discards them.
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
-    flat = kv_cache.reshape(num_slots, head_dim)
-    return flat.at[slots].set(rows, mode="drop").reshape(num_pages, page_size, head_dim)
+    flat = kv_cache.reshape(num_slots, row_size)
+    return flat.at[slots].set(rows, mode="drop").reshape(num_pages, page_size, row_size)
 
 
 def torch_view(array: jax.Array):

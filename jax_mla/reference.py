@@ -1,7 +1,8 @@
 """A torch reference for MLA decode: float32 math, pages gathered per request.
 
 Independent of every backend: it takes torch tensors (JAX arrays are shared through DLPack by
-``reference_from_jax``) and loops over requests the plain way.
+``reference_from_jax``) and loops over requests the plain way. An fp8 cache (uint8 rows) is read
+with its own torch decoding of the byte layout in docs/fp8-cache.md, not jax_mla.fp8_cache's.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_sca
     """MLA decode in float32 torch.
 
     Args:
-      query: [B, q_len, H, D]; kv_cache: [num_pages, page_size, D]; block_tables: int [B, max_pages];
+      query: [B, q_len, H, D]; kv_cache: [num_pages, page_size, D], or an fp8 cache (uint8
+        [num_pages, page_size, row_bytes], docs/fp8-cache.md); block_tables: int [B, max_pages];
         seq_lens: int [B].
     Returns:
       (out float32 [B, q_len, H, kv_lora_rank], lse float32 [B, q_len, H], natural log).
@@ -30,7 +32,8 @@ def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_sca
         seq_len = int(lengths[b])
         num_pages = -(-seq_len // page_size)
         pages = tables[b, :num_pages].to(kv_cache.device)
-        keys = kv_cache[pages].reshape(-1, head_dim)[:seq_len].float()  # [L, D]
+        rows = kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len]
+        keys = dequantize_fp8(rows, kv_lora_rank) if rows.dtype == torch.uint8 else rows.float()
         values = keys[:, :kv_lora_rank]
         logits = torch.einsum("shd,ld->shl", query[b].float(), keys) * softmax_scale
         positions = torch.arange(seq_len, device=query.device)
@@ -44,6 +47,20 @@ def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_sca
         out[b] = torch.einsum("shl,ld->shd", probs, values) * output_scale
         lse[b] = row_lse
     return out, lse
+
+
+def dequantize_fp8(rows, kv_lora_rank: int):
+    """float32 [L, kv_lora_rank + rope_dim] of fp8 cache rows uint8 [L, row_bytes]: e4m3 latent
+    bytes, then one float32 scale per 128 latent channels, then bfloat16 rope values."""
+    import torch
+
+    groups = kv_lora_rank // 128
+    rope_start = kv_lora_rank + 4 * groups
+    latent = rows[:, :kv_lora_rank].contiguous().view(torch.float8_e4m3fn).float()
+    scales = rows[:, kv_lora_rank:rope_start].contiguous().view(torch.float32)  # [L, groups]
+    rope = rows[:, rope_start:].contiguous().view(torch.bfloat16).float()
+    latent = (latent.reshape(-1, groups, 128) * scales[:, :, None]).reshape(-1, kv_lora_rank)
+    return torch.cat([latent, rope], dim=-1)
 
 
 def reference_from_jax(query, kv_cache, block_tables, seq_lens, **kwargs):

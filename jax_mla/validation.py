@@ -11,6 +11,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla import fp8_cache
+
 DEFAULT_ROPE_DIM = 64
 SUPPORTED_KV_LORA_RANKS = (512, 256)
 
@@ -49,6 +51,23 @@ def check_finite_scale(name: str, value) -> float:
     return value
 
 
+def check_cache_dtype(kv_cache) -> None:
+    """A cache is floating (a plain cache) or uint8 (the fp8 cache, docs/fp8-cache.md)."""
+    if not (fp8_cache.is_fp8_cache(kv_cache) or jnp.issubdtype(kv_cache.dtype, jnp.floating)):
+        raise TypeError(f"kv_cache must have a floating dtype, or uint8 for an fp8 cache "
+                        f"(docs/fp8-cache.md), got {kv_cache.dtype}")
+
+
+def check_fp8_row_size(kv_cache, kv_lora_rank: int, rope_dim: int, widths: str) -> None:
+    """ValueError unless an fp8 cache's rows are the bytes of ``fp8_cache.layout(kv_lora_rank,
+    rope_dim)``; ``widths`` says where the widths came from."""
+    expected = fp8_cache.layout(kv_lora_rank, rope_dim).row_bytes
+    if kv_cache.shape[-1] != expected:
+        raise ValueError(f"kv_cache is an fp8 cache (uint8), so its last dim must be {expected} bytes "
+                         f"per token for {widths} (docs/fp8-cache.md), got kv_cache shape "
+                         f"{tuple(kv_cache.shape)}")
+
+
 def split_head_dim(head_dim: int, kv_lora_rank: int | None) -> tuple[int, int]:
     """(kv_lora_rank, rope_dim) for a cached row of ``head_dim`` channels."""
     if kv_lora_rank is None:
@@ -74,15 +93,16 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
     check_rank("block_tables", block_tables, 2, "[batch, max_pages]")
     check_rank("seq_lens", seq_lens, 1, "[batch]")
     check_floating("query", query)
-    check_floating("kv_cache", kv_cache)
-    if query.dtype != kv_cache.dtype:
+    check_cache_dtype(kv_cache)
+    fp8 = fp8_cache.is_fp8_cache(kv_cache)
+    if not fp8 and query.dtype != kv_cache.dtype:
         raise TypeError(
-            f"query and kv_cache must have the same dtype, got query {query.dtype} "
-            f"and kv_cache {kv_cache.dtype}"
+            f"query and kv_cache must have the same dtype (or kv_cache an fp8 cache, uint8), got "
+            f"query {query.dtype} and kv_cache {kv_cache.dtype}"
         )
     check_int32("block_tables", block_tables)
     check_int32("seq_lens", seq_lens)
-    if cache_dim != head_dim:
+    if not fp8 and cache_dim != head_dim:
         raise ValueError(
             f"kv_cache's last dim must equal query's last dim {head_dim} "
             f"(kv_lora_rank + rope_dim), got kv_cache shape {tuple(kv_cache.shape)}"
@@ -107,6 +127,10 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape [batch={batch}], got {tuple(seq_lens.shape)}")
     kv_lora_rank, rope_dim = split_head_dim(head_dim, kv_lora_rank)
+    if fp8:
+        check_fp8_row_size(kv_cache, kv_lora_rank, rope_dim,
+                           f"query's head dim {head_dim} (kv_lora_rank {kv_lora_rank} + rope_dim "
+                           f"{rope_dim})")
     return batch, q_len, num_heads, kv_lora_rank, rope_dim, page_size
 
 
@@ -116,7 +140,7 @@ def check_write_args(kv_cache, latent, k_rope, slot_mapping):
     num_tokens, kv_lora_rank = check_rank("latent", latent, 2, "[num_tokens, kv_lora_rank]")
     _, rope_dim = check_rank("k_rope", k_rope, 2, "[num_tokens, rope_dim]")
     check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
-    check_floating("kv_cache", kv_cache)
+    check_cache_dtype(kv_cache)
     check_floating("latent", latent)
     check_floating("k_rope", k_rope)
     check_int32("slot_mapping", slot_mapping)
@@ -124,7 +148,11 @@ def check_write_args(kv_cache, latent, k_rope, slot_mapping):
         raise ValueError(f"k_rope must have shape [num_tokens={num_tokens}, rope_dim], got {tuple(k_rope.shape)}")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping must have shape [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}")
-    if kv_lora_rank + rope_dim != head_dim:
+    if fp8_cache.is_fp8_cache(kv_cache):
+        check_fp8_row_size(kv_cache, kv_lora_rank, rope_dim,
+                           f"kv_lora_rank {kv_lora_rank} (latent's last dim) and rope_dim {rope_dim} "
+                           "(k_rope's last dim)")
+    elif kv_lora_rank + rope_dim != head_dim:
         raise ValueError(
             f"latent's last dim + k_rope's last dim must equal kv_cache's last dim {head_dim}, "
             f"got {kv_lora_rank} + {rope_dim} (latent {tuple(latent.shape)}, k_rope {tuple(k_rope.shape)})"

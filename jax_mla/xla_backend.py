@@ -1,7 +1,8 @@
 """Pure-XLA MLA decode: walks the block table in chunks of pages with an online softmax.
 
 Runs on any JAX platform. Temporary memory is O(B * q_len * H * chunk_tokens): neither the whole
-gathered cache nor all logits are ever materialised. Math is float32 throughout.
+gathered cache nor all logits are ever materialised. Math is float32 throughout; an fp8 cache is
+dequantised chunk by chunk as it is gathered (docs/fp8-cache.md).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jax_mla import fp8_cache
 
 # Tokens gathered per step of the loop; the page count per chunk is derived from the page size.
 CHUNK_TOKENS = 512
@@ -25,6 +28,16 @@ def clamp_lengths(seq_lens, capacity: int):
     return jnp.clip(seq_lens, 0, capacity)
 
 
+def gather_rows(kv_cache, pages, rope_dim: int):
+    """float32 [B, chunk_pages * page_size, D]: the rows of ``pages`` (int32 [B, chunk_pages], valid
+    ids), dequantised when ``kv_cache`` is an fp8 cache."""
+    batch, chunk_pages = pages.shape
+    rows = kv_cache[pages].reshape(batch, chunk_pages * kv_cache.shape[1], kv_cache.shape[2])
+    if fp8_cache.is_fp8_cache(kv_cache):
+        return fp8_cache.dequantize_rows(rows, rope_dim)
+    return rows.astype(jnp.float32)
+
+
 @functools.partial(
     jax.jit, static_argnames=("softmax_scale", "output_scale", "kv_lora_rank", "return_lse")
 )
@@ -34,7 +47,8 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
 
     Args:
       query: [B, q_len, H, D] with D = kv_lora_rank + rope_dim.
-      kv_cache: [num_pages, page_size, D], same dtype as query.
+      kv_cache: [num_pages, page_size, D], same dtype as query, or the fp8 cache: uint8
+        [num_pages, page_size, row_bytes] (``jax_mla.fp8_cache``).
       block_tables: int32 [B, max_pages]; entries past a request's pages are never read.
       seq_lens: int32 [B], kv length of each request including its q_len new tokens.
     Returns:
@@ -46,7 +60,8 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
     [0, num_pages) is treated like a token past the length (never read, masked out).
     """
     batch, q_len, num_heads, _ = query.shape
-    num_pages, page_size, head_dim = kv_cache.shape
+    num_pages, page_size, _ = kv_cache.shape
+    head_dim = query.shape[-1]
     max_pages = block_tables.shape[1]
     chunk_pages = pages_per_chunk(page_size, max_pages)
     num_chunks = -(-max_pages // chunk_pages)
@@ -69,7 +84,7 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
         safe_pages = jnp.where(page_valid, pages, 0)
         token_present = ((positions[None, :] < seq_lens[:, None])
                          & jnp.repeat(page_valid, page_size, axis=1))  # [B, T]
-        kv = kv_cache[safe_pages].reshape(batch, chunk_tokens, head_dim).astype(jnp.float32)
+        kv = gather_rows(kv_cache, safe_pages, head_dim - kv_lora_rank)  # [B, T, D]
         kv = jnp.where(token_present[..., None], kv, 0.0)  # hide NaN tails before the matmul
 
         logits = jnp.einsum("bshd,btd->bsht", q, kv, precision=lax.Precision.HIGHEST)

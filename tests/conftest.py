@@ -24,7 +24,7 @@ import pytest
 
 import jax_mla
 from benchmarks.problem import relative_error, shuffled_block_tables
-from jax_mla import backends, gpu
+from jax_mla import backends, fp8_cache, gpu
 
 jax.config.update("jax_enable_x64", False)
 
@@ -77,6 +77,29 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
         seq_lens=jnp.asarray(lengths.astype(np.int32)),
         softmax_scale=float(rng.uniform(0.05, 0.2)),
     )
+
+
+# Unused fp8 rows: 0x7F bytes are NaN as e4m3 but a huge finite float32 scale and bf16 rope value;
+# 0xFF bytes are NaN in all three.
+POISON_BYTES = (0x7F, 0xFF)
+
+
+def fp8_problem(problem: Problem, seed: int) -> tuple[Problem, Problem]:
+    """(the problem with an fp8 cache, the problem with the bf16 cache it was quantised from).
+
+    Written rows are quantised from the bf16-rounded values; unused rows (NaN in ``problem``) hold
+    NaN bytes, 0x7F or 0xFF at random. The query keeps ``problem``'s dtype.
+    """
+    values = np.asarray(jnp.asarray(problem.kv_cache, jnp.bfloat16), np.float32)
+    num_pages, page_size, head_dim = values.shape
+    flat = values.reshape(-1, head_dim)
+    unused = np.isnan(flat).any(axis=-1)
+    latent, rope = np.nan_to_num(flat[:, :head_dim - 64]), np.nan_to_num(flat[:, head_dim - 64:])
+    rows = np.array(fp8_cache.quantize_rows(jnp.asarray(latent), jnp.asarray(rope)))
+    rows[unused] = np.random.default_rng(seed).choice(POISON_BYTES, size=(unused.sum(), 1))
+    fp8 = jnp.asarray(rows.reshape(num_pages, page_size, -1))
+    bf16 = jnp.asarray(values, jnp.bfloat16)
+    return dataclasses.replace(problem, kv_cache=fp8), dataclasses.replace(problem, kv_cache=bf16)
 
 
 HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None

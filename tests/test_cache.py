@@ -11,6 +11,7 @@ from conftest import make_problem, request_head_error, tolerances
 from oracles import attend
 
 import jax_mla
+from jax_mla import fp8_cache
 
 
 def random_tokens(rng, num_tokens, kv_lora_rank=512, rope_dim=64, dtype=jnp.float32):
@@ -46,10 +47,12 @@ def test_write_kv_casts_to_the_cache_dtype():
     np.testing.assert_array_equal(np.asarray(updated[1, 1, :512]), np.asarray(latent[0], jnp.bfloat16))
 
 
-def test_write_kv_donated_updates_in_place():
-    """Donated, the compiled write aliases the cache and copies none of it."""
+@pytest.mark.parametrize("dtype", [jnp.float32, "fp8"])
+def test_write_kv_donated_updates_in_place(dtype):
+    """Donated, the compiled write aliases the cache (the uint8 rows of an fp8 cache too) and copies
+    none of it."""
     rng = np.random.default_rng(1)
-    cache = jax.device_put(jnp.zeros((64, 16, 576), jnp.float32))
+    cache = jax.device_put(jax_mla.allocate_cache(64, 16, dtype=dtype))
     latent, k_rope = random_tokens(rng, 4)
     slots = jnp.asarray([3, 77, -1, 500], jnp.int32)
     write = jax.jit(jax_mla.write_kv, donate_argnums=0)
@@ -60,7 +63,9 @@ def test_write_kv_donated_updates_in_place():
     updated = write(cache, latent, k_rope, slots)
     assert cache.is_deleted()
     assert updated.unsafe_buffer_pointer() == pointer
-    np.testing.assert_array_equal(np.asarray(updated[77 // 16, 77 % 16, :512]), np.asarray(latent[1]))
+    row = (fp8_cache.quantize_rows(latent, k_rope) if dtype == "fp8"
+           else jnp.concatenate([latent, k_rope], axis=-1))
+    np.testing.assert_array_equal(np.asarray(updated[77 // 16, 77 % 16]), np.asarray(row[1]))
 
 
 def test_written_tokens_sit_at_their_positions_and_decode_like_dense_attention():

@@ -197,22 +197,39 @@ def test_output_scale_multiplies_the_output_exactly():
         np.testing.assert_array_equal(np.asarray(lse), np.asarray(unscaled_lse))
 
 
-def test_xla_backend_memory_is_bounded_by_the_chunk():
-    """Temporaries scale with the chunk, not with max_len: no full gather, no full logits."""
-    batch, num_heads, page_size, max_pages = 4, 16, 16, 1024  # 16k tokens per request
+def xla_temp_bytes(cache: jax.ShapeDtypeStruct, query_dtype, *, batch: int, num_heads: int) -> int:
+    """Temporary bytes of the compiled xla decode of one new token per request over ``cache``, every
+    request owning cache.shape[0] / batch pages."""
+    max_pages = cache.shape[0] // batch
     args = (
-        jax.ShapeDtypeStruct((batch, 1, num_heads, 576), jnp.float32),
-        jax.ShapeDtypeStruct((batch * max_pages, page_size, 576), jnp.float32),
+        jax.ShapeDtypeStruct((batch, 1, num_heads, 576), query_dtype),
+        cache,
         jax.ShapeDtypeStruct((batch, max_pages), jnp.int32),
         jax.ShapeDtypeStruct((batch,), jnp.int32),
     )
     compiled = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=0.1, backend="xla")).lower(
         *args).compile()
-    temp = compiled.memory_analysis().temp_size_in_bytes
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("cache_dtype,row,query_dtype", [
+    (jnp.float32, 576, jnp.float32),
+    (jnp.uint8, 656, jnp.bfloat16),  # the fp8 cache, dequantised chunk by chunk
+], ids=["float32", "fp8"])
+def test_xla_backend_memory_is_bounded_by_the_chunk(cache_dtype, row, query_dtype):
+    """Temporaries scale with the chunk, not with max_len: no full gather, no full logits."""
+    batch, num_heads, page_size, max_pages = 4, 16, 16, 1024  # 16k tokens per request
+
+    def temp_bytes(pages):
+        cache = jax.ShapeDtypeStruct((batch * pages, page_size, row), cache_dtype)
+        return xla_temp_bytes(cache, query_dtype, batch=batch, num_heads=num_heads)
+
+    temp = temp_bytes(max_pages)
     full_gather = batch * max_pages * page_size * 576 * 4
     chunk_gather = batch * xla_backend.CHUNK_TOKENS * 576 * 4
     assert temp < 4 * chunk_gather, (temp, chunk_gather)
     assert temp < full_gather / 8, (temp, full_gather)
+    assert temp_bytes(4 * max_pages) == temp
 
 
 def test_auto_on_cpu_is_xla():
