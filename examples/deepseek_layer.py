@@ -2,6 +2,7 @@
 
     python examples/deepseek_layer.py                       # embedded tiny config, seconds on a CPU
     python examples/deepseek_layer.py --config v2-lite --layers 4 --steps 32
+    python examples/deepseek_layer.py --kv-dtype fp8        # the fp8 (e4m3) latent cache
     python examples/deepseek_layer.py --config path/to/DeepSeek-V3/config.json --batch 8 \\
         --prompt-len 1024                                   # V3's shapes want a GPU
 
@@ -10,8 +11,14 @@ lengths, whose pages come from one shuffled pool, then decodes them greedily: ea
 weight-absorbed attention through ``jax_mla.decode`` in one jitted function that updates the paged
 caches in place. It prints the decode throughput over the steps after the first (which compiles),
 then the check: every layer's output at every step recomputed without absorption over a dense copy
-of its history. The run exits 1 when they differ by more than bf16 tolerance. Needs no torch and
-downloads nothing.
+of its history. The run exits 1 when they differ by more than the tolerance (bf16's, or the fp8
+cache's). Needs no torch and downloads nothing.
+
+With ``--kv-dtype fp8`` the paged caches are jax_mla's fp8 cache (docs/fp8-cache.md): ``write_kv``
+quantises every latent row to e4m3 with one scale per 128 channels (the rope part stays bf16), and
+``--backend auto`` resolves to a backend that takes it (xla today; the GPU backends take bf16 caches
+only). The check's reference keeps the unquantised bf16 latents, so its error includes the
+quantisation's, held to its own tolerance.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ def _host_devices_for_tp(argv: list[str]) -> None:
 _host_devices_for_tp(sys.argv[1:])
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding  # noqa: E402
 
@@ -44,13 +52,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepseek_mla as model  # noqa: E402
 
 import jax_mla  # noqa: E402
-from jax_mla import backends  # noqa: E402
+from jax_mla import backends, fp8_cache  # noqa: E402
 
 # Max |absorbed - reference| over max |reference|, per layer and step: bf16 tolerance.
 TOLERANCE = 2e-2
+# The same with --kv-dtype fp8 against the reference on the unquantised latents, so it includes the
+# e4m3 quantisation's error: 2-3x the worst measured on the tiny default config over several seeds
+# (docs/fp8-cache.md, "In the example").
+FP8_TOLERANCE = 1.2e-1
+KV_DTYPES = ("bf16", fp8_cache.FP8)
+TOLERANCES = {"bf16": TOLERANCE, fp8_cache.FP8: FP8_TOLERANCE}
 DEFAULT_CONFIG = "tiny"
 # The backends whose kernels read a work schedule built once per step (jax_mla.plan).
 PLANNED_BACKENDS = (backends.FA3, backends.FA2)
+
+
+def _format_tolerance(tolerance: float) -> str:
+    """2e-02, 1.2e-01: one significant digit where that is exact, two otherwise."""
+    return f"{tolerance:.1e}".replace(".0e", "e")
 
 
 def _shapes(cfg: model.MLAConfig) -> str:
@@ -121,6 +140,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=bounded_int(0), default=0, help="weights, prompts and pages")
     parser.add_argument("--tp", type=positive_int, default=1,
                         help="tensor parallelism: split the attention heads over this many devices")
+    parser.add_argument("--kv-dtype", default="bf16", choices=KV_DTYPES,
+                        help="the paged latent cache: bf16, or fp8 (e4m3 latent with a float32 scale "
+                             "per 128 channels and a bf16 rope part, 656 instead of 1152 bytes a token "
+                             "for kv_lora_rank 512; docs/fp8-cache.md), which write_kv quantises and "
+                             "backend auto decodes on xla. The check's reference uses the unquantised "
+                             f"latents; its tolerance is {_format_tolerance(TOLERANCE)} for bf16 "
+                             f"and {_format_tolerance(FP8_TOLERANCE)} for fp8")
     args = parser.parse_args(argv)
 
     cfg = args.config
@@ -134,6 +160,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.backend != "auto" and args.backend not in (available := jax_mla.available_backends()):
         parser.error(f"--backend {args.backend} cannot run here ({jax.default_backend()}); "
                      f"available: {available}")
+    if args.kv_dtype == fp8_cache.FP8:
+        try:
+            fp8_cache.layout(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+            concrete_backend(args.backend, args.kv_dtype)
+        except (TypeError, ValueError) as error:
+            parser.error(f"--kv-dtype fp8: {error}")
     return args
 
 
@@ -198,17 +230,32 @@ def relative_error(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-30))
 
 
-def concrete_backend(requested: str) -> str:
-    """The backend ``jax_mla.decode(backend=requested)`` runs for this example's bf16 arrays."""
-    return jax_mla.available_backends()[0] if requested == "auto" else requested
+def cache_format(kv_dtype: str) -> str:
+    """The ``jax_mla.backends`` cache format of a ``--kv-dtype``."""
+    return backends.FP8_CACHE if kv_dtype == fp8_cache.FP8 else backends.FLOAT_CACHE
+
+
+def concrete_backend(requested: str, kv_dtype: str = "bf16") -> str:
+    """The backend ``jax_mla.decode(backend=requested)`` runs for this example's bf16 queries on a
+    cache of ``kv_dtype``; "auto" on the fp8 cache resolves to xla. TypeError when ``requested``
+    does not take that cache."""
+    return backends.resolve(requested, jax.default_backend(), jnp.bfloat16,
+                            cache_format(kv_dtype))
 
 
 def describe(cfg: model.MLAConfig, args: argparse.Namespace, backend: str) -> str:
-    return (f"config {cfg.name}: {_shapes(cfg)}, qk_nope {cfg.qk_nope_head_dim}, "
+    line = (f"config {cfg.name}: {_shapes(cfg)}, qk_nope {cfg.qk_nope_head_dim}, "
             f"qk_rope {cfg.qk_rope_head_dim}, v_head {cfg.v_head_dim}; softmax_scale "
             f"{cfg.softmax_scale:.5f} (YaRN mscale {cfg.yarn_mscale:.4f})\n"
             f"backend {backend} ({args.backend}) on {jax.default_backend()}, tp {args.tp}, "
             f"{args.layers} layer(s), bf16")
+    if args.kv_dtype == fp8_cache.FP8:
+        row = fp8_cache.layout(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+        takers = [b.name for b in backends.TABLE if backends.FP8_CACHE in b.cache_formats]
+        line += (f", fp8 cache ({row.row_bytes} B/token vs bf16's {2 * row.head_dim}; "
+                 f"{'auto resolves it to ' + backend if args.backend == 'auto' else 'backend ' + backend}"
+                 f"; backends that take it: {', '.join(takers)})")
+    return line
 
 
 def make_requests(rng: np.random.Generator, cfg: model.MLAConfig, args: argparse.Namespace):
@@ -289,22 +336,25 @@ def check(reference_step, params, histories, record) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    """Prefill, decode and check. Returns max_error, first_step_s (compile included), ms_per_step
-    and tokens_per_s over the later steps (NaN for a single step), check_s and the generated tokens
-    [B, steps + 1]."""
+    """Prefill, decode and check. Returns max_error and its tolerance, the backend run,
+    first_step_s (compile included), ms_per_step and tokens_per_s over the later steps (NaN for a
+    single step), check_s and the generated tokens [B, steps + 1]."""
     cfg = args.config
     rng = np.random.default_rng(args.seed)
     lens, tokens, tables, num_pages = make_requests(rng, cfg, args)
-    backend = concrete_backend(args.backend)
+    backend = concrete_backend(args.backend, args.kv_dtype)
+    tolerance = TOLERANCES[args.kv_dtype]
     print(describe(cfg, args, backend))
     print(f"{args.batch} requests, prompt lengths {lens.tolist()}, {args.steps} decode steps; "
           f"{num_pages} pages of {args.page_size} tokens per layer, shuffled")
 
     place, head_sharding = placement(args.tp)
     params = jax.device_put(model.init_model(args.seed, cfg, args.layers), place)
+    # bf16, or the fp8 cache (uint8 rows: e4m3 latent, scales, bf16 rope) that write_kv quantises.
+    cache_dtype = fp8_cache.FP8 if args.kv_dtype == fp8_cache.FP8 else jnp.bfloat16
     caches = jax.device_put([jax_mla.allocate_cache(num_pages, args.page_size,
                                                     kv_lora_rank=cfg.kv_lora_rank,
-                                                    rope_dim=cfg.qk_rope_head_dim)
+                                                    rope_dim=cfg.qk_rope_head_dim, dtype=cache_dtype)
                              for _ in range(args.layers)], place)
     block_tables = jax.device_put(tables, place)
     # Donated caches (and histories) are updated in place instead of copied every step.
@@ -335,7 +385,8 @@ def run(args: argparse.Namespace) -> dict:
               f"for a timing after compilation")
     print(f"request 0 generated tokens: {generated[0].tolist()}")
 
-    # The check's own dense record of every token's [c_kv, k_pe], kept apart from the paged caches.
+    # The check's own dense record of every token's [c_kv, k_pe], kept apart from the paged caches
+    # (bf16 and unquantised, whatever --kv-dtype).
     max_len = args.prompt_len + args.steps
     histories = jax.device_put(
         [np.zeros((args.batch, max_len, r.shape[-1]), r.dtype) for r in rows], place)
@@ -344,11 +395,15 @@ def run(args: argparse.Namespace) -> dict:
     errors = check(reference_step, params, histories, record)
     check_s = time.perf_counter() - start
     max_error = max(errors)
-    verdict = "OK" if max_error <= TOLERANCE else "FAILED"
-    print(f"check, every layer at every step: max relative error vs non-absorbed attention: "
-          f"{max_error:.3e} (tolerance {TOLERANCE:.0e}) {verdict}; {check_s:.2f} s, compile included")
+    verdict = "OK" if max_error <= tolerance else "FAILED"
+    against = " on the unquantised latents" if args.kv_dtype == fp8_cache.FP8 else ""
+    print(f"check, every layer at every step: max relative error vs non-absorbed attention{against}: "
+          f"{max_error:.3e} (tolerance {_format_tolerance(tolerance)}) {verdict}; {check_s:.2f} s, "
+          "compile included")
     return {
         "max_error": max_error,
+        "tolerance": tolerance,
+        "backend": backend,
         "first_step_s": step_times[0],
         "ms_per_step": ms_per_step,
         "tokens_per_s": args.batch * 1e3 / ms_per_step if timed else float("nan"),
@@ -360,9 +415,9 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     args = parse_args(argv)
     result = run(args)
-    if not result["max_error"] <= TOLERANCE:
+    if not result["max_error"] <= result["tolerance"]:
         print(f"error: absorbed decode differs from the non-absorbed reference by "
-              f"{result['max_error']:.3e} > {TOLERANCE:.0e}", file=sys.stderr)
+              f"{result['max_error']:.3e} > {_format_tolerance(result['tolerance'])}", file=sys.stderr)
         return 1
     return 0
 

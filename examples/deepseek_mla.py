@@ -297,7 +297,8 @@ def mla_prefill(p: dict, cfg: MLAConfig, x, kv_cache, block_tables, prompt_lens)
 
     Args:
       x: [B, P, dim], prompts padded to P tokens; kv_cache: [num_pages, page_size, kv_lora_rank +
-        qk_rope]; block_tables: int32 [B, max_pages]; prompt_lens: int32 [B], each in [1, P].
+        qk_rope], or jax_mla's fp8 cache, which ``write_kv`` quantises into; block_tables: int32
+        [B, max_pages]; prompt_lens: int32 [B], each in [1, P].
     Returns:
       (out [B, P, dim] (rows past a prompt are padding), the updated cache, rows [B, P, kv_lora_rank +
       qk_rope]: every token's ``[c_kv, k_pe]``).
@@ -320,7 +321,8 @@ def mla_decode(p: dict, cfg: MLAConfig, x, kv_cache, block_tables, positions, pl
     """One absorbed decode step: write the new token's row, attend in the latent space via jax_mla.
 
     Args:
-      x: [B, 1, dim], the new tokens; kv_cache: [num_pages, page_size, kv_lora_rank + qk_rope];
+      x: [B, 1, dim], the new tokens; kv_cache: [num_pages, page_size, kv_lora_rank + qk_rope], or
+        jax_mla's fp8 cache (uint8 rows, docs/fp8-cache.md);
       block_tables: int32 [B, max_pages], covering position ``positions[b]``; positions: int32 [B],
         each new token's position (= tokens already cached for the request).
       plan: the step's ``jax_mla.Plan`` for the fa3/fa2 backends, or None.
@@ -383,8 +385,8 @@ def prefill(params, caches, block_tables, tokens, prompt_lens, *, cfg: MLAConfig
     """Run the prompts through every layer, filling each layer's paged cache.
 
     Args:
-      caches: one [num_pages, page_size, kv_lora_rank + qk_rope] cache per layer; tokens: int32
-        [B, P], padded prompts; prompt_lens: int32 [B].
+      caches: one [num_pages, page_size, kv_lora_rank + qk_rope] cache (or fp8 cache) per layer;
+        tokens: int32 [B, P], padded prompts; prompt_lens: int32 [B].
     Returns:
       (caches, first decode tokens int32 [B], per-layer rows [B, P, kv_lora_rank + qk_rope]).
     """

@@ -1,5 +1,5 @@
 """The DeepSeek MLA example: the README's command, a v2-lite run, the absorbed-vs-naive check, one
-compilation per step function, progress output and configs."""
+compilation per step function, the fp8 cache (--kv-dtype fp8), progress output and configs."""
 
 from __future__ import annotations
 
@@ -27,9 +27,13 @@ import deepseek_mla as model  # noqa: E402
 import jax_mla  # noqa: E402
 
 TOLERANCE = deepseek_layer.TOLERANCE
-ERROR_LINE = re.compile(r"max relative error vs non-absorbed attention: (\S+)")
+FP8_TOLERANCE = deepseek_layer.FP8_TOLERANCE
+ERROR_LINE = re.compile(r"max relative error vs non-absorbed attention(?: on the unquantised latents)?: "
+                        r"(\S+) \(tolerance (\S+)\)")
+BACKEND_LINE = re.compile(r"^backend (\S+) \((\S+)\) on .*$", re.MULTILINE)
 # The README's first command, run with torch made unimportable: the example must not need it.
-WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1]]; "
+# Arguments after the script's path are passed on.
+WITHOUT_TORCH = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
                  "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
@@ -39,22 +43,54 @@ def reported_error(stdout: str) -> float:
     return float(match.group(1))
 
 
-def test_readme_command_runs_the_tiny_default():
-    """``python examples/deepseek_layer.py`` as the README runs it, in a log (not a terminal). Where
+def reported_tolerance(stdout: str) -> float:
+    match = ERROR_LINE.search(stdout)
+    assert match, f"no error line in the output:\n{stdout}"
+    return float(match.group(2))
+
+
+def run_example(*args: str) -> subprocess.CompletedProcess:
+    """``python examples/deepseek_layer.py ARGS`` in a subprocess, in a log (not a terminal). Where
     only the xla backend runs, torch is made unimportable: the example needs none (FlashInfer's GPU
     modules do, so a machine that runs fa3/fa2 keeps it)."""
     root = os.path.dirname(EXAMPLES)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     script = os.path.join("examples", "deepseek_layer.py")
     without_torch = jax_mla.available_backends()[0] == "xla"
-    command = [sys.executable, "-c", WITHOUT_TORCH, script] if without_torch else [sys.executable, script]
-    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    command = [sys.executable, "-c", WITHOUT_TORCH] if without_torch else [sys.executable]
+    return subprocess.run([*command, script, *args], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_readme_command_runs_the_tiny_default():
+    """``python examples/deepseek_layer.py`` as the README runs it."""
+    proc = run_example()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert reported_error(proc.stdout) < TOLERANCE
+    assert reported_tolerance(proc.stdout) == TOLERANCE
     assert "config tiny" in proc.stdout and "tokens/s" in proc.stdout
     # Progress in a log: a few plain lines per loop, no carriage returns.
     assert "\r" not in proc.stdout + proc.stderr
     assert 1 <= proc.stderr.count("decode ") <= 4, proc.stderr
+    assert "fp8" not in proc.stdout  # bf16 by default
+
+
+def test_fp8_cache_run_is_checked_against_the_unquantised_latents():
+    """``--kv-dtype fp8``: the layers' caches are fp8, backend auto decodes them on xla (whatever
+    the machine: the GPU backends take bf16 caches only), and the error against the non-absorbed
+    attention on the unquantised latents stays within the fp8 tolerance, which is looser than
+    bf16's but well under the error of a wrong softmax scale (about 0.3, the test below)."""
+    proc = run_example("--kv-dtype", "fp8")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    backend_line = BACKEND_LINE.search(proc.stdout)
+    assert backend_line, proc.stdout
+    assert backend_line.group(1, 2) == ("xla", "auto"), backend_line.group(0)
+    assert "fp8 cache (656 B/token vs bf16's 1152; auto resolves it to xla" in backend_line.group(0)
+    assert "on the unquantised latents" in proc.stdout
+    assert reported_tolerance(proc.stdout) == FP8_TOLERANCE > TOLERANCE
+    # The quantisation shows (the bf16 cache's run errs 6e-3 to 8e-3), within the stated tolerance.
+    assert TOLERANCE / 4 < reported_error(proc.stdout) < FP8_TOLERANCE
+    assert f"(tolerance {FP8_TOLERANCE:.1e}) OK" in proc.stdout
 
 
 @contextlib.contextmanager
@@ -89,24 +125,31 @@ def committed_plan_stand_in(monkeypatch):
     monkeypatch.setattr(model.jax_mla, "decode", decode_reading_the_plan)
 
 
-@pytest.mark.parametrize("tp,plan", [
-    (1, "as here"),
-    (1, "committed stand-in"),
-    pytest.param(2, "as here", marks=pytest.mark.skipif(
-        jax.device_count() < 2, reason="needs two devices (conftest asks for 4 host devices)")),
+TWO_DEVICES = pytest.mark.skipif(jax.device_count() < 2,
+                                 reason="needs two devices (conftest asks for 4 host devices)")
+
+
+@pytest.mark.parametrize("tp,plan,kv_dtype", [
+    (1, "as here", "bf16"),
+    (1, "committed stand-in", "bf16"),
+    pytest.param(2, "as here", "bf16", marks=TWO_DEVICES),
+    (1, "as here", "fp8"),
+    pytest.param(2, "as here", "fp8", marks=TWO_DEVICES),
 ])
-def test_each_step_function_compiles_once(tp, plan, monkeypatch, capsys):
+def test_each_step_function_compiles_once(tp, plan, kv_dtype, monkeypatch, capsys):
     """Steps after the first reuse the first step's executables, so the timed steps compile nothing.
     With --tp 2 the query's heads split over two devices, each running the kernel on its 8 heads."""
     if plan == "committed stand-in":
         committed_plan_stand_in(monkeypatch)
-    argv = ["--batch", "2", "--prompt-len", "12", "--steps", "4", "--layers", "1", "--tp", str(tp)]
+    argv = ["--batch", "2", "--prompt-len", "12", "--steps", "4", "--layers", "1", "--tp", str(tp),
+            "--kv-dtype", kv_dtype]
     with compilations() as counts:
         assert deepseek_layer.main(argv) == 0
     steps = {name: counts[f"jit({name})"] for name in ("prefill", "decode_step", "reference_step")}
     assert steps == {"prefill": 1, "decode_step": 1, "reference_step": 1}, counts
     out = capsys.readouterr().out
-    assert f"tp {tp}," in out and reported_error(out) < TOLERANCE
+    assert f"tp {tp}," in out and reported_error(out) < deepseek_layer.TOLERANCES[kv_dtype]
+    assert ("fp8 cache" in out) == (kv_dtype == "fp8")
 
 
 def test_v2_lite_config(capsys):
@@ -117,8 +160,10 @@ def test_v2_lite_config(capsys):
     assert reported_error(out) < TOLERANCE
 
 
-def test_run_fails_when_the_absorbed_path_is_wrong(monkeypatch, capsys):
-    """A decode that forgets YaRN's mscale**2 must make the script exit non-zero."""
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
+def test_run_fails_when_the_absorbed_path_is_wrong(kv_dtype, monkeypatch, capsys):
+    """A decode that forgets YaRN's mscale**2 must make the script exit non-zero, also against the
+    fp8 cache's looser tolerance."""
     real_decode = jax_mla.decode
 
     def decode_without_mscale(*args, softmax_scale, **kwargs):
@@ -126,10 +171,11 @@ def test_run_fails_when_the_absorbed_path_is_wrong(monkeypatch, capsys):
                            **kwargs)
 
     monkeypatch.setattr(model.jax_mla, "decode", decode_without_mscale)
-    argv = ["--batch", "2", "--prompt-len", "12", "--steps", "2", "--layers", "1", "--seed", "3"]
+    argv = ["--batch", "2", "--prompt-len", "12", "--steps", "2", "--layers", "1", "--seed", "3",
+            "--kv-dtype", kv_dtype]
     assert deepseek_layer.main(argv) == 1
     captured = capsys.readouterr()
-    assert reported_error(captured.out) > TOLERANCE
+    assert reported_error(captured.out) > deepseek_layer.TOLERANCES[kv_dtype]
     assert "differs from the non-absorbed reference" in captured.err
 
 
@@ -193,6 +239,7 @@ def test_yarn_softmax_scale_and_frequencies():
     (["--config", "v4"], "expected one of tiny, v2-lite, v3 or the path of a config.json, got 'v4'"),
     (["--backend", "cuda"], "invalid choice: 'cuda'"),
     (["--prompt-len", "16384"], "exceeds the tiny config's max_seq_len 16384"),
+    (["--kv-dtype", "fp16"], "invalid choice: 'fp16'"),
 ])
 def test_cli_rejects_bad_input(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -253,13 +300,27 @@ def test_config_json_rejects_what_the_example_cannot_run(edit, message, tmp_path
     assert message in capsys.readouterr().err
 
 
+def test_fp8_cache_needs_whole_scale_groups(tmp_path, capsys):
+    """The fp8 cache keeps one scale per 128 latent channels: a kv_lora_rank of 320 is refused when
+    the arguments are parsed, not deep in the first step."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(V3_CONFIG_JSON, kv_lora_rank=320)))
+    assert deepseek_layer.parse_args(["--config", str(path)]).kv_dtype == "bf16"
+    with pytest.raises(SystemExit) as exit_info:
+        deepseek_layer.parse_args(["--config", str(path), "--kv-dtype", "fp8"])
+    assert exit_info.value.code == 2
+    message = "--kv-dtype fp8: an fp8 cache needs kv_lora_rank to be a multiple of 128"
+    assert message in capsys.readouterr().err
+
+
 def test_help_explains_config(capsys):
     with pytest.raises(SystemExit) as exit_info:
         deepseek_layer.parse_args(["--help"])
     assert exit_info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for words in ("'tiny' (embedded default", "'v2-lite'", "'v3'", "HuggingFace config.json",
-                  "DeepSeek-V3", "(default: tiny)"):
+                  "DeepSeek-V3", "(default: tiny)", "--kv-dtype {bf16,fp8}", "decodes on xla",
+                  "docs/fp8-cache.md", f"{FP8_TOLERANCE:.1e} for fp8", "(default: bf16)"):
         assert words in text, words
 
 
