@@ -50,6 +50,8 @@ class Backend:
       takes_plan: whether it reads a work schedule (``plan=`` a ``jax_mla.Plan`` or "device").
       applies_output_scale: whether its kernel multiplies by ``output_scale`` itself.
       decode: the implementation, with the signature in the module docstring.
+      missing: for a backend that needs more than its GPU and jax_mla's GPU runtime, a function
+        saying why it cannot run here (None when it can).
     """
 
     name: str
@@ -60,6 +62,7 @@ class Backend:
     takes_plan: bool
     applies_output_scale: bool
     decode: Callable
+    missing: Callable[[], str | None] = lambda: None
 
     def takes_dtype(self, dtype) -> bool:
         return not self.dtypes or jnp.dtype(dtype) in self.dtypes
@@ -117,7 +120,8 @@ TABLE: tuple[Backend, ...] = (
     # jax_mla's own Hopper kernel (ffi/sm90), after fa3/fa2 so that "auto" keeps fa3 until the
     # committed benchmark shows sm90 faster.
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_sm90_decode),
+            BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_sm90_decode,
+            missing=lambda: gpu.sm90_missing()),
     Backend(XLA, "any JAX platform", None,
             (), (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
             decode=_xla_decode),
@@ -149,12 +153,7 @@ def available_backends(platform: str | None = None) -> list[str]:
     platform = platform or jax.default_backend()
     if not _is_cuda(platform) or gpu.runtime_missing() is not None:
         return runnable_on(None)
-    return [name for name in runnable_on(gpu.capability())
-            if name not in _EXTRA_REQUIREMENTS or _EXTRA_REQUIREMENTS[name]() is None]
-
-
-# Backends that need more than the GPU runtime: name -> () -> why it cannot run, or None.
-_EXTRA_REQUIREMENTS = {SM90: lambda: gpu.sm90_missing()}
+    return [name for name in runnable_on(gpu.capability()) if BY_NAME[name].missing() is None]
 
 
 def cache_format_of(kv_cache) -> str:
@@ -201,7 +200,7 @@ def _why_unavailable(backend: Backend, platform: str) -> str:
     if missing:
         return f"backend {backend.name!r} is unavailable: {missing}"
     major, minor = gpu.capability()
-    extra = _EXTRA_REQUIREMENTS.get(backend.name, lambda: None)()
+    extra = backend.missing()
     if backend.runs_on_gpu((major, minor)) and extra:
         return f"backend {backend.name!r} is unavailable: {extra}"
     return (f"backend {backend.name!r} runs on {backend.runs_on} and cannot run on this GPU "
