@@ -286,32 +286,39 @@ class Bench:
         self.time_layers(run, "jax_mla_device_plan", fn, None, layers)
 
     def time_model_step(self, run: PointRun) -> None:
-        """A whole model step of --step-layers decode calls, end to end, planned two ways.
+        """A whole model step of --step-layers decode calls, end to end, planned two ways, each
+        with and without the guard of bad values (``fail_closed``).
 
         ``step_host_plan``: every step calls ``jax_mla.plan`` on the host lengths (as a serving
         loop does; it overlaps the previous step's GPU work under async dispatch) and passes the
         plan in. ``step_device_plan``: the step builds its schedule with ``jax_mla.device_plan``.
-        Records ``<name>_ms`` per step (and ``<name>_us`` per layer)."""
+        ``*_unguarded``: the same with ``fail_closed=False``. Records ``<name>_ms`` per step (and
+        ``<name>_us`` per layer)."""
         import jax_mla
 
         layout, record = run.layout, run.record
         pt = layout.point
         layers = self.args.step_layers
         lengths = np.asarray(layout.lengths, np.int32)
-        planned_step = m.layered(m.decode_with_plan, layers)
-
-        def host_planned_step(query, caches_, tables, lens, plan_):
-            del plan_
-            fresh = jax_mla.plan(lengths, num_heads=pt.H, q_len=pt.q_len, max_pages=layout.max_pages)
-            return planned_step(query, caches_, tables, lens, fresh)
-
-        device_step = m.device_planned(m.decode_with_plan, layers, pt, layout.max_pages)
         record["step_layers"] = layers
-        for name, fn in (("step_host_plan", host_planned_step), ("step_device_plan", device_step)):
+        steps = {}
+        for suffix, guarded in (("", True), ("_unguarded", False)):
+            one = functools.partial(m.decode_with_plan, fail_closed=guarded)
+            planned_step = m.layered(one, layers)
+
+            def host_planned_step(query, caches_, tables, lens, plan_, planned_step=planned_step):
+                del plan_
+                fresh = jax_mla.plan(lengths, num_heads=pt.H, q_len=pt.q_len,
+                                     max_pages=layout.max_pages)
+                return planned_step(query, caches_, tables, lens, fresh)
+
+            steps[f"step_host_plan{suffix}"] = host_planned_step
+            steps[f"step_device_plan{suffix}"] = m.device_planned(one, layers, pt, layout.max_pages)
+        for name, fn in steps.items():
             self.time_layers(run, name, fn, None, layers)
             if record.get(f"{name}_us") is not None:
                 record[f"{name}_ms"] = record[f"{name}_us"] * layers / 1e3
-        if all(f"{n}_ms" in record for n in ("step_host_plan", "step_device_plan")):
+        if all(f"{n}_ms" in record for n in steps):
             record["methods_done"].append("jax_mla_step")
 
     def time_layers(self, run: PointRun, method: str, fn, plan, layers: int) -> None:

@@ -24,7 +24,8 @@ Methods (``--backends``):
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
   jax_mla_step    (only when named) a whole --step-layers (61) step end to end, host plan every
-                  step vs device plan in the step: step_host_plan_ms, step_device_plan_ms
+                  step vs device plan in the step: step_host_plan_ms, step_device_plan_ms; each
+                  also with fail_closed=False (*_unguarded_ms), the guard's cost
 """
 
 from __future__ import annotations

@@ -82,11 +82,13 @@ def xla_naive_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale):
     return out.astype(query.dtype)
 
 
-def decode_with_plan(query, cache, tables, lens, plan):
-    """One layer: jax_mla.decode with backend "auto" and the step's plan."""
+def decode_with_plan(query, cache, tables, lens, plan, *, fail_closed: bool = True):
+    """One layer: jax_mla.decode with backend "auto" and the step's plan (``fail_closed=False``:
+    without the guard of bad values, to measure what it costs)."""
     import jax_mla
 
-    return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, plan=plan)
+    return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, plan=plan,
+                          fail_closed=fail_closed)
 
 
 def layered(decode_one, layers: int, compiler_options: dict | None = None):

@@ -249,24 +249,36 @@ def schedule_table(rows) -> list[str]:
 
 
 def step_table(rows) -> list[str]:
-    """Whole model steps (jax_mla_step), end to end, host plan every step vs device plan."""
+    """Whole model steps (jax_mla_step), end to end, host plan every step vs device plan, each
+    with the guard of bad values (the default) and without it."""
     picked = [r for r in rows if num(r, "step_device_plan_ms") is not None]
     if not picked:
         return []
     head = ["H", "q", "B", "L", "layers", "step, host plan ms", "step, device plan ms", "device/host",
-            "host plan() µs"]
-    out = ["## Whole decode step, host plan vs GPU plan", "",
+            "host plan, unguarded ms", "device plan, unguarded ms", "guard cost, host plan",
+            "guard cost, device plan", "host plan() µs"]
+    out = ["## Whole decode step, host plan vs GPU plan, with and without the guard", "",
            "One jitted step of all layers, steps dispatched back to back. Host plan: "
            "`jax_mla.plan(lengths)` runs on the host before every step (overlapping the previous "
-           "step's GPU work) and is passed in; device plan: `jax_mla.device_plan` inside the step.",
+           "step's GPU work) and is passed in; device plan: `jax_mla.device_plan` inside the step. "
+           "Unguarded: `decode(..., fail_closed=False)`; guard cost = guarded / unguarded - 1.",
            ""]
     cell_rows = []
     for r in picked:
         host, dev = num(r, "step_host_plan_ms"), num(r, "step_device_plan_ms")
+        host_open, dev_open = num(r, "step_host_plan_unguarded_ms"), num(r, "step_device_plan_unguarded_ms")
         cell_rows.append([
             r["H"], r["q_len"], r["B"], fmt_len(r["L"]), r.get("step_layers", "–"), f(host, 2),
-            f(dev, 2), f(ratio(dev, host), 3), f(num(r, "plan_ready_us"))])
+            f(dev, 2), f(ratio(dev, host), 3), f(host_open, 2), f(dev_open, 2),
+            percent_over(host, host_open), percent_over(dev, dev_open), f(num(r, "plan_ready_us"))])
     return out + markdown_table(head, cell_rows) + [""]
+
+
+def percent_over(value, base) -> str:
+    """``value / base - 1`` as a signed percentage, or "–"."""
+    if value is None or not base:
+        return "–"
+    return f"{100 * (value / base - 1):+.2f}%"
 
 
 def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[str],

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "common.h"
+#include "lengths.h"
 #include "plan_info.h"
 #include "tvm/ffi/container/array.h"
 #include "tvm/ffi/container/tuple.h"
@@ -181,6 +182,8 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   // The sync also retires the previous call's schedule upload from `staging.schedule`.
   if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
   if (status != cudaSuccess) return CudaFailure("reading seq_lens for planning", status);
+  const int64_t page_size = kv_cache.dimensions()[1];
+  ClampLengths(static_cast<int32_t*>(staging.seq_lens.data()), batch, max_pages * page_size);
 
   // CSR metadata over the padded block table: request b's pages start at b * max_pages.
   std::vector<int32_t> qo_indptr(batch + 1), kv_indptr(batch + 1);

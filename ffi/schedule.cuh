@@ -81,6 +81,16 @@ struct Divisor {
   __host__ __device__ int64_t Ceil(int64_t x) const { return Floor(x + value - 1); }
 };
 
+// Request `request`'s length as the planner uses it, clamped to [0, kMaxKvLen]: a negative length
+// would give negative counts and writes past the workspace, and kMaxKvLen keeps every chunk size
+// (all tile tokens over the clusters) below 2^31 for the largest batch that fits kMaxTotalWorks.
+// jax_mla.decode gives longer requests nothing to read (planning.MAX_KV_LEN, jax_mla.guard).
+constexpr int kMaxKvLen = 1 << 22;
+__host__ __device__ inline int ReadKvLen(const int32_t* seq_lens, int request) {
+  const int kv_len = seq_lens[request];
+  return kv_len < 0 ? 0 : (kv_len > kMaxKvLen ? kMaxKvLen : kv_len);
+}
+
 // MLAPlan's kv range of a query tile: under the causal mask earlier tiles see fewer tokens.
 __host__ __device__ inline int TileKvLen(const ScheduleShape& s, int kv_len, int tile) {
   const int tiles = s.num_q_tiles();
@@ -248,7 +258,7 @@ __host__ __device__ inline void WalkItems(const ScheduleShape& s, const int32_t*
   if (known) {
     request = known->it.request, tile = known->it.tile, kv_len = known->it.kv_len;
   } else {
-    request = first / tiles, tile = first % tiles, kv_len = seq_lens[request];
+    request = first / tiles, tile = first % tiles, kv_len = ReadKvLen(seq_lens, request);
   }
   for (int i = first; i < end; ++i) {
     const bool cached = known && i == first;
@@ -256,7 +266,7 @@ __host__ __device__ inline void WalkItems(const ScheduleShape& s, const int32_t*
     const ItemCounts own = cached ? known->own : CountItem(s, it, limit);
     visit(it, own, before);
     before = before + own;
-    if (++tile == tiles && i + 1 < end) tile = 0, kv_len = seq_lens[++request];
+    if (++tile == tiles && i + 1 < end) tile = 0, kv_len = ReadKvLen(seq_lens, ++request);
   }
 }
 
@@ -273,7 +283,7 @@ __host__ __device__ inline int64_t RangeKv(const ScheduleShape& s, const int32_t
   const int tiles = s.num_q_tiles();
   int64_t sum = 0;
   for (int i = first, request = first / tiles, tile = first % tiles; i < end; ++i) {
-    sum += TileKvLen(s, seq_lens[request], tile);
+    sum += TileKvLen(s, ReadKvLen(seq_lens, request), tile);
     if (++tile == tiles) tile = 0, ++request;
   }
   return sum;

@@ -7,14 +7,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import backends, planning, sharding, validation, value_checks
+from jax_mla import backends, guard, planning, sharding, validation, value_checks
 
 DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
 
 def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
            softmax_scale: float, output_scale: float = 1.0, return_lse: bool = False,
-           backend: str = "auto", kv_lora_rank: int | None = None, plan=None, checks: bool = False):
+           backend: str = "auto", kv_lora_rank: int | None = None, plan=None, checks: bool = False,
+           fail_closed: bool = True):
     """Multi-head Latent Attention decode over a paged cache. Callable inside ``jax.jit``.
 
     Args:
@@ -42,6 +43,11 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         request reads lie in [0, num_pages), q_len <= seq_lens <= max_pages * page_size, and query
         is finite. Eagerly a failed check raises; inside ``jax.jit`` wrap the jitted function in
         ``jax.experimental.checkify.checkify`` and call ``err.throw()`` (docs/bad-values.md).
+      fail_closed: give a request whose values are bad (a length outside [q_len, max_pages *
+        page_size], a page id it reads outside [0, num_pages), a length other than the plan's)
+        nothing to read, so its out is 0 and its lse -inf, on every backend (``jax_mla.guard``; XLA
+        computes this once per step for all layers). False skips it for callers that guarantee
+        their values: fa3, fa2 and trtllm-gen then read whatever the values point at.
 
     With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
     ``[0, seq_len - q_len + i]``.
@@ -54,17 +60,18 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
     softmax_scale = validation.check_finite_scale("softmax_scale", softmax_scale)
     output_scale = validation.check_finite_scale("output_scale", output_scale)
-    for name, flag in (("return_lse", return_lse), ("checks", checks)):
+    for name, flag in (("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     chosen = backends.BY_NAME[backends.resolve(backend, backends.platform_of(query, kv_cache),
                                                 query.dtype, backends.cache_format_of(kv_cache))]
     check_plan_argument(plan, chosen)
     if checks:
-        value_checks.check_values(query, kv_cache, block_tables, seq_lens)
+        value_checks.check_values(query, kv_cache, block_tables, seq_lens,
+                                  plan if isinstance(plan, planning.Plan) else None)
     kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
-                               device_plan=isinstance(plan, str))
+                               device_plan=isinstance(plan, str), fail_closed=fail_closed)
     # The kernel runs once per device on its shard when the arrays are sharded (jax_mla.sharding).
     schedule = None if isinstance(plan, str) else plan
     out, lse = sharding.call(kernel, query, kv_cache, block_tables, seq_lens, plan=schedule)
@@ -85,10 +92,14 @@ def check_plan_argument(plan, backend: backends.Backend) -> None:
 
 def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,
                 softmax_scale: float, output_scale: float, kv_lora_rank: int, device_plan: bool,
-                plan: planning.Plan | None = None):
+                fail_closed: bool = True, plan: planning.Plan | None = None):
     """One device's decode: (out, lse) for its shard of the arrays."""
+    _, q_len, num_heads, _ = query.shape
+    if fail_closed:
+        seq_lens, plan = guard.guard(
+            block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
+            q_len=q_len, max_len=planning.MAX_KV_LEN if backend.takes_plan else None)
     if device_plan:
-        _, q_len, num_heads, _ = query.shape
         plan = planning.device_plan(seq_lens, num_heads=num_heads, max_pages=block_tables.shape[1],
                                     q_len=q_len, kv_lora_rank=kv_lora_rank)
     out, lse = backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,

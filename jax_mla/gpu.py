@@ -196,12 +196,7 @@ def check_plan(plan: planning.Plan, batch, q_len, num_heads, max_pages, kv_lora_
         raise planning.PlanMismatchError(
             f"plan was built for {actual} but decode got {expected}; build the plan with "
             "the step's seq_lens, local head count and block-table width")
-    workspace = plan.int_workspace
-    if tuple(workspace.shape) != (layout.int_workspace_bytes,) or workspace.dtype != jnp.uint8:
-        raise planning.PlanMismatchError(
-            f"plan.int_workspace must be uint8 [{layout.int_workspace_bytes}] for this schedule "
-            f"layout, got {workspace.dtype} {list(workspace.shape)}; build plans with jax_mla.plan "
-            "or jax_mla.device_plan")
+    plan.check_arrays()
 
 
 def fa_decode(backend: str, query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,

@@ -21,6 +21,7 @@ MAX_TOTAL_WORKS = 16384  # MLAPlan's fixed capacity of each per-work array
 CTA_TILE_Q = 64
 ALIGNMENT = 16
 DEVICE_PLAN_MAX_CLUSTERS = 256  # kMaxClusters in ffi/schedule.cuh
+MAX_KV_LEN = 1 << 22  # kMaxKvLen in ffi/schedule.cuh: the longest request the fa3/fa2 schedule takes
 INT32_BYTES = 4
 
 
@@ -73,11 +74,14 @@ def schedule_layout(num_sm: int, q_len: int, num_heads: int, head_dim_o: int) ->
 class Plan:
     """A decode step's fa3/fa2 work schedule, valid for one set of lengths and problem shape.
 
-    ``int_workspace`` (uint8 [layout.int_workspace_bytes], on the GPU) is the only array; the rest is
-    static metadata checked against each ``decode`` call.
+    ``int_workspace`` (uint8 [layout.int_workspace_bytes], on the GPU) is the schedule and
+    ``seq_lens`` (int32 [batch]) the lengths it was built from: ``decode`` compares them with its
+    own on the device and gives a request whose length differs nothing to read (jax_mla.guard). The
+    rest is static metadata checked against each ``decode`` call.
     """
 
     int_workspace: jax.Array
+    seq_lens: jax.Array
     batch: int
     q_len: int
     num_heads: int
@@ -86,12 +90,36 @@ class Plan:
     layout: ScheduleLayout
 
     def tree_flatten(self):
-        return (self.int_workspace,), (self.batch, self.q_len, self.num_heads, self.max_pages,
+        return (self.int_workspace, self.seq_lens), (self.batch, self.q_len, self.num_heads, self.max_pages,
                                        self.kv_lora_rank, self.layout)
 
     @classmethod
     def tree_unflatten(cls, static, children):
-        return cls(children[0], *static)
+        return cls(*children, *static)
+
+    def check_arrays(self) -> None:
+        """Raise ``PlanMismatchError`` unless the arrays have the shapes and dtypes that the
+        plan's layout and batch imply."""
+        workspace, expected_bytes = self.int_workspace, self.layout.int_workspace_bytes
+        if tuple(workspace.shape) != (expected_bytes,) or workspace.dtype != np.uint8:
+            raise PlanMismatchError(
+                f"plan.int_workspace must be uint8 [{expected_bytes}] for this schedule layout, got "
+                f"{workspace.dtype} {list(workspace.shape)}; build plans with jax_mla.plan or "
+                "jax_mla.device_plan")
+        if tuple(self.seq_lens.shape) != (self.batch,) or self.seq_lens.dtype != np.int32:
+            raise PlanMismatchError(
+                f"plan.seq_lens must be int32 [{self.batch}], the lengths the plan was built from, "
+                f"got {self.seq_lens.dtype} {list(self.seq_lens.shape)}; build plans with "
+                "jax_mla.plan or jax_mla.device_plan")
+
+    def check_batch(self, batch: int, max_pages: int) -> None:
+        """Raise ``PlanMismatchError`` unless the plan is for ``batch`` requests over a block table
+        ``max_pages`` wide."""
+        if (self.batch, self.max_pages) != (batch, max_pages):
+            raise PlanMismatchError(
+                f"plan was built for batch {self.batch} and max_pages {self.max_pages} but decode "
+                f"got batch {batch} and max_pages {max_pages}; build the plan with the step's "
+                "seq_lens and block-table width")
 
 
 @functools.cache
@@ -147,8 +175,8 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if tuple(plan_info) != layout.plan_info or int(staged_bytes) != layout.int_workspace_bytes:
         raise RuntimeError(f"FlashInfer's plan layout {tuple(plan_info)} differs from jax_mla's "
                            f"{layout.plan_info}: FlashInfer version mismatch")
-    return Plan(jax.device_put(staging, device), batch, q_len, num_heads, max_pages, kv_lora_rank,
-                layout)
+    return Plan(jax.device_put(staging, device), jax.device_put(lengths, device), batch, q_len,
+                num_heads, max_pages, kv_lora_rank, layout)
 
 
 def max_batch_for_works(q_len: int, num_heads: int, num_clusters: int, cluster_size: int) -> int:
@@ -204,4 +232,4 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
     check_works_fit(batch, q_len, num_heads, layout)
     int_workspace = gpu.device_plan_call(seq_lens, q_len=q_len, num_heads=num_heads,
                                          max_pages=max_pages, num_sms=num_sms, layout=layout)
-    return Plan(int_workspace, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)
+    return Plan(int_workspace, seq_lens, batch, q_len, num_heads, max_pages, kv_lora_rank, layout)

@@ -14,13 +14,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.experimental import checkify
 
+from jax_mla import guard
 
-def check_values(query, kv_cache, block_tables, seq_lens) -> None:
+
+def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
     """Check ``decode``'s values; each failed check names the argument, the request and the value.
 
     Args:
       query: [B, q_len, H, D], B >= 1; kv_cache: [num_pages, page_size, D]; block_tables: int32
-        [B, max_pages]; seq_lens: int32 [B] (already shape-checked).
+        [B, max_pages]; seq_lens: int32 [B] (already shape-checked); plan: None or the
+        ``jax_mla.Plan`` passed to ``decode``, whose lengths must be ``seq_lens``.
     Raises:
       checkify.JaxRuntimeError (a ValueError) when called eagerly and a check fails. Staged by
       ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
@@ -29,6 +32,10 @@ def check_values(query, kv_cache, block_tables, seq_lens) -> None:
     _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1])
     _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
     _check_finite_query(query)
+    if plan is not None:
+        _check_none(plan.seq_lens != seq_lens, seq_lens,
+                    "seq_lens[{0}] = {1} but the plan was built for length {2}: build the plan "
+                    "from this step's seq_lens", plan.seq_lens)
 
 
 def _check_lengths(seq_lens, q_len: int, capacity: int) -> None:
@@ -42,8 +49,7 @@ def _check_lengths(seq_lens, q_len: int, capacity: int) -> None:
 
 def _check_page_ids(block_tables, seq_lens, num_pages: int, page_size: int) -> None:
     """Only the entries a request reads: those below ceil(seq_len / page_size)."""
-    used = -(-jnp.clip(seq_lens, 0, block_tables.shape[1] * page_size) // page_size)  # [B]
-    read = jnp.arange(block_tables.shape[1])[None, :] < used[:, None]  # [B, max_pages]
+    read = guard.pages_read(block_tables, seq_lens, page_size)
     out_of_range = (block_tables < 0) | (block_tables >= num_pages)
     _check_none(read & out_of_range, block_tables,
                 f"block_tables[{{0}}, {{1}}] = {{2}} is not a page of kv_cache (ids are in "
@@ -56,10 +62,12 @@ def _check_finite_query(query) -> None:
                 "head {2}, channel {3})")
 
 
-def _check_none(bad, values, message: str) -> None:
+def _check_none(bad, values, message: str, *more_values) -> None:
     """``checkify.check`` that no entry of ``bad`` is set; ``message`` is formatted with the first
-    bad entry's index (one field per dim of ``bad``) followed by its entry of ``values``."""
+    bad entry's index (one field per dim of ``bad``) followed by its entry of ``values`` and of
+    each of ``more_values``."""
     flat = bad.reshape(-1)
     first = jnp.argmax(flat)
     index = jnp.unravel_index(first, bad.shape)
-    checkify.check(~flat[first], message, *index, values.reshape(-1)[first])
+    entries = [v.reshape(-1)[first] for v in (values, *more_values)]
+    checkify.check(~flat[first], message, *index, *entries)

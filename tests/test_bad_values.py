@@ -1,23 +1,244 @@
 """Bad values (docs/bad-values.md): each is provoked here and its defined outcome or error checked.
 
-The xla backend's results for bad page ids and lengths are checked against a float64 oracle in
-which a token is present only if its position is below the clamped length and its page id is in
-range; the checked mode (``checks=True``) is checked eagerly, under ``checkify.checkify`` and jit.
+By default (``fail_closed=True``) a request with a bad page id or length, or a length other than its
+plan's, gets out 0 and lse -inf on every backend and the others their exact results; that is
+checked on every backend and plan mode this machine runs. Beneath it, with ``fail_closed=False``,
+the xla backend's own handling is checked against a float64 oracle in which a token is present only
+if its position is below the clamped length and its page id is in range. The checked mode
+(``checks=True``) is checked eagerly, under ``checkify.checkify`` and jit.
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import check_accuracy, make_problem
+from conftest import backend_params, check_accuracy, make_problem
 from jax.experimental import checkify
 from oracles import as_float64, attend
 from test_ffi import lower_for_cuda, lowering_stubs, run_backend  # noqa: F401  (a fixture)
 
 import jax_mla
-from jax_mla import backends, gpu, planning
+from jax_mla import backends, gpu, guard, planning, value_checks
+from jax_mla.reference import reference_from_jax
+
+
+# ---- failing closed: bad requests read nothing, the others are unaffected ---------------------------
+
+BACKENDS = backend_params()
+# (backend, plan) pairs: fa3 and fa2 read their schedule from a plan built three ways.
+PLANNED = [pytest.param(p.values[0], plan, id=f"{p.id}-{plan or 'self'}", marks=p.marks)
+           for p in BACKENDS if p.values[0] in (backends.FA3, backends.FA2)
+           for plan in (None, "device", "host")]
+UNPLANNED = [pytest.param(p.values[0], None, id=p.id, marks=p.marks)
+             for p in BACKENDS if p.values[0] not in (backends.FA3, backends.FA2)]
+
+
+def bad_requests_problem(q_len: int, dtype):
+    """A batch of 8 in which requests 1-6 each carry one kind of bad value (page size 32, so that
+    every backend runs it) and 0 and 7 are clean, with garbage in their table padding.
+    Returns (problem, tables, lengths, the bad requests)."""
+    problem = make_problem(11 + q_len, batch=8, q_len=q_len, num_heads=16, page_size=32,
+                           max_len=200, dtype=dtype)
+    tables = np.asarray(problem.block_tables).copy()
+    lengths = np.asarray(problem.seq_lens).copy()
+    num_pages, capacity = problem.kv_cache.shape[0], tables.shape[1] * 32
+    lengths[1:7] = np.maximum(lengths[1:7], 40)  # two pages at least, where an id is replaced
+    tables[1, 0] = -1                             # read ids out of range, first and last page
+    tables[2, (lengths[2] - 1) // 32] = num_pages
+    tables[3, 1] = 10**6
+    lengths[4] = capacity + 5                     # past the table's capacity
+    lengths[5] = 2**31 - 1
+    lengths[6] = q_len - 1 if q_len > 1 else -(2**31)  # below q_len: no room for the new tokens
+    return problem, tables, lengths, [1, 2, 3, 4, 5, 6]
+
+
+def decode_all(backend, plan_mode, problem, tables, lengths, *, plan_lengths=None):
+    """(out, lse) of ``decode`` inside jit with the plan built as ``plan_mode`` says: None (fa3/fa2
+    plan in the call), "device" (in the call, on the GPU), "host" (``jax_mla.plan`` from
+    ``plan_lengths``), "step" (``jax_mla.device_plan`` from ``plan_lengths`` in the step)."""
+    _, q_len, num_heads, _ = problem.query.shape
+    shape = dict(num_heads=num_heads, max_pages=tables.shape[1], q_len=q_len)
+    plan = jax_mla.plan(plan_lengths, **shape) if plan_mode == "host" else plan_mode
+
+    def step(q, kv, bt, sl, plan, planned_lengths):
+        if plan == "step":
+            plan = jax_mla.device_plan(planned_lengths, **shape)
+        return jax_mla.decode(q, kv, bt, sl, softmax_scale=problem.softmax_scale, return_lse=True,
+                              backend=backend, plan=plan)
+
+    fn = jax.jit(step, static_argnums=4) if isinstance(plan, str) or plan is None else jax.jit(step)
+    planned = jnp.asarray(lengths if plan_lengths is None else plan_lengths, jnp.int32)
+    return fn(problem.query, problem.kv_cache, jnp.asarray(tables), jnp.asarray(lengths), plan,
+              planned)
+
+
+def check_failed_closed(out, lse, problem, tables, lengths, bad, backend):
+    """Bad requests: out exactly 0 and lse -inf. The others: the reference's result."""
+    values, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert np.all(values[bad] == 0) and np.all(np.isneginf(lse[bad])), backend
+    good = np.asarray([b for b in range(len(lengths)) if b not in bad])
+    arrays = (problem.query[good], problem.kv_cache, jnp.asarray(tables[good]),
+              jnp.asarray(lengths[good]))
+    ref_out, ref_lse = reference_from_jax(*arrays, softmax_scale=problem.softmax_scale)
+    check_accuracy(out[good], lse[good], ref_out.numpy(), ref_lse.numpy(), backend=backend)
+
+
+@pytest.mark.parametrize("backend,plan_mode", UNPLANNED + [p for p in PLANNED if p.values[1] != "host"])
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_requests_with_bad_ids_or_lengths_get_zero_and_minus_inf(backend, plan_mode, q_len):
+    dtype = jnp.float32 if backend == backends.XLA else jnp.bfloat16
+    problem, tables, lengths, bad = bad_requests_problem(q_len, dtype)
+    out, lse = decode_all(backend, plan_mode, problem, tables, lengths)
+    check_failed_closed(out, lse, problem, tables, lengths, bad, backend)
+
+
+@pytest.mark.parametrize("backend,plan_mode", [
+    *[p for p in PLANNED if p.values[1] == "host"],
+    *[pytest.param(p.values[0], "step", id=f"{p.id}-step", marks=p.marks)
+      for p in BACKENDS if p.values[0] in (backends.FA3, backends.FA2)]])
+def test_a_plan_used_with_other_lengths_gives_those_requests_nothing(backend, plan_mode):
+    """A plan is tied to the lengths it was built from: the requests whose length changed get 0
+    and -inf (not a result over the plan's ranges); bad values count as before."""
+    problem, tables, lengths, _ = bad_requests_problem(2, jnp.bfloat16)
+    planned = np.asarray(make_problem(13, batch=8, q_len=2, num_heads=16, page_size=32,
+                                      max_len=200).seq_lens)
+    lengths[[0, 7]] = planned[[0, 7]]  # clean and as planned
+    lengths[3] = planned[3] + 1        # clean but not as planned
+    tables[3] = np.asarray(problem.block_tables)[3]
+    lengths[1:3] = planned[1:3]        # as planned, with bad ids
+    lengths[4:7] = planned[4:7] - 1    # clean ids, lengths not as planned
+    tables[4:7] = np.asarray(problem.block_tables)[4:7]
+    out, lse = decode_all(backend, plan_mode, problem, tables, lengths, plan_lengths=planned)
+    check_failed_closed(out, lse, problem, tables, lengths, [1, 2, 3, 4, 5, 6], backend)
+
+
+def sanitize_program() -> None:
+    """Every GPU kernel backend and plan mode here on bad values, for ``compute-sanitizer``
+    (.ci/gpu-memcheck.sh): no kernel may touch memory outside the cache, the tables, its workspace
+    or its outputs."""
+    for name in [b for b in backends.available_backends("gpu") if b != backends.XLA]:
+        for q_len in (1, 2):
+            modes = (None, "device") if backends.BY_NAME[name].takes_plan else (None,)
+            for mode in modes:
+                test_requests_with_bad_ids_or_lengths_get_zero_and_minus_inf(name, mode, q_len)
+                print(f"ok {name} plan={mode} q_len={q_len}", flush=True)
+        if backends.BY_NAME[name].takes_plan:
+            for mode in ("host", "step"):
+                test_a_plan_used_with_other_lengths_gives_those_requests_nothing(name, mode)
+                print(f"ok {name} plan={mode} other lengths", flush=True)
+
+
+def test_the_guard_changes_nothing_for_clean_values():
+    problem = make_problem(21, batch=5, q_len=2, num_heads=16, page_size=16, max_len=120)
+    on, off = (jax.jit(lambda *a, f=f: jax_mla.decode(*a, softmax_scale=0.1, return_lse=True,
+                                                        fail_closed=f))(*problem.arrays)
+               for f in (True, False))
+    for a, b in zip(on, off):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_usable_requests_rule():
+    """Each condition alone makes a request unusable; the fa3/fa2 schedule's longest length too."""
+    tables = jnp.asarray([[0, 1, 99], [2, -1, 5], [3, 4, 0], [5, 6, 7], [1, 2, 3]], jnp.int32)
+    lengths = jnp.asarray([32, 33, 48, 1, 40], jnp.int32)  # page size 16, 8 pages, capacity 48
+    usable = guard.usable_requests(tables, lengths, num_pages=8, page_size=16, q_len=2)
+    # 0: reads pages 0-1 (99 is padding); 1: reads -1; 2: at capacity; 3: below q_len; 4: fine
+    assert usable.tolist() == [True, False, True, False, True]
+    capped = guard.usable_requests(tables, lengths, num_pages=8, page_size=16, q_len=2, max_len=40)
+    assert capped.tolist() == [True, False, False, False, True]
+    np.testing.assert_array_equal(guard.neutralised_lengths(lengths, usable), [32, 0, 48, 0, 40])
+
+
+def test_fail_closed_must_be_a_bool():
+    with pytest.raises(TypeError, match="fail_closed must be a bool, got str"):
+        jax_mla.decode(*CHECKED.arrays, softmax_scale=0.1, fail_closed="yes")
+
+
+def guard_reductions(hlo: str, batch: int) -> int:
+    """How many any-reductions to a [batch] predicate (the guard's, over the read pages) a compiled
+    program has."""
+    return len(re.findall(rf"= pred\[{batch}\]\{{0\}} reduce\(.*op_name=\S*reduce_or", hlo))
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_the_guard_runs_once_per_step_not_once_per_layer(fail_closed):
+    """Every layer's guard reads the same tables and lengths, so XLA computes it once."""
+    problem = make_problem(22, batch=5, q_len=1, num_heads=16, page_size=16, max_len=100)
+    caches = [problem.kv_cache * (i + 1) for i in range(4)]
+
+    def step(query, caches, tables, lengths):
+        outs = [jax_mla.decode(query, cache, tables, lengths, softmax_scale=0.1,
+                               fail_closed=fail_closed) for cache in caches]
+        return sum(outs)
+
+    hlo = jax.jit(step).lower(problem.query, caches, problem.block_tables,
+                              problem.seq_lens).compile().as_text()
+    found = guard_reductions(hlo, 5)
+    assert found == (1 if fail_closed else 0), found
+
+
+def synthetic_plan(batch=4, max_pages=8):
+    """A Plan whose works 0..2*batch-1 belong to requests w // 2, with every per-work array filled
+    with distinct values, the rest of the workspace with a pattern."""
+    layout = planning.schedule_layout(132, 1, 16, 512)
+    words = np.arange(layout.int_workspace_bytes // 4, dtype=np.int32) % 1000 + 7
+    info = layout.plan_info
+    works = np.arange(2 * batch)
+    words[info[guard.PLAN_KV_INDPTR] // 4 + works] = (works // 2) * max_pages
+    workspace = jnp.asarray(words.view(np.uint8))
+    plan = planning.Plan(workspace, jnp.arange(batch, dtype=jnp.int32) + 1, batch, 1, 16,
+                         max_pages, 512, layout)
+    return plan, words, works
+
+
+def test_guard_plan_empties_exactly_the_works_of_unusable_requests():
+    plan, words, works = synthetic_plan()
+    usable = jnp.asarray([True, False, True, False])
+    guarded = np.asarray(guard.guard_plan(plan, usable).int_workspace).view(np.int32)
+    info = plan.layout.plan_info
+    rewritten = [info[i] // 4 for i in (guard.PLAN_KV_LEN, guard.PLAN_KV_START, guard.PLAN_KV_END)]
+    may_change = np.zeros(words.size, bool)  # entries past the plan's works are never read
+    for start in rewritten:
+        may_change[start + 2 * 4:start + planning.MAX_TOTAL_WORKS] = True
+    emptied = [start + w for start in rewritten for w in works if w // 2 in (1, 3)]
+    kept = [start + w for start in rewritten for w in works if w // 2 in (0, 2)]
+    may_change[emptied] = True
+    assert np.all(guarded[emptied] == 0) and np.all(guarded[kept] == words[kept])
+    assert np.all(guarded[~may_change] == words[~may_change])
+
+
+def test_checked_mode_names_a_plan_used_with_other_lengths():
+    plan, _, _ = synthetic_plan()
+    query = jnp.zeros((4, 1, 16, 576), jnp.float32)
+    cache = jnp.zeros((40, 16, 576), jnp.float32)
+    tables = jnp.zeros((4, 8), jnp.int32)
+    lengths = plan.seq_lens.at[2].set(9)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"seq_lens\[2\] = 9 but the plan was built for length 3: build the plan "
+                             r"from this step's seq_lens"):
+        value_checks.check_values(query, cache, tables, lengths, plan)
+    value_checks.check_values(query, cache, tables, plan.seq_lens, plan)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(seq_lens=jnp.zeros((3,), jnp.int32)), r"plan.seq_lens must be int32 \[4\]"),
+    (dict(seq_lens=jnp.zeros((4,), jnp.float32)), r"plan.seq_lens must be int32 \[4\], .* got float32"),
+    (dict(batch=3), r"plan was built for batch 3 and max_pages 8 but decode got batch 4 and max_pages 8"),
+])
+def test_the_guard_refuses_a_plan_that_does_not_fit(change, message):
+    import dataclasses
+
+    plan, _, _ = synthetic_plan()
+    plan = dataclasses.replace(plan, **change)
+    if "batch" in change:
+        plan = dataclasses.replace(plan, seq_lens=jnp.zeros((3,), jnp.int32))
+    with pytest.raises(planning.PlanMismatchError, match=message):
+        guard.guard(jnp.zeros((4, 8), jnp.int32), jnp.ones((4,), jnp.int32), plan, num_pages=40,
+                    page_size=16, q_len=1)
 
 
 # ---- an oracle for bad page ids and lengths --------------------------------------------------------
@@ -51,10 +272,12 @@ def decode_with_absent_tokens(query, kv_cache, block_tables, seq_lens, *, softma
 
 
 def xla_decode(problem, tables=None, lengths=None, **kwargs):
+    """The xla backend's own handling of bad values, beneath the guard (fail_closed=False)."""
     tables = problem.block_tables if tables is None else jnp.asarray(tables, jnp.int32)
     lengths = problem.seq_lens if lengths is None else jnp.asarray(lengths, jnp.int32)
     fn = lambda q, kv, bt, sl: jax_mla.decode(q, kv, bt, sl, softmax_scale=problem.softmax_scale,
-                                              return_lse=True, backend="xla", **kwargs)
+                                              return_lse=True, backend="xla", fail_closed=False,
+                                              **kwargs)
     return jax.jit(fn)(problem.query, problem.kv_cache, tables, lengths)
 
 

@@ -161,7 +161,8 @@ CASES = {
     "b512-4k": (list(np.random.default_rng(2).integers(2048, 6144, 512)), 1, 128),
     "b512-1k-mtp-h16": (list(np.random.default_rng(3).integers(512, 1536, 512)), 2, 16),
     # Small-work costs that add up past 2^31: the kernel's block-wide scan carries them in 64 bits.
-    "huge-64bit-costs": ([2**30 + 7, 2**30 + 1000, 3 * 2**28], 1, 128),
+    # (The planner takes lengths up to planning.MAX_KV_LEN = 2^22.)
+    "huge-64bit-costs": ([2**22] * 500 + [2**22 - 7, 2**22 - 1000, 3 * 2**20] * 10, 1, 128),
 }
 # Benchmark points where one fixed way of balancing lost to MLAPlan under its cost model
 # (docs/gpu-schedule.md): (B, L, H, q_len) with the benchmark's own lengths.

@@ -102,10 +102,11 @@ SHAPES = (
 )
 
 
-def run_backend(name, *arrays, plan=None, **scales):
-    """One device's decode through backend ``name``, as jax_mla.decode runs it once resolved."""
+def run_backend(name, *arrays, plan=None, fail_closed=False, **scales):
+    """One device's decode through backend ``name``, as jax_mla.decode runs it once resolved
+    (without the guard of bad values unless asked: these tests read the kernel's own dataflow)."""
     return api.run_backend(backends.BY_NAME[name], *arrays, kv_lora_rank=512, device_plan=False,
-                           plan=plan, **scales)
+                           fail_closed=fail_closed, plan=plan, **scales)
 
 
 def attributes(text, target):
@@ -127,13 +128,14 @@ def test_fa_lowering_without_a_plan(lowering_stubs):
 
 def test_fa_lowering_with_a_plan_is_a_pure_device_call(lowering_stubs):
     layout = planning.schedule_layout(132, 2, 128, 512)
-    plan = planning.Plan(jnp.zeros((layout.int_workspace_bytes,), jnp.uint8), 4, 2, 128, 8, 512, layout)
+    plan = planning.Plan(jnp.zeros((layout.int_workspace_bytes,), jnp.uint8), jnp.ones((4,), jnp.int32),
+                         4, 2, 128, 8, 512, layout)
     text = lower_for_cuda(lambda *a: run_backend("fa2", *a, softmax_scale=0.1, output_scale=0.5,
                                                  plan=plan), *SHAPES)
     call = attributes(text, "jax_mla_fa_decode")
     assert "plan_fn" not in call and 'run_fn = "t.fa2.run"' in call
     assert "stablehlo.multiply" in text  # output_scale applied after the kernel
-    wrong = planning.Plan(plan.int_workspace, 4, 2, 64, 8, 512, layout)
+    wrong = planning.Plan(plan.int_workspace, plan.seq_lens, 4, 2, 64, 8, 512, layout)
     with pytest.raises(ValueError, match="plan was built for .*'num_heads': 64"):
         lower_for_cuda(lambda *a: run_backend("fa3", *a, softmax_scale=0.1, output_scale=1.0,
                                               plan=wrong), *SHAPES)
@@ -142,7 +144,7 @@ def test_fa_lowering_with_a_plan_is_a_pure_device_call(lowering_stubs):
 @pytest.mark.parametrize("workspace", [jnp.zeros((1024,), jnp.uint8), jnp.zeros((592464,), jnp.int8)])
 def test_a_plan_with_a_wrong_workspace_fails_at_trace_time(lowering_stubs, workspace):
     layout = planning.schedule_layout(132, 2, 128, 512)
-    plan = planning.Plan(workspace, 4, 2, 128, 8, 512, layout)
+    plan = planning.Plan(workspace, jnp.ones((4,), jnp.int32), 4, 2, 128, 8, 512, layout)
     message = (rf"plan.int_workspace must be uint8 \[{layout.int_workspace_bytes}\] for this schedule "
                rf"layout, got {workspace.dtype} \[{workspace.shape[0]}\]")
     with pytest.raises(planning.PlanMismatchError, match=message):

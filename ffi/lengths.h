@@ -1,0 +1,18 @@
+// Host-side length clamping before FlashInfer's host planner (MLAPlan) sees the lengths.
+#pragma once
+
+#include <cstdint>
+
+namespace jax_mla {
+
+// Clamps each of `batch` lengths to [0, capacity]. MLAPlan writes past its host buffers for a
+// negative length mixed with long ones, and a length above the block table's capacity
+// (max_pages * page_size) would schedule reads past the request's own table row.
+inline void ClampLengths(int32_t* seq_lens, int64_t batch, int64_t capacity) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t length = seq_lens[b];
+    seq_lens[b] = static_cast<int32_t>(length < 0 ? 0 : (length > capacity ? capacity : length));
+  }
+}
+
+}  // namespace jax_mla
