@@ -6,9 +6,10 @@ Token ``t`` of a request lives at slot ``block_table[t // page_size] * page_size
 The fp8 cache (``dtype="fp8"``) is uint8 ``[num_pages, page_size, row_bytes]`` with rows in
 ``jax_mla.fp8_cache``'s layout (docs/fp8-cache.md), slotted the same way.
 
-JAX owns the cache. ``torch_view`` gives torch a zero-copy, read-only-by-convention view through
-DLPack; drop it before the cache is donated to a jitted step (PJRT refuses to donate a buffer with a
-live DLPack export).
+JAX owns the cache. ``torch_view`` gives torch a zero-copy, read-only view (``jax_mla.cache_view``):
+torch ops that would write to it raise, and it holds no reference to the buffer between ops, so a
+jitted step donates the cache even while a view is alive. A view of a donated or deleted cache
+raises when used; take a new view of the cache the step returned.
 """
 
 from __future__ import annotations
@@ -87,7 +88,18 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
 
 
 def torch_view(array: jax.Array):
-    """A zero-copy torch tensor over a JAX array's buffer (DLPack). Drop it before donating."""
-    import torch
+    """A zero-copy, read-only torch view (``jax_mla.cache_view.CacheView``) of ``array``.
 
-    return torch.from_dlpack(array)
+    Args:
+      array: a single-device JAX array, e.g. the cache ([num_pages, page_size, kv_lora_rank +
+        rope_dim] bf16, or the uint8 fp8 cache); the view has its shape and the matching torch
+        dtype (``torch.bfloat16``, ``torch.uint8``, ...), and ``view.data_ptr()`` is
+        ``array.unsafe_buffer_pointer()``.
+
+    Each torch op exports the buffer through DLPack only while it runs, so donating ``array`` to a
+    jitted step with the view alive donates it (no copy); the view then raises ``RuntimeError``.
+    In-place and ``out=`` ops on the view or on views of it raise ``RuntimeError``.
+    """
+    from jax_mla.cache_view import CacheView
+
+    return CacheView(array)

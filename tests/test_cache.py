@@ -117,6 +117,7 @@ def test_torch_view_is_zero_copy():
     view = jax_mla.torch_view(problem.kv_cache)
     assert view.data_ptr() == problem.kv_cache.unsafe_buffer_pointer()
     assert view.dtype == torch.bfloat16 and tuple(view.shape) == problem.kv_cache.shape
-    del view  # a live export would block donating the cache
-    donated = jax.jit(lambda c: c + 1, donate_argnums=0)(problem.kv_cache)
+    donated = jax.jit(lambda c: c + 1, donate_argnums=0)(problem.kv_cache)  # the view is alive
     assert problem.kv_cache.is_deleted() and donated.shape == problem.kv_cache.shape
+    with pytest.raises(RuntimeError, match="donated or deleted"):
+        view.float()

@@ -1,0 +1,170 @@
+"""``jax_mla.torch_view``: zero-copy, read-only, and never in the way of donating the cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jax_mla
+from jax_mla.cache_view import CacheView
+
+READ_ONLY = (r"jax_mla\.torch_view is read-only: the cache belongs to JAX; write tokens with "
+             r"jax_mla\.write_kv")
+
+
+CPU = jax.devices("cpu")[0]  # these tests read views as CPU tensors; the GPU one is at the end
+
+
+def filled_cache(device=CPU) -> jax.Array:
+    """A bf16 cache [4, 16, 192] on ``device`` holding 0, 1, 2, ... (exact in bf16 up to 256, then
+    rounded)."""
+    shape = jax_mla.allocate_cache(4, 16, kv_lora_rank=128).shape
+    values = jnp.arange(np.prod(shape), dtype=jnp.float32).reshape(shape).astype(jnp.bfloat16)
+    return jax.device_put(values, device)
+
+
+def as_float(array: jax.Array) -> np.ndarray:
+    return np.array(array.astype(jnp.float32))
+
+
+def donate(cache: jax.Array) -> jax.Array:
+    return jax.jit(lambda c: c.at[0, 0, 0].set(1), donate_argnums=0)(cache)
+
+
+def test_the_view_shares_the_buffer():
+    cache = filled_cache()
+    view = jax_mla.torch_view(cache)
+    assert isinstance(view, CacheView) and isinstance(view, torch.Tensor)
+    assert view.data_ptr() == cache.unsafe_buffer_pointer()
+    assert view[1].data_ptr() == cache.unsafe_buffer_pointer() + 16 * 192 * 2
+    assert view.dtype == torch.bfloat16 and tuple(view.shape) == (4, 16, 192)
+    assert view.device == torch.device("cpu") and view.stride() == (16 * 192, 192, 1)
+
+
+def test_reads_match_the_array():
+    cache = filled_cache()
+    expected = as_float(cache)
+    view = jax_mla.torch_view(cache)
+    np.testing.assert_array_equal(view.float().numpy(), expected)
+    np.testing.assert_array_equal(view[2, 3].float().numpy(), expected[2, 3])
+    np.testing.assert_array_equal(view.permute(2, 0, 1)[5].float().numpy(), expected[..., 5])
+    np.testing.assert_array_equal(view.view(-1)[100:110].float().numpy(), np.arange(100, 110))
+    np.testing.assert_array_equal([t.float().numpy() for t in view.unbind(0)], expected)
+    assert view.sum().item() == pytest.approx(expected.sum(), rel=1e-2)
+    assert torch.equal(view, torch.from_numpy(expected).bfloat16())
+    assert view[0, 0, :4].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert view.cpu().float()[3, 15, 191].item() == expected[3, 15, 191]
+    assert "CacheView(tensor(" in repr(view[0, 0, :3])
+    for result in (view.float(), view + 1, view.sum(), view.clone(), view.to(torch.float32)):
+        assert type(result) is torch.Tensor and result.data_ptr() != cache.unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda v: v.add_(1),
+    lambda v: v.zero_(),
+    lambda v: v.__setitem__((0, 0), 7.0),
+    lambda v: v.__setitem__(torch.tensor([1]), 7.0),
+    lambda v: v.copy_(torch.ones(v.shape)),
+    lambda v: v.fill_(2.0),
+    lambda v: torch.add(torch.ones(v.shape, dtype=v.dtype), 1, out=v),
+    lambda v: v[0].zero_(),
+    lambda v: v.view(-1).__setitem__(3, 1.0),
+    lambda v: v.permute(2, 0, 1).mul_(2),
+    lambda v: v.select(0, 1).copy_(torch.zeros(16, 192)),
+    lambda v: v.unbind(0)[2].neg_(),
+    lambda v: torch.empty(0, dtype=v.dtype).set_(v),
+], ids=["add_", "zero_", "setitem", "setitem-index", "copy_", "fill_", "out=", "view[0].zero_",
+        "view(-1)[3]=", "permute.mul_", "select.copy_", "unbind.neg_", "set_"])
+def test_mutation_is_refused_and_the_cache_is_unchanged(mutate):
+    cache = filled_cache()
+    before = as_float(cache)
+    view = jax_mla.torch_view(cache)
+    with pytest.raises(RuntimeError, match=READ_ONLY):
+        mutate(view)
+    np.testing.assert_array_equal(as_float(cache), before)
+    np.testing.assert_array_equal(view.float().numpy(), before)
+
+
+def test_a_live_view_does_not_block_donation():
+    cache = filled_cache()
+    expected = as_float(cache)
+    view = jax_mla.torch_view(cache)
+    assert view.float()[0, 0, 1].item() == 1.0
+    out = donate(cache)
+    assert cache.is_deleted()
+    for use in (lambda: view.float(), lambda: view[0], lambda: view.data_ptr()):
+        with pytest.raises(RuntimeError, match="donated or deleted; take a new view"):
+            use()
+    expected[0, 0, 0] = 1
+    new_view = jax_mla.torch_view(out)
+    assert new_view.data_ptr() == out.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(new_view.float().numpy(), expected)
+
+
+def test_a_live_derived_view_does_not_block_donation():
+    cache = filled_cache()
+    row = jax_mla.torch_view(cache)[1].permute(1, 0)
+    np.testing.assert_array_equal(row.float().numpy(), as_float(cache)[1].T)
+    donate(cache)
+    assert cache.is_deleted()
+    with pytest.raises(RuntimeError, match="donated"):
+        row.sum()
+
+
+def test_a_failed_op_kept_with_its_traceback_does_not_block_donation():
+    cache = filled_cache()
+    view = jax_mla.torch_view(cache)
+    with pytest.raises(RuntimeError, match="must match the size") as failure:
+        torch.add(view[0], torch.ones(5))
+    assert failure.value.__traceback__ is not None
+    donate(cache)
+    assert cache.is_deleted()
+
+
+def test_an_undeclared_alias_is_copied():
+    cache = filled_cache()
+    flat = torch.ops.aten._unsafe_view(jax_mla.torch_view(cache), [4 * 16 * 192])
+    assert type(flat) is torch.Tensor and flat.data_ptr() != cache.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(flat.float().numpy(), as_float(cache).reshape(-1))
+    donate(cache)
+    assert cache.is_deleted()
+
+
+def test_a_view_of_the_fp8_cache():
+    cache = jax_mla.allocate_cache(2, 16, dtype="fp8", device=CPU)
+    cache = jax.jit(lambda c: c.at[1, 2, :4].set(jnp.arange(4, dtype=jnp.uint8) + 7))(cache)
+    view = jax_mla.torch_view(cache)
+    assert view.dtype == torch.uint8 and tuple(view.shape) == (2, 16, 656)
+    assert view.data_ptr() == cache.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(view.numpy(), np.asarray(cache))
+    assert view[1, 2, :5].tolist() == [7, 8, 9, 10, 0]
+    copy = view.numpy()
+    copy[0, 0, 0] = 99
+    assert int(cache[0, 0, 0]) == 0
+    with pytest.raises(RuntimeError, match=READ_ONLY):
+        view[1, 2].zero_()
+    assert view[1, 2, :5].tolist() == [7, 8, 9, 10, 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_a_view_of_a_gpu_cache():
+    """On CUDA: the same buffer, reads through copies to the host, writes refused, and donation
+    with a live view (each op synchronises torch's stream before it drops its export)."""
+    cache = filled_cache(jax.devices("gpu")[0])
+    expected = as_float(cache)
+    view = jax_mla.torch_view(cache)
+    assert view.device.type == "cuda" and view.data_ptr() == cache.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(view[2].float().cpu().numpy(), expected[2])
+    assert (view.float() * 2).sum().item() == pytest.approx(2 * expected.sum(), rel=1e-2)
+    with pytest.raises(RuntimeError, match=READ_ONLY):
+        view[1].mul_(3)
+    np.testing.assert_array_equal(as_float(cache), expected)
+    out = donate(cache)
+    assert cache.is_deleted()
+    assert jax_mla.torch_view(out).data_ptr() == out.unsafe_buffer_pointer()
+    with pytest.raises(RuntimeError, match="donated"):
+        view.sum()
