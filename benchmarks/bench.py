@@ -320,6 +320,27 @@ class Bench:
                 record[f"{name}_ms"] = record[f"{name}_us"] * layers / 1e3
         if all(f"{n}_ms" in record for n in steps):
             record["methods_done"].append("jax_mla_step")
+        self.time_guard(run)
+
+    def time_guard(self, run: PointRun, copies: int = 64) -> None:
+        """The guard alone, once per step: ``guard_us`` with a device-built schedule (the lengths
+        only) and ``guard_plan_us`` with a host plan (the plan's works rewritten too), each the time
+        of ``copies`` independent guards in one jitted program over ``copies``."""
+        import jax
+        import jax.numpy as jnp
+        import jax_mla
+
+        layout, record = run.layout, run.record
+        pt = layout.point
+        tables = [jnp.array(run.tables) for _ in range(copies)]
+        lens = [jnp.array(run.lens) for _ in range(copies)]
+        plan = jax_mla.plan(np.asarray(layout.lengths, np.int32), num_heads=pt.H, q_len=pt.q_len,
+                            max_pages=layout.max_pages)
+        fn = m.guards_only(copies, run.caches[0].shape[0], pt.page_size, pt.q_len)
+        for name, planned in (("guard_us", None), ("guard_plan_us", plan)):
+            jax.block_until_ready(fn(tables, lens, planned))
+            seconds, _ = time_jax(lambda *a: fn(*a), [(tables, lens, planned)], copies, self.args)
+            record[name] = seconds * 1e6
 
     def time_layers(self, run: PointRun, method: str, fn, plan, layers: int) -> None:
         """Check ``fn``'s first layer against the reference, then time it per layer."""

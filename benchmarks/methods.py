@@ -115,6 +115,26 @@ def device_planned(decode_one, layers: int, pt: Point, max_pages: int,
     return jax.jit(step, compiler_options=compiler_options)
 
 
+def guards_only(copies: int, num_pages: int, page_size: int, q_len: int):
+    """jit(f)(tables, lens, plan) -> ``copies`` independent runs of decode's guard of bad values
+    (jax_mla.guard), each on its own copy of the step's tables and lengths so that XLA cannot merge
+    them, with the plan when one is given: what the guard adds to a step's GPU work, times copies."""
+    import jax
+
+    from jax_mla import guard, planning
+
+    def step(tables, lens, plan):
+        outs = []
+        for i in range(copies):
+            safe, guarded = guard.guard(tables[i], lens[i], plan, num_pages=num_pages,
+                                        page_size=page_size, q_len=q_len,
+                                        max_len=planning.MAX_KV_LEN)
+            outs.append(safe if guarded is None else (safe, guarded.int_workspace))
+        return outs
+
+    return jax.jit(step)
+
+
 def rotation_sets(caches: list, layers: int) -> list[tuple]:
     """Cache tuples for successive calls: call k, layer i reads caches[(k * layers + i) % n]."""
     n = len(caches)

@@ -121,6 +121,7 @@ SUMMARY_FIELDS = (("jax_mla", "jax_mla_us"), ("graph", "jax_mla_graph_us"),
                   ("step-host", "step_host_plan_ms"), ("step-dev", "step_device_plan_ms"),
                   ("step-host-unguarded", "step_host_plan_unguarded_ms"),
                   ("step-dev-unguarded", "step_device_plan_unguarded_ms"),
+                  ("guard", "guard_us"), ("guard-plan", "guard_plan_us"),
                   ("FI", "flashinfer_torch_us"), ("FI-graph", "flashinfer_graph_us"),
                   ("naive", "xla_naive_us"), ("jax_mla_xla", "jax_mla_xla_us"))
 

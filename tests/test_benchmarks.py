@@ -150,7 +150,8 @@ def test_report_planner_tables(tmp_path):
                   "plan_ready_us": 450.0, "jax_mla_device_plan_us": device_run,
                   "device_plan_us": planner, "layers": 12, "step_layers": 61, "step_host_plan_ms": 6.5,
                   "step_device_plan_ms": 6.2, "step_host_plan_unguarded_ms": 6.5,
-                  "step_device_plan_unguarded_ms": 6.1, "errors": {}}
+                  "step_device_plan_unguarded_ms": 6.1, "guard_us": 3.05, "guard_plan_us": 6.1,
+                  "errors": {}}
         results.name_plan_comparison(record)
         assert record["run_with_host_plan_us"] == 100.0
         assert record["run_with_device_plan_us"] == device_run - planner / 12  # its share taken out
@@ -165,8 +166,8 @@ def test_report_planner_tables(tmp_path):
     assert "## Host schedule vs GPU schedule" in text
     assert "## Whole decode step, host plan vs GPU plan" in text
     assert "| 128 | 1 | 32 | 4k | 80.0 | 100.0 | 101.0 | 1.010 | 101.5 | 6.0 | – | 450.0 |" in text
-    assert ("| 128 | 1 | 512 | 4k | 61 | 6.50 | 6.20 | 0.954 | 6.50 | 6.10 | +0.00% | +1.64% | 450.0 |"
-            in text)
+    assert ("| 128 | 1 | 512 | 4k | 61 | 6.50 | 6.20 | 0.954 | 6.50 | 6.10 | +0.00% | +1.64% | 3.05 | "
+            "6.10 | 0.10% | 450.0 |" in text)
     planner_goal = next(line for line in text.splitlines() if "GPU planner at most 10 us" in line)
     assert "NOT MET at any of the 1 measured point(s)" in planner_goal, planner_goal
     run_goal = next(line for line in text.splitlines() if "device-planned run within 3%" in line)
