@@ -19,7 +19,8 @@ from jax import lax
 
 from jax_mla import planning
 
-# Indices into plan_info (planning.schedule_layout) of the per-work arrays the guard rewrites.
+# Indices into plan_info (planning.schedule_layout) of the per-work arrays the guard reads and
+# rewrites.
 PLAN_KV_INDPTR, PLAN_KV_LEN, PLAN_KV_START, PLAN_KV_END = 3, 11, 13, 14
 
 
@@ -57,23 +58,25 @@ def guard_plan(plan: planning.Plan, usable) -> planning.Plan:
 
     FlashInfer's fa3/fa2 kernels read the cache only through the plan's works; an empty work writes
     out 0 and lse -inf for its rows (as MLAPlan's own works for a zero length do), and merging
-    empty partial results gives the same. A work's request is its ``kv_indptr / max_pages``.
+    empty partial results gives the same. A work's request is its ``kv_indptr / max_pages``. The
+    per-work arrays kv_len, q_start, kv_start and kv_end lie back to back, so one elementwise pass
+    over them rewrites the three of them (q_start is kept).
 
     Args:
       usable: bool [plan.batch].
     """
-    info = plan.layout.plan_info
+    info, works = plan.layout.plan_info, planning.MAX_TOTAL_WORKS
+    first = info[PLAN_KV_LEN] // 4
+    if [info[i] // 4 - first for i in (PLAN_KV_START, PLAN_KV_END)] != [2 * works, 3 * works]:
+        raise ValueError(f"unexpected plan layout {info}: kv_len, q_start, kv_start and kv_end "
+                         "are not back to back")
     words = lax.bitcast_convert_type(plan.int_workspace.reshape(-1, 4), jnp.int32)
-
-    def works(index):
-        start = info[index] // 4
-        return start, words[start:start + planning.MAX_TOTAL_WORKS]
-
-    _, kv_indptr = works(PLAN_KV_INDPTR)
-    keep = usable[jnp.clip(kv_indptr // plan.max_pages, 0, plan.batch - 1)]
-    for index in (PLAN_KV_LEN, PLAN_KV_START, PLAN_KV_END):
-        start, values = works(index)
-        words = lax.dynamic_update_slice(words, jnp.where(keep, values, 0), (start,))
+    region = lax.dynamic_slice(words, (first,), (4 * works,)).reshape(4, works)
+    kv_indptr = lax.dynamic_slice(words, (info[PLAN_KV_INDPTR] // 4,), (works,))
+    keep = usable[jnp.clip(kv_indptr // plan.max_pages, 0, plan.batch - 1)]  # [works]
+    rewritten = jnp.arange(4)[:, None] != 1  # every array but q_start
+    region = jnp.where(rewritten & ~keep[None, :], 0, region)
+    words = lax.dynamic_update_slice(words, region.reshape(-1), (first,))
     guarded = lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
     return dataclasses.replace(plan, int_workspace=guarded)
 
