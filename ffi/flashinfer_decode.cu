@@ -183,7 +183,8 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
   if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
   if (status != cudaSuccess) return CudaFailure("reading seq_lens for planning", status);
   const int64_t page_size = kv_cache.dimensions()[1];
-  ClampLengths(static_cast<int32_t*>(staging.seq_lens.data()), batch, max_pages * page_size);
+  ClampLengths(static_cast<int32_t*>(staging.seq_lens.data()), batch,
+               std::min<int64_t>(max_pages * page_size, kMaxKvLen));
 
   // CSR metadata over the padded block table: request b's pages start at b * max_pages.
   std::vector<int32_t> qo_indptr(batch + 1), kv_indptr(batch + 1);

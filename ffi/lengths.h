@@ -1,9 +1,15 @@
-// Host-side length clamping before FlashInfer's host planner (MLAPlan) sees the lengths.
+// The lengths the fa3/fa2 planners take, and the host-side clamping before FlashInfer's host
+// planner (MLAPlan) sees them.
 #pragma once
 
 #include <cstdint>
 
 namespace jax_mla {
+
+// The longest request the fa3/fa2 schedule takes (planning.MAX_KV_LEN): with every length at most
+// this, all tile tokens over the clusters stay below 2^31 for the largest batch that fits the
+// schedule's 16384 works (the planners' chunk size is an int).
+constexpr int kMaxKvLen = 1 << 22;
 
 // Clamps each of `batch` lengths to [0, capacity]. MLAPlan writes past its host buffers for a
 // negative length mixed with long ones, and a length above the block table's capacity

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 
+#include "lengths.h"
 #include "plan_info.h"
 
 namespace jax_mla {
@@ -82,10 +83,8 @@ struct Divisor {
 };
 
 // Request `request`'s length as the planner uses it, clamped to [0, kMaxKvLen]: a negative length
-// would give negative counts and writes past the workspace, and kMaxKvLen keeps every chunk size
-// (all tile tokens over the clusters) below 2^31 for the largest batch that fits kMaxTotalWorks.
-// jax_mla.decode gives longer requests nothing to read (planning.MAX_KV_LEN, jax_mla.guard).
-constexpr int kMaxKvLen = 1 << 22;
+// would give negative counts and writes past the workspace, a longer one could overflow the chunk
+// size. jax_mla.decode gives longer requests nothing to read (jax_mla.guard).
 __host__ __device__ inline int ReadKvLen(const int32_t* seq_lens, int request) {
   const int kv_len = seq_lens[request];
   return kv_len < 0 ? 0 : (kv_len > kMaxKvLen ? kMaxKvLen : kv_len);

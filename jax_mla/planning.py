@@ -21,7 +21,7 @@ MAX_TOTAL_WORKS = 16384  # MLAPlan's fixed capacity of each per-work array
 CTA_TILE_Q = 64
 ALIGNMENT = 16
 DEVICE_PLAN_MAX_CLUSTERS = 256  # kMaxClusters in ffi/schedule.cuh
-MAX_KV_LEN = 1 << 22  # kMaxKvLen in ffi/schedule.cuh: the longest request the fa3/fa2 schedule takes
+MAX_KV_LEN = 1 << 22  # kMaxKvLen in ffi/lengths.h: the longest request the fa3/fa2 schedule takes
 INT32_BYTES = 4
 
 
@@ -156,6 +156,9 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if lengths.min() < q_len:
         raise ValueError(f"every seq_lens entry must be >= q_len={q_len} (it counts the new tokens), "
                          f"got min {int(lengths.min())}")
+    if lengths.max() > MAX_KV_LEN:
+        raise ValueError(f"every seq_lens entry must be <= {MAX_KV_LEN}, the longest request the "
+                         f"fa3/fa2 schedule takes, got max {int(lengths.max())}")
     num_sms = gpu_sm_count("jax_mla.plan", device)
     fa_backends = [b for b in backends.available_backends("gpu") if backends.BY_NAME[b].takes_plan]
     if not fa_backends:

@@ -211,6 +211,18 @@ def test_guard_plan_empties_exactly_the_works_of_unusable_requests():
     assert np.all(guarded[~may_change] == words[~may_change])
 
 
+def test_guard_plan_refuses_a_layout_whose_work_arrays_are_not_back_to_back():
+    import dataclasses
+
+    plan, _, _ = synthetic_plan()
+    info = list(plan.layout.plan_info)
+    info[guard.PLAN_KV_END] += 16
+    moved = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, plan_info=tuple(info)))
+    with pytest.raises(ValueError, match=r"unexpected plan layout .*: kv_len, q_start, kv_start and "
+                                         r"kv_end are not back to back"):
+        guard.guard_plan(moved, jnp.ones((4,), bool))
+
+
 def test_checked_mode_names_a_plan_used_with_other_lengths():
     plan, _, _ = synthetic_plan()
     query = jnp.zeros((4, 1, 16, 576), jnp.float32)
@@ -412,6 +424,19 @@ def test_host_plan_enforces_the_work_capacity_before_flashinfer_runs(monkeypatch
     monkeypatch.setattr(gpu, "fa_plan_function", lambda *a: pytest.fail("MLAPlan must not run"))
     with pytest.raises(ValueError, match=rf"batch 2100 x q_len 8 .*at most {WIDE_LIMIT} requests"):
         planning.plan(np.full(2100, 100), max_pages=4, **WIDE)
+
+
+@pytest.mark.parametrize("lengths,message", [
+    ([3, 1], r"every seq_lens entry must be >= q_len=2 \(it counts the new tokens\), got min 1"),
+    ([3, 2**22 + 1], r"every seq_lens entry must be <= 4194304, the longest request the fa3/fa2 "
+                     r"schedule takes, got max 4194305"),
+])
+def test_host_plan_refuses_lengths_its_schedule_cannot_take(monkeypatch, lengths, message):
+    monkeypatch.setattr(gpu, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["fa3", "fa2", "xla"])
+    monkeypatch.setattr(gpu, "fa_plan_function", lambda *a: pytest.fail("MLAPlan must not run"))
+    with pytest.raises(ValueError, match=message):
+        planning.plan(np.array(lengths), num_heads=16, max_pages=4, q_len=2)
 
 
 def wide_shapes(batch):
