@@ -174,6 +174,7 @@ struct Problem {
   float* lse = nullptr;
   int *d_lens = nullptr;
   std::vector<int*> d_tables;
+  int32_t* schedule = nullptr;  // int32 [batch + 1]
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   long long sum_len = 0;  // sum of clamped lengths
@@ -188,6 +189,7 @@ struct Problem {
     p.kv_cache = cache;
     p.block_tables = d_tables[copy];
     p.seq_lens = d_lens;
+    p.schedule = schedule;
     p.out = out;
     p.lse = lse;
     p.workspace = workspace;
@@ -290,6 +292,8 @@ struct Problem {
                             cudaMemcpyHostToDevice));
     }
     workspace_bytes = WorkspaceBytes(s.batch, s.q_len, s.heads, num_sms);
+    CHECK_CUDA(cudaMalloc(&schedule, (s.batch + 1) * sizeof(int32_t)));
+    CHECK_CUDA(cudaMemset(schedule, 0xFF, (s.batch + 1) * sizeof(int32_t)));
     CHECK_CUDA(cudaMalloc(&workspace, workspace_bytes));
     CHECK_CUDA(cudaMemset(workspace, 0xFF, workspace_bytes));
     FillRandom<<<1024, 256>>>(q, q_elems, s.seed * 7 + 1, 3.0f);
@@ -310,6 +314,7 @@ struct Problem {
     cudaFree(lse);
     cudaFree(d_lens);
     for (auto t : d_tables) cudaFree(t);
+    cudaFree(schedule);
     cudaFree(workspace);
   }
 };

@@ -1,18 +1,22 @@
-// JaxMlaSm90Decode: the XLA FFI handler of jax_mla's own SM90 (Hopper) MLA decode kernel (ffi/sm90).
+// XLA FFI handlers of jax_mla's own SM90 (Hopper) MLA decode kernel (ffi/sm90).
 //
-// One call decodes one layer on XLA's stream: the schedule kernel builds the split-KV schedule from
-// seq_lens into the start of the XLA-owned workspace, then the decode and combine kernels run. The
-// tensor maps of the query and the cache are encoded on the host from the buffer pointers of this
-// call (no device work, no sync), so the handler is command-buffer compatible.
+// JaxMlaSm90Schedule builds the step's split-KV schedule from seq_lens; JaxMlaSm90Decode decodes
+// one layer with it: the decode and combine kernels on XLA's stream. The schedule depends only on
+// seq_lens and the block table's shape, so the custom calls of every layer of a step are identical
+// and XLA keeps one of them (common-subexpression elimination): the schedule is built once per
+// step. The tensor maps of the query and the cache are encoded on the host from the buffer
+// pointers of each call (no device work, no sync), so both handlers are command-buffer compatible.
 //
 //   query        bf16 [B, q_len, H, 576]       (kv_lora_rank 512 + rope 64)
 //   kv_cache     bf16 [num_pages, page_size, 576], page_size 32 or 64
 //   block_tables int32 [B, max_pages]
 //   seq_lens     int32 [B]
+//   schedule     int32 [B + 1]                  (JaxMlaSm90Schedule's result)
 //   out          bf16 [B, q_len, H, 512]        (times output_scale)
 //   lse          f32  [B, q_len, H]             (natural log; -inf for rows that see no token)
 //   workspace    u8   [>= JaxMlaSm90WorkspaceBytes(B, q_len, H, sm_count)]
-// Attributes: softmax_scale (f64), output_scale (f64), sm_count (i64), enable_pdl (bool).
+// Attributes: softmax_scale (f64), output_scale (f64), sm_count (i64), enable_pdl (bool); the
+// schedule's: max_pages, page_size (i64), enable_pdl.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -46,7 +50,8 @@ bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15)
 
 ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
                           ffi::Buffer<ffi::BF16> kv_cache, ffi::Buffer<ffi::S32> block_tables,
-                          ffi::Buffer<ffi::S32> seq_lens, ffi::Result<ffi::Buffer<ffi::BF16>> out,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> schedule,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> out,
                           ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, double softmax_scale,
                           double output_scale, int64_t sm_count, bool enable_pdl) {
@@ -93,6 +98,11 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
     return Invalid("seq_lens must be [batch=" + std::to_string(batch) + "], got " +
                    Shape(seq_lens.dimensions()));
   }
+  if (schedule.dimensions().size() != 1 ||
+      schedule.element_count() != static_cast<size_t>(batch) + 1) {
+    return Invalid("schedule must be [batch + 1 = " + std::to_string(batch + 1) + "], got " +
+                   Shape(schedule.dimensions()));
+  }
   const auto o = out->dimensions();
   const auto l = lse->dimensions();
   if (o.size() != 4 || o[0] != batch || o[1] != q_len || o[2] != heads || o[3] != kLatentDim) {
@@ -132,6 +142,7 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   p.kv_cache = kv_cache.untyped_data();
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
+  p.schedule = schedule.typed_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
   p.workspace = workspace->untyped_data();
@@ -146,14 +157,48 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   p.num_sms = static_cast<int>(sm_count);
   p.enable_pdl = enable_pdl;
 
-  cudaError_t status = LaunchSchedule(p, stream);
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_mla: sm90 decode: schedule launch failed: ") +
-                                cudaGetErrorString(status));
-  }
-  status = LaunchDecode(p, stream);
+  const cudaError_t status = LaunchDecode(p, stream);
   if (status != cudaSuccess) {
     return ffi::Error::Internal(std::string("jax_mla: sm90 decode: decode launch failed: ") +
+                                cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+// The step's schedule: int32 [B + 1] from seq_lens [B] (ScheduleKernel, ffi/sm90/schedule.cuh).
+ffi::Error Sm90ScheduleImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
+                            ffi::Result<ffi::Buffer<ffi::S32>> schedule, int64_t max_pages,
+                            int64_t page_size, bool enable_pdl) {
+  using namespace sm90;
+  const auto lens = seq_lens.dimensions();
+  if (lens.size() != 1 || lens[0] < 1) {
+    return Invalid("schedule: seq_lens must be [batch >= 1], got " + Shape(lens));
+  }
+  const int64_t batch = lens[0];
+  if (schedule->dimensions().size() != 1 ||
+      schedule->element_count() != static_cast<size_t>(batch) + 1) {
+    return Invalid("schedule: the result must be [batch + 1 = " + std::to_string(batch + 1) +
+                   "], got " + Shape(schedule->dimensions()));
+  }
+  if (page_size != 32 && page_size != 64) {
+    return Invalid("schedule: page_size must be 32 or 64, got " + std::to_string(page_size));
+  }
+  if (max_pages < 1 || max_pages * page_size >= (int64_t{1} << 30) ||
+      batch * (max_pages * page_size / kBlockN + kFixedCostBlocks + 1) >= (int64_t{1} << 31)) {
+    return Invalid("schedule: needs max_pages >= 1, max_pages * page_size < 2^30 and batch * "
+                   "block-table capacity within the int32 schedule, got batch " +
+                   std::to_string(batch) + ", max_pages " + std::to_string(max_pages));
+  }
+  DecodeParams p{};
+  p.seq_lens = seq_lens.typed_data();
+  p.schedule = schedule->typed_data();
+  p.batch = static_cast<int>(batch);
+  p.max_pages = static_cast<int>(max_pages);
+  p.page_size = static_cast<int>(page_size);
+  p.enable_pdl = enable_pdl;
+  const cudaError_t status = LaunchSchedule(p, stream);
+  if (status != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jax_mla: sm90 schedule launch failed: ") +
                                 cudaGetErrorString(status));
   }
   return ffi::Error::Success();
@@ -177,11 +222,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90Decode, jax_mla::Sm90DecodeImpl,
                                   .Arg<ffi::Buffer<ffi::BF16>>()   // kv_cache
                                   .Arg<ffi::Buffer<ffi::S32>>()    // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()    // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // schedule
                                   .Ret<ffi::Buffer<ffi::BF16>>()   // out
                                   .Ret<ffi::Buffer<ffi::F32>>()    // lse
                                   .Ret<ffi::Buffer<ffi::U8>>()     // workspace
                                   .Attr<double>("softmax_scale")
                                   .Attr<double>("output_scale")
                                   .Attr<int64_t>("sm_count")
+                                  .Attr<bool>("enable_pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90Schedule, jax_mla::Sm90ScheduleImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()    // seq_lens
+                                  .Ret<ffi::Buffer<ffi::S32>>()    // schedule
+                                  .Attr<int64_t>("max_pages")
+                                  .Attr<int64_t>("page_size")
                                   .Attr<bool>("enable_pdl"),
                               {ffi::Traits::kCmdBufferCompatible});

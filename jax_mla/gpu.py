@@ -30,11 +30,12 @@ TARGETS = {
                                     "execute": "JaxMlaFaDecodeSelfPlan"},
     "jax_mla_trtllm_decode": {"execute": "JaxMlaTrtllmDecode"},
     "jax_mla_device_plan": {"execute": "JaxMlaDevicePlan"},
+    "jax_mla_sm90_schedule": {"execute": "JaxMlaSm90Schedule"},
     "jax_mla_sm90_decode": {"execute": "JaxMlaSm90Decode"},
 }
 # Targets a library may have been built without (ffi/CMakeLists.txt skips the sm90 handler when it
 # finds no CUTLASS headers): register_targets skips them, sm90_missing() says why.
-OPTIONAL_TARGETS = ("jax_mla_sm90_decode",)
+OPTIONAL_TARGETS = ("jax_mla_sm90_schedule", "jax_mla_sm90_decode")
 # ffi::State types of the handlers: name -> symbols returning its type id and type info.
 STATE_TYPES = {
     "jax_mla_plan_staging": ("JaxMlaPlanStagingTypeId", "JaxMlaPlanStagingTypeInfo"),
@@ -330,9 +331,9 @@ def sm90_missing() -> str | None:
 def sm90_workspace_bytes(batch: int, q_len: int, num_heads: int, num_sms: int) -> int:
     """Scratch bytes of one sm90 decode: ``WorkspaceBytes`` of ffi/sm90/decode_params.h.
 
-    The schedule (int32 [batch + 1]), then fp32 partial LSEs [slots, rows_pad] and partial outputs
-    [slots, rows_pad, 512], each region 256-byte aligned; slots = batch + parts, rows_pad = the
-    query rows (q_len * num_heads) rounded up to 64-row tiles, parts = num_sms // M tiles (>= 1).
+    fp32 partial LSEs [slots, rows_pad] and partial outputs [slots, rows_pad, 512], each region
+    256-byte aligned; slots = batch + parts, rows_pad = the query rows (q_len * num_heads) rounded
+    up to 64-row tiles, parts = num_sms // M tiles (>= 1).
     """
     def align(x: int) -> int:
         return -(-x // 256) * 256
@@ -340,8 +341,7 @@ def sm90_workspace_bytes(batch: int, q_len: int, num_heads: int, num_sms: int) -
     m_tiles = -(-(q_len * num_heads) // 64)
     parts = max(num_sms // m_tiles, 1)
     slots, rows_pad = batch + parts, m_tiles * 64
-    partial_lse = align(4 * (batch + 1))
-    partial_out = align(partial_lse + 4 * slots * rows_pad)
+    partial_out = align(4 * slots * rows_pad)
     return align(partial_out + 4 * slots * rows_pad * SM90_DIMS[0])
 
 
@@ -376,11 +376,22 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int, softmax_
         raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
 
 
+def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):
+    """The sm90 kernel's split-KV schedule, int32 [B + 1], built on the GPU from ``seq_lens``
+    (ffi/sm90/schedule.cuh). It depends only on the lengths and the table's shape, so XLA keeps
+    one of the identical calls that a step's layers make."""
+    register_targets()
+    return jax.ffi.ffi_call(
+        "jax_mla_sm90_schedule", jax.ShapeDtypeStruct((seq_lens.shape[0] + 1,), jnp.int32))(
+        seq_lens, max_pages=np.int64(max_pages), page_size=np.int64(page_size), enable_pdl=True)
+
+
 def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
                 output_scale: float, kv_lora_rank: int):
     """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``.
 
-    Builds its split-KV schedule from ``seq_lens`` on the GPU inside the call (no host work).
+    Builds its split-KV schedule from ``seq_lens`` on the GPU (``sm90_schedule``, once per step
+    after XLA merges the layers' identical calls), then decodes; no host work.
     Needs B >= 1 (``jax_mla.decode`` refuses an empty batch).
     Returns out bf16 [B, q_len, H, 512] (scaled by ``output_scale``) and lse float32 [B, q_len, H].
     """
@@ -388,12 +399,13 @@ def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float
     batch, q_len, num_heads, _ = query.shape
     register_targets()
     num_sms = sm_count()
+    schedule = sm90_schedule(seq_lens, max_pages=block_tables.shape[1], page_size=kv_cache.shape[1])
     results = (
         jax.ShapeDtypeStruct((batch, q_len, num_heads, kv_lora_rank), query.dtype),
         jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),
         jax.ShapeDtypeStruct((sm90_workspace_bytes(batch, q_len, num_heads, num_sms),), jnp.uint8),
     )
     out, lse, _ = jax.ffi.ffi_call("jax_mla_sm90_decode", results)(
-        query, kv_cache, block_tables, seq_lens, softmax_scale=np.float64(softmax_scale),
+        query, kv_cache, block_tables, seq_lens, schedule, softmax_scale=np.float64(softmax_scale),
         output_scale=np.float64(output_scale), sm_count=np.int64(num_sms), enable_pdl=True)
     return out, lse

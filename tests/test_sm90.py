@@ -58,16 +58,23 @@ def custom_call_line(text):
 
 @pytest.mark.parametrize("batch,q_len,num_heads,page_size", [(4, 2, 128, 64), (1, 1, 8, 32),
                                                              (33, 4, 16, 64)])
-def test_lowering_is_one_custom_call_with_the_vocabulary(lowering_stubs, batch, q_len, num_heads,
-                                                         page_size):
+def test_lowering_is_a_schedule_call_and_a_decode_call(lowering_stubs, batch, q_len, num_heads,
+                                                       page_size):
+    """The schedule (from the lengths alone, so a step's layers share it) feeds the decode call."""
     text = lower(*shapes(batch, q_len, num_heads, page_size=page_size))
+    assert text.count("stablehlo.custom_call") == 2
+    schedule = next(line for line in text.splitlines() if "@jax_mla_sm90_schedule(" in line)
+    for attribute in ("max_pages = 8 : i64", f"page_size = {page_size} : i64", "enable_pdl = true"):
+        assert attribute in schedule, schedule
+    schedule_in, schedule_out = schedule.rsplit(" : ", 1)[1].split(" -> ")
+    assert re.findall(r"tensor<[^>]+>", schedule_in) == [f"tensor<{batch}xi32>"]
+    assert re.findall(r"tensor<[^>]+>", schedule_out) == [f"tensor<{batch + 1}xi32>"]
     call = custom_call_line(text)
-    assert text.count("stablehlo.custom_call") == 1
     for attribute in ("softmax_scale = 1.350000e-01 : f64", "output_scale = 5.000000e-01 : f64",
                       "sm_count = 132 : i64", "enable_pdl = true"):
         assert attribute in call, call
     operands = [f"tensor<{batch}x{q_len}x{num_heads}x576xbf16>", f"tensor<64x{page_size}x576xbf16>",
-                f"tensor<{batch}x8xi32>", f"tensor<{batch}xi32>"]
+                f"tensor<{batch}x8xi32>", f"tensor<{batch}xi32>", f"tensor<{batch + 1}xi32>"]
     workspace = gpu.sm90_workspace_bytes(batch, q_len, num_heads, 132)
     results = [f"tensor<{batch}x{q_len}x{num_heads}x512xbf16>", f"tensor<{batch}x{q_len}x{num_heads}xf32>",
                f"tensor<{workspace}xui8>"]
@@ -75,17 +82,19 @@ def test_lowering_is_one_custom_call_with_the_vocabulary(lowering_stubs, batch, 
     inputs, outputs = signature.split(" -> ")
     assert re.findall(r"tensor<[^>]+>", inputs) == operands
     assert re.findall(r"tensor<[^>]+>", outputs) == results
+    schedule_result = schedule.split("=", 1)[0].strip()
+    decode_operands = re.findall(r"%[\w#]+", call.split("(", 1)[1].split(")", 1)[0])
+    assert decode_operands[4] == schedule_result and decode_operands[3] in schedule
     assert "stablehlo.multiply" not in text  # the kernel applies output_scale itself
 
 
 def test_workspace_formula_by_hand():
     # 132 SMs, q_len * H = 256 rows: 4 M tiles, 33 parts, slots = 4 + 33, rows_pad = 256.
     slots, rows_pad = 4 + 33, 256
-    lse_at = 256  # int32 [5] rounded up to 256
-    out_at = -(-(lse_at + 4 * slots * rows_pad) // 256) * 256
+    out_at = -(-(4 * slots * rows_pad) // 256) * 256  # after the partial LSEs
     total = -(-(out_at + 4 * slots * rows_pad * 512) // 256) * 256
     assert gpu.sm90_workspace_bytes(4, 2, 128, 132) == total
-    assert gpu.sm90_workspace_bytes(1, 1, 8, 132) == 256 + 256 * -(-(4 * 133 * 64) // 256) + 4 * 133 * 64 * 512
+    assert gpu.sm90_workspace_bytes(1, 1, 8, 132) == 256 * -(-(4 * 133 * 64) // 256) + 4 * 133 * 64 * 512
 
 
 WORKSPACE_CASES = [(b, q, h, sms) for b in (1, 3, 32, 129, 1000) for q in (1, 2, 3, 4)
@@ -381,6 +390,33 @@ def test_inside_jit_and_scan_over_layers():
                                                problem.seq_lens)
     assert np.isfinite(np.asarray(chained[0], np.float32)).all()
     assert_identical((chained[0][0], chained[1][0]), (outs[0], lses[0]))  # same layer-0 inputs
+
+
+def custom_call_counts(hlo: str) -> dict[str, int]:
+    """How many custom calls of each jax_mla sm90 target a compiled program holds."""
+    return {target: len(re.findall(rf'custom_call_target="{target}"', hlo))
+            for target in ("jax_mla_sm90_schedule", "jax_mla_sm90_decode")}
+
+
+@on_gpu
+def test_the_schedule_is_built_once_per_step():
+    """Every layer's schedule call reads the same lengths, so XLA keeps one for the step; each
+    layer's result is the one a lone call gives."""
+    problem = make_problem(23, batch=5, q_len=1, num_heads=128, page_size=64, max_len=3000,
+                           dtype=jnp.bfloat16)
+    caches = [problem.kv_cache * (1 + 0.05 * i) for i in range(4)]
+
+    def step(query, caches, tables, lengths):
+        return [jax_mla.decode(query, cache, tables, lengths, softmax_scale=problem.softmax_scale,
+                               backend=SM90, return_lse=True) for cache in caches]
+
+    arrays = (problem.query, caches, problem.block_tables, problem.seq_lens)
+    hlo = jax.jit(step).lower(*arrays).compile().as_text()
+    assert custom_call_counts(hlo) == {"jax_mla_sm90_schedule": 1, "jax_mla_sm90_decode": 4}
+    for cache, got in zip(caches, jax.jit(step)(*arrays)):
+        lone = jax_mla.decode(problem.query, cache, problem.block_tables, problem.seq_lens,
+                              softmax_scale=problem.softmax_scale, backend=SM90, return_lse=True)
+        assert_identical(got, lone)
 
 
 def step_program(out_dir: str) -> None:

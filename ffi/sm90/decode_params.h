@@ -54,9 +54,11 @@ struct DecodeParams {
   // Outputs.
   void* out;                 // bf16 [batch, q_len, num_heads, 512]
   float* lse;                // f32  [batch, q_len, num_heads], natural log
-  // Scratch owned by the caller: WorkspaceBytes(...) bytes, 256-byte aligned. The schedule lives
-  // at its start (written by LaunchSchedule, read by LaunchDecode); it only depends on seq_lens, so
-  // one schedule serves every layer of a step.
+  // The step's split-KV schedule, int32 [batch + 1] (schedule.cuh): written by LaunchSchedule,
+  // read by LaunchDecode. It depends only on seq_lens and the table's shape, so one schedule
+  // serves every layer of a step.
+  int32_t* schedule;
+  // Scratch owned by the caller: WorkspaceBytes(...) bytes, 256-byte aligned (partial results).
   void* workspace;
   int batch;
   int q_len;
@@ -84,7 +86,6 @@ __host__ __device__ inline int NumParts(int num_sms, int q_len, int num_heads) {
 
 // Byte offsets of the workspace regions.
 struct WorkspaceLayout {
-  size_t schedule;      // int32 [batch + 1]: exclusive prefix of per-request costs, then the total
   size_t partial_lse;   // f32 [slots, rows_pad]
   size_t partial_out;   // f32 [slots, rows_pad, 512]
   size_t total;
@@ -99,8 +100,7 @@ __host__ __device__ inline WorkspaceLayout MakeWorkspaceLayout(int batch, int q_
   WorkspaceLayout w;
   w.slots = batch + num_parts;
   w.rows_pad = NumMTiles(q_len, num_heads) * kBlockM;
-  w.schedule = 0;
-  w.partial_lse = AlignUp(sizeof(int32_t) * (static_cast<size_t>(batch) + 1), 256);
+  w.partial_lse = 0;
   w.partial_out =
       AlignUp(w.partial_lse + sizeof(float) * static_cast<size_t>(w.slots) * w.rows_pad, 256);
   w.total = AlignUp(w.partial_out + sizeof(float) * static_cast<size_t>(w.slots) * w.rows_pad *

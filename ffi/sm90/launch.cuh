@@ -1,10 +1,11 @@
 // Host launchers of the SM90 MLA decode.
 //
-// Per step:   LaunchSchedule(params, stream)   (reads seq_lens, writes the schedule)
+// Per step:   LaunchSchedule(params, stream)   (reads seq_lens, writes params.schedule)
 // Per layer:  LaunchDecode(params, stream)     (decode kernel, then combine kernel)
 // Both only enqueue work (no host sync, no allocation): safe inside CUDA graph capture and XLA
-// command buffers. The caller owns the workspace (WorkspaceBytes(...) bytes) and must keep
-// batch, q_len, num_heads and num_sms equal between the schedule and the decode of a step.
+// command buffers. The caller owns the schedule (int32 [batch + 1]) and the workspace
+// (WorkspaceBytes(...) bytes) and must keep batch, seq_lens, max_pages and page_size equal
+// between the schedule and the decodes of a step.
 // Include this header from exactly one translation unit compiled with
 //   -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include --expt-relaxed-constexpr
 #pragma once
@@ -75,7 +76,7 @@ inline bool ValidShape(const DecodeParams& p) {
   if (p.page_size != 32 && p.page_size != 64) return false;
   if (static_cast<long long>(p.num_pages) * p.page_size >= (1ll << 31)) return false;
   if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
-  if (!(p.softmax_scale > 0.f) || p.num_sms < 1) return false;
+  if (!(p.softmax_scale > 0.f) || p.num_sms < 1 || p.schedule == nullptr) return false;
   if ((reinterpret_cast<uintptr_t>(p.query) | reinterpret_cast<uintptr_t>(p.kv_cache) |
        reinterpret_cast<uintptr_t>(p.out) | reinterpret_cast<uintptr_t>(p.workspace)) & 15) {
     return false;
@@ -111,13 +112,17 @@ inline cudaError_t LaunchEx(const void* kernel, dim3 grid, dim3 block, size_t sm
 
 }  // namespace detail
 
-// Builds the split-KV schedule from seq_lens into the workspace (once per step).
+// Builds the split-KV schedule from seq_lens into p.schedule (once per step). Reads only
+// seq_lens, batch, max_pages, page_size, schedule and enable_pdl of p.
 inline cudaError_t LaunchSchedule(const DecodeParams& p, cudaStream_t stream) {
-  if (!detail::ValidShape(p)) return cudaErrorInvalidValue;
+  if (p.batch < 1 || p.max_pages < 1 || (p.page_size != 32 && p.page_size != 64) ||
+      p.seq_lens == nullptr || p.schedule == nullptr) {
+    return cudaErrorInvalidValue;
+  }
   const int32_t* seq_lens = p.seq_lens;
   int batch = p.batch, max_pages = p.max_pages, page_size = p.page_size;
-  void* workspace = p.workspace;
-  void* args[] = {&seq_lens, &batch, &max_pages, &page_size, &workspace};
+  int32_t* schedule = p.schedule;
+  void* args[] = {&seq_lens, &batch, &max_pages, &page_size, &schedule};
   return detail::LaunchEx(reinterpret_cast<const void*>(&ScheduleKernel), dim3(1),
                           dim3(kScheduleThreads), 0, p.enable_pdl, stream, args);
 }

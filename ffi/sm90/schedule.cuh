@@ -37,10 +37,10 @@ struct ScheduleView {
   int batch;
   int units_per_part;     // Q
 
-  __device__ __forceinline__ static ScheduleView Load(const void* workspace, int batch,
+  __device__ __forceinline__ static ScheduleView Load(const int32_t* schedule, int batch,
                                                       int num_parts) {
     ScheduleView v;
-    v.prefix = static_cast<const int32_t*>(workspace);
+    v.prefix = schedule;
     v.batch = batch;
     int total = v.prefix[batch];
     int q = (total + num_parts - 1) / num_parts;
@@ -116,9 +116,8 @@ constexpr int kScheduleThreads = 256;
 
 // One CTA: S[b] = sum of costs of requests < b, S[batch] = total.
 __global__ void __launch_bounds__(kScheduleThreads)
-ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size, void* workspace) {
+ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size, int32_t* prefix) {
   GridDependencyWait();
-  int32_t* prefix = static_cast<int32_t*>(workspace);
   __shared__ int warp_sums[kScheduleThreads / 32];
   __shared__ int carry_in;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
