@@ -323,9 +323,10 @@ class Bench:
         self.time_guard(run)
 
     def time_guard(self, run: PointRun, copies: int = 64) -> None:
-        """The guard alone, once per step: ``guard_us`` with a device-built schedule (the lengths
-        only) and ``guard_plan_us`` with a host plan (the plan's works rewritten too), each the time
-        of ``copies`` independent guards in one jitted program over ``copies``."""
+        """The guard alone, once per step: ``guard_us`` without a Plan (the lengths only, as with
+        ``plan="device"`` or None) and ``guard_plan_us`` with one (the plan's works rewritten too,
+        as in both steps of ``time_model_step``), each the time of ``copies`` independent guards in
+        one jitted program over ``copies``."""
         import jax
         import jax.numpy as jnp
         import jax_mla

@@ -7,8 +7,8 @@
 namespace jax_mla {
 
 // The longest request the fa3/fa2 schedule takes (planning.MAX_KV_LEN): with every length at most
-// this, all tile tokens over the clusters stay below 2^31 for the largest batch that fits the
-// schedule's 16384 works (the planners' chunk size is an int).
+// this, all tile tokens over the clusters (the planners' int chunk size) stay below 2^31 for every
+// batch that planning.max_batch_for_works allows.
 constexpr int kMaxKvLen = 1 << 22;
 
 // Clamps each of `batch` lengths to [0, capacity]. MLAPlan writes past its host buffers for a

@@ -39,13 +39,9 @@ class CacheView(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs, schema = kwargs or {}, func._schema
+        kwargs = kwargs or {}
+        _refuse_writes(func._schema, func, args, kwargs)
         views = [leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, CacheView)]
-        for i, arg in enumerate(schema.arguments):
-            writes = arg.alias_info is not None and arg.alias_info.is_write  # in place, out=
-            if ((writes or func.overloadpacket is torch.ops.aten.set_)
-                    and any(isinstance(x, CacheView) for x in _leaves(schema, i, args, kwargs))):
-                raise RuntimeError(READ_ONLY)
         real = out = None  # the exports; cleared in `finally` so no traceback keeps them alive
         try:
             real = tree_map(_materialise, (args, kwargs))
@@ -53,25 +49,11 @@ class CacheView(torch.Tensor):
             for device in {view.device for view in views if view.is_cuda}:
                 torch.cuda.current_stream(device).synchronize()
             buffers = {view._array.unsafe_buffer_pointer() for view in views}
-            several = len(schema.returns) > 1
-            results = []
-            for r, ret in enumerate(schema.returns):
-                value, parent = out[r] if several else out, _aliased(schema, ret, args, kwargs)
-                pick = (r,) if several else ()
-                if isinstance(parent, CacheView) and isinstance(value, (list, tuple)):
-                    value = [cls(parent._array, (func, args, kwargs, pick + (j,)))
-                             for j in range(len(value))]
-                elif isinstance(parent, CacheView):
-                    value = cls(parent._array, (func, args, kwargs, pick))
-                else:  # an alias the schema does not declare (aten._unsafe_view) is copied
-                    value = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
-                                     and t.untyped_storage().data_ptr() in buffers else t, value)
-                results.append(value)
-            return tuple(results) if several else (results[0] if results else out)
+            return _wrap_results(cls, func, out, args, kwargs, buffers)
         except Exception as error:  # the frames below hold the exports: a kept error would pin them
             raise error.with_traceback(None)
         finally:
-            real = out = value = results = None
+            real = out = None
 
     def _materialise(self) -> torch.Tensor:
         return _materialise_from(self._array, self._recipe)
@@ -104,6 +86,37 @@ def _materialise_from(array: jax.Array, recipe) -> torch.Tensor:
     for index in pick:
         out = out[index]
     return out
+
+
+def _refuse_writes(schema, func, args, kwargs) -> None:
+    """Raise ``RuntimeError(READ_ONLY)`` if ``func`` writes to a ``CacheView`` argument (in place,
+    ``out=``, or ``set_``)."""
+    for i, arg in enumerate(schema.arguments):
+        writes = arg.alias_info is not None and arg.alias_info.is_write
+        if ((writes or func.overloadpacket is torch.ops.aten.set_)
+                and any(isinstance(x, CacheView) for x in _leaves(schema, i, args, kwargs))):
+            raise RuntimeError(READ_ONLY)
+
+
+def _wrap_results(cls, func, out, args, kwargs, buffers):
+    """``func``'s results as the caller sees them: a view of a ``CacheView`` argument becomes a
+    derived ``CacheView`` (a recipe, not a tensor); a result sharing the cache's memory without the
+    schema saying so (aten._unsafe_view) is copied; everything else is returned as is."""
+    schema = func._schema
+    several = len(schema.returns) > 1
+    results = []
+    for r, ret in enumerate(schema.returns):
+        value, parent = out[r] if several else out, _aliased(schema, ret, args, kwargs)
+        pick = (r,) if several else ()
+        if isinstance(parent, CacheView) and isinstance(value, (list, tuple)):
+            value = [cls(parent._array, (func, args, kwargs, pick + (j,))) for j in range(len(value))]
+        elif isinstance(parent, CacheView):
+            value = cls(parent._array, (func, args, kwargs, pick))
+        else:
+            value = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
+                             and t.untyped_storage().data_ptr() in buffers else t, value)
+        results.append(value)
+    return tuple(results) if several else (results[0] if results else out)
 
 
 def _materialise(leaf):

@@ -5,9 +5,10 @@
 and every block-table entry the request reads is a page of the cache (and, with a ``Plan``, the
 length is the one the plan was built from). Every other request reads no token: its length becomes
 0 before any backend or planner sees it, and the works a ``Plan`` holds for it are emptied, so its
-output is 0 and its lse -inf on every backend. The ops depend only on the step's tables, lengths and
-plan, so XLA computes them once per step however many layers call ``decode``
-(docs/bad-values.md).
+output is 0 and its lse -inf (on xla, sm90, fa3 and fa2; trtllm-gen reads nothing for it, its
+output for a zero length is not verified on hardware). The ops depend only on the step's tables,
+lengths and plan, so under ``jax.jit`` XLA computes them once per step however many layers call
+``decode`` (docs/bad-values.md).
 """
 
 from __future__ import annotations
@@ -18,10 +19,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_mla import planning
-
-# Indices into plan_info (planning.schedule_layout) of the per-work arrays the guard reads and
-# rewrites.
-PLAN_KV_INDPTR, PLAN_KV_LEN, PLAN_KV_START, PLAN_KV_END = 3, 11, 13, 14
 
 
 def pages_read(block_tables, seq_lens, page_size: int):
@@ -58,26 +55,30 @@ def guard_plan(plan: planning.Plan, usable) -> planning.Plan:
 
     FlashInfer's fa3/fa2 kernels read the cache only through the plan's works; an empty work writes
     out 0 and lse -inf for its rows (as MLAPlan's own works for a zero length do), and merging
-    empty partial results gives the same. A work's request is its ``kv_indptr / max_pages``. The
-    per-work arrays kv_len, q_start, kv_start and kv_end lie back to back, so one elementwise pass
-    over them rewrites the three of them (q_start is kept).
+    empty partial results gives the same. A work's request is its ``kv_indptr / max_pages``. One
+    elementwise pass over the workspace's int32 words writes the result (a single fusion, no copy
+    before an update): the kv_len, kv_start and kv_end entries of an emptied work become 0, every
+    other word is kept.
 
     Args:
+      plan: a Plan whose arrays passed ``check_arrays``.
       usable: bool [plan.batch].
+    Returns:
+      The plan with its int_workspace rewritten (uint8, same size).
     """
-    info, works = plan.layout.plan_info, planning.MAX_TOTAL_WORKS
-    first = info[PLAN_KV_LEN] // 4
-    if [info[i] // 4 - first for i in (PLAN_KV_START, PLAN_KV_END)] != [2 * works, 3 * works]:
-        raise ValueError(f"unexpected plan layout {info}: kv_len, q_start, kv_start and kv_end "
-                         "are not back to back")
-    words = lax.bitcast_convert_type(plan.int_workspace.reshape(-1, 4), jnp.int32)
-    region = lax.dynamic_slice(words, (first,), (4 * works,)).reshape(4, works)
-    kv_indptr = lax.dynamic_slice(words, (info[PLAN_KV_INDPTR] // 4,), (works,))
-    keep = usable[jnp.clip(kv_indptr // plan.max_pages, 0, plan.batch - 1)]  # [works]
-    rewritten = jnp.arange(4)[:, None] != 1  # every array but q_start
-    region = jnp.where(rewritten & ~keep[None, :], 0, region)
-    words = lax.dynamic_update_slice(words, region.reshape(-1), (first,))
-    guarded = lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)
+    layout, works = plan.layout, planning.MAX_TOTAL_WORKS
+    words = lax.bitcast_convert_type(plan.int_workspace.reshape(-1, 4), jnp.int32)  # [N]
+    index = jnp.arange(words.shape[0], dtype=jnp.int32)
+    emptied = jnp.zeros(words.shape, bool)
+    indptr_start = layout.entry("kv_indptr") // 4
+    for field in ("kv_len", "kv_start", "kv_end"):
+        start = layout.entry(field) // 4
+        work = index - start
+        in_field = (work >= 0) & (work < works)
+        kv_indptr = words[indptr_start + jnp.clip(work, 0, works - 1)]
+        request = jnp.clip(kv_indptr // plan.max_pages, 0, plan.batch - 1)
+        emptied = emptied | (in_field & ~usable[request])
+    guarded = lax.bitcast_convert_type(jnp.where(emptied, 0, words), jnp.uint8).reshape(-1)
     return dataclasses.replace(plan, int_workspace=guarded)
 
 
@@ -86,8 +87,18 @@ def guard(block_tables, seq_lens, plan, *, num_pages: int, page_size: int, q_len
     """(seq_lens, plan) as the backends should see them: unusable requests neutralised.
 
     A request is unusable when ``usable_requests`` says so or, with a ``Plan``, when its length
-    differs from the one the plan was built from. ``max_len``: the longest length the backend
-    takes (``planning.MAX_KV_LEN`` for the fa3/fa2 schedule), if below the table's capacity.
+    differs from the one the plan was built from.
+
+    Args:
+      block_tables: int32 [B, max_pages]; seq_lens: int32 [B].
+      plan: None, "device", or a ``Plan`` for B requests over a table ``max_pages`` wide
+        (``PlanMismatchError`` otherwise).
+      num_pages, page_size: the cache's first two dims; q_len: query tokens per request.
+      max_len: the longest length the backend takes (``planning.MAX_KV_LEN`` for the fa3/fa2
+        schedule), if below the table's capacity.
+    Returns:
+      int32 [B] lengths, 0 for unusable requests; ``plan`` with their works emptied (a ``Plan``)
+      or unchanged.
     """
     usable = usable_requests(block_tables, seq_lens, num_pages=num_pages, page_size=page_size,
                              q_len=q_len, max_len=max_len)

@@ -29,6 +29,15 @@ class PlanMismatchError(ValueError):
     """A plan does not describe the call it was given to (its batch, heads, q_len or table width)."""
 
 
+# MLAPlanInfo's entries in order (ffi/plan_info.h): CTAs per cluster, clusters, the byte offsets of
+# the schedule's arrays in the int workspace, and those of the partial results in the float one.
+PLAN_INFO_FIELDS = (
+    "cluster_size", "num_clusters", "q_indptr", "kv_indptr", "partial_indptr",
+    "merge_packed_start", "merge_packed_end", "merge_partial_start", "merge_partial_end",
+    "merge_partial_stride", "q_len", "kv_len", "q_start", "kv_start", "kv_end", "work_indptr",
+    "partial_o", "partial_lse")
+
+
 @dataclasses.dataclass(frozen=True)
 class ScheduleLayout:
     """MLAPlanInfo's 18 entries plus the workspace sizes they imply."""
@@ -36,6 +45,10 @@ class ScheduleLayout:
     plan_info: tuple[int, ...]
     int_workspace_bytes: int
     float_workspace_bytes: int
+
+    def entry(self, field: str) -> int:
+        """The plan_info entry named ``field`` (one of ``PLAN_INFO_FIELDS``)."""
+        return self.plan_info[PLAN_INFO_FIELDS.index(field)]
 
 
 class _Allocator:
@@ -75,9 +88,9 @@ class Plan:
     """A decode step's fa3/fa2 work schedule, valid for one set of lengths and problem shape.
 
     ``int_workspace`` (uint8 [layout.int_workspace_bytes], on the GPU) is the schedule and
-    ``seq_lens`` (int32 [batch]) the lengths it was built from: ``decode`` compares them with its
-    own on the device and gives a request whose length differs nothing to read (jax_mla.guard). The
-    rest is static metadata checked against each ``decode`` call.
+    ``seq_lens`` (int32 [batch]) the lengths it was built from: ``decode(..., fail_closed=True)``
+    compares them with its own on the device and gives a request whose length differs nothing to
+    read (jax_mla.guard). The rest is static metadata checked against each ``decode`` call.
     """
 
     int_workspace: jax.Array
@@ -90,8 +103,9 @@ class Plan:
     layout: ScheduleLayout
 
     def tree_flatten(self):
-        return (self.int_workspace, self.seq_lens), (self.batch, self.q_len, self.num_heads, self.max_pages,
-                                       self.kv_lora_rank, self.layout)
+        static = (self.batch, self.q_len, self.num_heads, self.max_pages, self.kv_lora_rank,
+                  self.layout)
+        return (self.int_workspace, self.seq_lens), static
 
     @classmethod
     def tree_unflatten(cls, static, children):
@@ -183,10 +197,14 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
 
 
 def max_batch_for_works(q_len: int, num_heads: int, num_clusters: int, cluster_size: int) -> int:
-    """The largest batch whose schedule fits MLAPlan's 16384 works for any lengths: each query
-    tile gives at most one short chunk, and the full-length chunks number at most the clusters."""
+    """The largest batch whose schedule fits MLAPlan's 16384 works for any lengths up to
+    ``MAX_KV_LEN``: each query tile gives at most one short chunk, and the full-length chunks
+    number at most the clusters; and all tile tokens over the clusters (the planners' int chunk
+    size) stay below 2^31, which bounds the batch on GPUs with fewer than 33 clusters."""
     tiles = -(-q_len * num_heads // (cluster_size * CTA_TILE_Q))
-    return (MAX_TOTAL_WORKS - num_clusters) // tiles
+    by_works = (MAX_TOTAL_WORKS - num_clusters) // tiles
+    by_chunk_size = (2**31 - 1) * num_clusters // (tiles * MAX_KV_LEN)
+    return min(by_works, by_chunk_size)
 
 
 def check_works_fit(batch: int, q_len: int, num_heads: int, layout: ScheduleLayout) -> None:

@@ -10,6 +10,7 @@ if its position is below the clamped length and its page id is in range. The che
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -104,8 +105,7 @@ def test_a_plan_used_with_other_lengths_gives_those_requests_nothing(backend, pl
     """A plan is tied to the lengths it was built from: the requests whose length changed get 0
     and -inf (not a result over the plan's ranges); bad values count as before."""
     problem, tables, lengths, _ = bad_requests_problem(2, jnp.bfloat16)
-    planned = np.asarray(make_problem(13, batch=8, q_len=2, num_heads=16, page_size=32,
-                                      max_len=200).seq_lens)
+    planned = np.asarray(problem.seq_lens)  # the lengths the tables were built for
     lengths[[0, 7]] = planned[[0, 7]]  # clean and as planned
     lengths[3] = planned[3] + 1        # clean but not as planned
     tables[3] = np.asarray(problem.block_tables)[3]
@@ -181,14 +181,29 @@ def test_the_guard_runs_once_per_step_not_once_per_layer(fail_closed):
     assert found == (1 if fail_closed else 0), found
 
 
+def test_the_plan_rewrite_also_runs_once_per_step():
+    """Layers that pass the same plan, tables and lengths share one guard, plan rewrite included:
+    the compiled program of four guards has the gathers of one."""
+    plan, _, _ = synthetic_plan()
+    tables, lengths = jnp.zeros((4, 8), jnp.int32), plan.seq_lens
+
+    def layers(count, tables, lengths, plan):
+        outs = [guard.guard(tables, lengths, plan, num_pages=40, page_size=16, q_len=1)
+                for _ in range(count)]
+        return [(safe, guarded.int_workspace) for safe, guarded in outs]
+
+    gathers = [jax.jit(layers, static_argnums=0).lower(count, tables, lengths, plan).compile()
+               .as_text().count(" gather(") for count in (1, 4)]
+    assert gathers[0] >= 1 and gathers[1] == gathers[0], gathers
+
+
 def synthetic_plan(batch=4, max_pages=8):
     """A Plan whose works 0..2*batch-1 belong to requests w // 2, with every per-work array filled
     with distinct values, the rest of the workspace with a pattern."""
     layout = planning.schedule_layout(132, 1, 16, 512)
     words = np.arange(layout.int_workspace_bytes // 4, dtype=np.int32) % 1000 + 7
-    info = layout.plan_info
     works = np.arange(2 * batch)
-    words[info[guard.PLAN_KV_INDPTR] // 4 + works] = (works // 2) * max_pages
+    words[layout.entry("kv_indptr") // 4 + works] = (works // 2) * max_pages
     workspace = jnp.asarray(words.view(np.uint8))
     plan = planning.Plan(workspace, jnp.arange(batch, dtype=jnp.int32) + 1, batch, 1, 16,
                          max_pages, 512, layout)
@@ -199,8 +214,7 @@ def test_guard_plan_empties_exactly_the_works_of_unusable_requests():
     plan, words, works = synthetic_plan()
     usable = jnp.asarray([True, False, True, False])
     guarded = np.asarray(guard.guard_plan(plan, usable).int_workspace).view(np.int32)
-    info = plan.layout.plan_info
-    rewritten = [info[i] // 4 for i in (guard.PLAN_KV_LEN, guard.PLAN_KV_START, guard.PLAN_KV_END)]
+    rewritten = [plan.layout.entry(field) // 4 for field in ("kv_len", "kv_start", "kv_end")]
     may_change = np.zeros(words.size, bool)  # entries past the plan's works are never read
     for start in rewritten:
         may_change[start + 2 * 4:start + planning.MAX_TOTAL_WORKS] = True
@@ -209,18 +223,6 @@ def test_guard_plan_empties_exactly_the_works_of_unusable_requests():
     may_change[emptied] = True
     assert np.all(guarded[emptied] == 0) and np.all(guarded[kept] == words[kept])
     assert np.all(guarded[~may_change] == words[~may_change])
-
-
-def test_guard_plan_refuses_a_layout_whose_work_arrays_are_not_back_to_back():
-    import dataclasses
-
-    plan, _, _ = synthetic_plan()
-    info = list(plan.layout.plan_info)
-    info[guard.PLAN_KV_END] += 16
-    moved = dataclasses.replace(plan, layout=dataclasses.replace(plan.layout, plan_info=tuple(info)))
-    with pytest.raises(ValueError, match=r"unexpected plan layout .*: kv_len, q_start, kv_start and "
-                                         r"kv_end are not back to back"):
-        guard.guard_plan(moved, jnp.ones((4,), bool))
 
 
 def test_checked_mode_names_a_plan_used_with_other_lengths():
@@ -234,6 +236,10 @@ def test_checked_mode_names_a_plan_used_with_other_lengths():
                              r"from this step's seq_lens"):
         value_checks.check_values(query, cache, tables, lengths, plan)
     value_checks.check_values(query, cache, tables, plan.seq_lens, plan)
+    single = dataclasses.replace(plan, batch=1, seq_lens=plan.seq_lens[:1])  # would broadcast
+    with pytest.raises(planning.PlanMismatchError, match=r"plan was built for batch 1 and max_pages "
+                                                         r"8 but decode got batch 4"):
+        value_checks.check_values(query, cache, tables, lengths, single)
 
 
 @pytest.mark.parametrize("change,message", [
@@ -242,8 +248,6 @@ def test_checked_mode_names_a_plan_used_with_other_lengths():
     (dict(batch=3), r"plan was built for batch 3 and max_pages 8 but decode got batch 4 and max_pages 8"),
 ])
 def test_the_guard_refuses_a_plan_that_does_not_fit(change, message):
-    import dataclasses
-
     plan, _, _ = synthetic_plan()
     plan = dataclasses.replace(plan, **change)
     if "batch" in change:

@@ -240,6 +240,17 @@ def test_gpu_kernel_writes_the_host_twins_schedule(host_planner, case):
         np.testing.assert_array_equal(by_gpu[name], expected, err_msg=name)
 
 
+@pytest.mark.parametrize("q_len,num_heads", [(1, 128), (2, 16), (4, 128)])
+def test_bad_lengths_are_planned_as_their_clamped_values(host_planner, q_len, num_heads):
+    """The planner reads a length clamped to [0, MAX_KV_LEN]: the schedule of bad lengths is, byte
+    for byte, the schedule of the clamped ones (so it stays inside the workspace like them)."""
+    lengths = np.array([5, -3, 2**31 - 1, 0, 700, -(2**31), 2**22 + 5, 64, 1], np.int64)
+    clamped = np.clip(lengths, 0, planning.MAX_KV_LEN)
+    _, bad, bad_works = build(host_planner, lengths.astype(np.int32), q_len, num_heads, max_pages=9)
+    _, good, good_works = build(host_planner, clamped.astype(np.int32), q_len, num_heads, max_pages=9)
+    assert bad_works == good_works >= 1 and bad.tobytes() == good.tobytes()
+
+
 def test_checker_catches_a_broken_schedule(host_planner):
     lengths = np.asarray(CASES["b512-4k"][0], np.int32)
     layout, workspace, works = build(host_planner, lengths, 1, 128, 100)

@@ -7,6 +7,7 @@ before jax is imported); the multi_gpu test needs two GPUs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 
 import jax
@@ -18,7 +19,7 @@ from conftest import (check_accuracy, gpu_blocker, make_problem, relative_error,
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_mla
-from jax_mla import sharding
+from jax_mla import guard, sharding
 from jax_mla.planning import PlanMismatchError
 from jax_mla.reference import reference_from_jax
 
@@ -199,6 +200,41 @@ def test_plan_is_replicated_with_heads_sharded():
     expected = plan_kernel(*problem.arrays, plan={"workspace": jnp.full((128,), 3, jnp.uint8),
                                                   "scale": 0.5})
     assert_near(out, expected)
+
+
+def guarded_plan_kernel(query, kv_cache, block_tables, seq_lens, plan):
+    """A stand-in fa3 backend: decode's guard with a real ``Plan``, then the xla backend on the
+    guarded lengths, offset by a checksum of the guarded plan's kv_end entries."""
+    lengths, guarded = guard.guard(block_tables, seq_lens, plan, num_pages=kv_cache.shape[0],
+                                   page_size=kv_cache.shape[1], q_len=query.shape[1])
+    out = jax_mla.decode(query, kv_cache, block_tables, lengths, softmax_scale=SCALE, backend="xla",
+                         fail_closed=False)
+    words = jax.lax.bitcast_convert_type(guarded.int_workspace.reshape(-1, 4), jnp.int32)
+    start = guarded.layout.entry("kv_end") // 4
+    checksum = words[start:start + 2 * plan.batch].sum()
+    return out + checksum.astype(out.dtype) * 1e-3
+
+
+def test_a_guarded_plan_under_head_sharding():
+    """A real Plan (two arrays) replicated over the head shards: each device guards it with its
+    shard's arrays, and the result is the unsharded call's; the request whose length is not the
+    plan's gets nothing."""
+    from test_bad_values import synthetic_plan
+
+    mesh = cpu_mesh((1, 4))
+    problem = make_problem(52, batch=4, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    max_pages = problem.block_tables.shape[1]
+    plan, _, _ = synthetic_plan(batch=4, max_pages=max_pages)
+    plan = dataclasses.replace(plan, seq_lens=problem.seq_lens.at[1].add(1))
+    args = (put(mesh, problem.query, None, None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables), put(mesh, problem.seq_lens))
+    replicated = jax.device_put(plan, NamedSharding(mesh, P()))
+    out = jax.jit(lambda *a: sharding.call(guarded_plan_kernel, *a, plan=replicated))(*args)
+    expected = guarded_plan_kernel(*problem.arrays, plan=plan)
+    assert batch_and_heads(out) == (None, "tp")
+    assert_near(out, expected)
+    offset = np.asarray(expected[1])  # request 1 read nothing: only the checksum's offset is left
+    assert np.all(offset == offset.reshape(-1)[0]) and offset.reshape(-1)[0] != 0
 
 
 def local_heads_kernel(query, kv_cache, block_tables, seq_lens, plan=None):
