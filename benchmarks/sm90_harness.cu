@@ -13,6 +13,8 @@
 //                         [--bad] [--iters N] [--check-only] [--ref-requests N]
 //   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
 //   number of M tiles is even.
+//   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
+//   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
 //
 // Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
 // (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
@@ -35,6 +37,8 @@
 using namespace jax_mla::sm90;
 
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings ("--cluster2")
+static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
+static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -190,6 +194,8 @@ struct Problem {
     p.block_tables = d_tables[copy];
     p.seq_lens = d_lens;
     p.schedule = schedule;
+    p.fixed_cost_blocks = g_fixed_cost;
+    p.min_blocks_per_part = g_min_blocks;
     p.out = out;
     p.lse = lse;
     p.workspace = workspace;
@@ -637,9 +643,13 @@ int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   std::vector<char*> args;
   for (int i = 0; i < argc; ++i) {
-    if (std::string(argv[i]) == "--cluster2") g_cluster = 2;
+    const std::string a = argv[i];
+    if (a == "--cluster2") g_cluster = 2;
+    else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
+    else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
   }
+  printf("schedule: fixed_cost_blocks %d, min_blocks_per_part %d\n", g_fixed_cost, g_min_blocks);
   argc = (int)args.size();
   argv = args.data();
   std::string mode = argc > 1 ? argv[1] : "check";

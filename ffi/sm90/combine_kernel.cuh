@@ -44,7 +44,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
     write_empty();
     return;
   }
-  const ScheduleView view = ScheduleView::Load(p.schedule, p.batch, num_parts);
+  const ScheduleView view = ScheduleView::Load(p, num_parts);
   const int first = view.PartOf(b, 0);
   const int last = view.PartOf(b, n - 1);
   if (first == last) return;

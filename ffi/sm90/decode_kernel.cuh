@@ -189,7 +189,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   GridDependencyWait();
   GridDependencyLaunchDependents();
 
-  const ScheduleView view = ScheduleView::Load(p.schedule, p.batch, args.num_parts);
+  const ScheduleView view = ScheduleView::Load(p, args.num_parts);
   SegmentWalker walker(view, part, p.seq_lens, p.max_pages, p.page_size);
   Segment seg_info;
 

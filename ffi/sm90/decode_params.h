@@ -37,8 +37,9 @@ static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * kProduc
                   kThreads * kEntryRegisters,
               "setmaxnreg budgets exceed the CTA's register allocation");
 
-// Schedule cost model: a request costs kFixedCostBlocks + (its KV blocks) units; parts get
-// contiguous ranges of ceil(total / parts) units, but never fewer than kMinBlocksPerPart.
+// Schedule cost model (defaults of DecodeParams' schedule fields): a request costs
+// fixed_cost_blocks + (its KV blocks) units; parts get contiguous ranges of ceil(total / parts)
+// units, but never fewer than min_blocks_per_part.
 constexpr int kFixedCostBlocks = 2;
 constexpr int kMinBlocksPerPart = 2;
 
@@ -70,6 +71,9 @@ struct DecodeParams {
   float output_scale;
   int num_sms;               // multiprocessors to spread the persistent grid over
   bool enable_pdl;           // programmatic dependent launch for the decode and combine kernels
+  // The schedule's cost model; the schedule and the decodes that read it must use the same.
+  int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
+  int min_blocks_per_part = kMinBlocksPerPart;  // >= 1
 };
 
 __host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }

@@ -77,6 +77,7 @@ inline bool ValidShape(const DecodeParams& p) {
   if (static_cast<long long>(p.num_pages) * p.page_size >= (1ll << 31)) return false;
   if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
   if (!(p.softmax_scale > 0.f) || p.num_sms < 1 || p.schedule == nullptr) return false;
+  if (p.fixed_cost_blocks < 0 || p.min_blocks_per_part < 1) return false;
   if ((reinterpret_cast<uintptr_t>(p.query) | reinterpret_cast<uintptr_t>(p.kv_cache) |
        reinterpret_cast<uintptr_t>(p.out) | reinterpret_cast<uintptr_t>(p.workspace)) & 15) {
     return false;
@@ -113,16 +114,17 @@ inline cudaError_t LaunchEx(const void* kernel, dim3 grid, dim3 block, size_t sm
 }  // namespace detail
 
 // Builds the split-KV schedule from seq_lens into p.schedule (once per step). Reads only
-// seq_lens, batch, max_pages, page_size, schedule and enable_pdl of p.
+// seq_lens, batch, max_pages, page_size, schedule, fixed_cost_blocks and enable_pdl of p.
 inline cudaError_t LaunchSchedule(const DecodeParams& p, cudaStream_t stream) {
   if (p.batch < 1 || p.max_pages < 1 || (p.page_size != 32 && p.page_size != 64) ||
-      p.seq_lens == nullptr || p.schedule == nullptr) {
+      p.seq_lens == nullptr || p.schedule == nullptr || p.fixed_cost_blocks < 0) {
     return cudaErrorInvalidValue;
   }
   const int32_t* seq_lens = p.seq_lens;
   int batch = p.batch, max_pages = p.max_pages, page_size = p.page_size;
+  int fixed_cost = p.fixed_cost_blocks;
   int32_t* schedule = p.schedule;
-  void* args[] = {&seq_lens, &batch, &max_pages, &page_size, &schedule};
+  void* args[] = {&seq_lens, &batch, &max_pages, &page_size, &fixed_cost, &schedule};
   return detail::LaunchEx(reinterpret_cast<const void*>(&ScheduleKernel), dim3(1),
                           dim3(kScheduleThreads), 0, p.enable_pdl, stream, args);
 }

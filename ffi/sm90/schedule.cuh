@@ -1,10 +1,10 @@
 // The split-KV schedule of the SM90 decode kernel, built on the GPU from seq_lens.
 //
 // Request b has n_b = ceil(L_b / 64) KV blocks (L_b clamped to [0, max_pages * page_size]) and
-// costs kFixedCostBlocks + n_b units (0 when n_b == 0). ScheduleKernel writes the exclusive prefix
-// S[b] of those costs and the total S[batch]. Part p of the persistent grid owns the cost units
-// [p * Q, (p + 1) * Q) with Q = max(ceil(total / parts), kMinBlocksPerPart); block k of request b
-// sits at unit S[b] + kFixedCostBlocks + k, so the parts walk contiguous (request, block) ranges
+// costs F + n_b units (0 when n_b == 0), F = fixed_cost_blocks. ScheduleKernel writes the exclusive
+// prefix S[b] of those costs and the total S[batch]. Part p of the persistent grid owns the cost
+// units [p * Q, (p + 1) * Q) with Q = max(ceil(total / parts), min_blocks_per_part); block k of
+// request b sits at unit S[b] + F + k, so the parts walk contiguous (request, block) ranges
 // and request b is split over parts PartOf(b, 0) .. PartOf(b, n_b - 1). Everything else (each
 // CTA's ranges, each request's split count) is derived from S by the kernels themselves.
 #pragma once
@@ -36,15 +36,16 @@ struct ScheduleView {
   const int32_t* prefix;  // S[0..batch]
   int batch;
   int units_per_part;     // Q
+  int fixed_cost;         // F
 
-  __device__ __forceinline__ static ScheduleView Load(const int32_t* schedule, int batch,
-                                                      int num_parts) {
+  __device__ __forceinline__ static ScheduleView Load(const DecodeParams& p, int num_parts) {
     ScheduleView v;
-    v.prefix = schedule;
-    v.batch = batch;
-    int total = v.prefix[batch];
+    v.prefix = p.schedule;
+    v.batch = p.batch;
+    v.fixed_cost = p.fixed_cost_blocks;
+    int total = v.prefix[p.batch];
     int q = (total + num_parts - 1) / num_parts;
-    v.units_per_part = q < kMinBlocksPerPart ? kMinBlocksPerPart : q;
+    v.units_per_part = q < p.min_blocks_per_part ? p.min_blocks_per_part : q;
     return v;
   }
   __device__ __forceinline__ int Total() const { return prefix[batch]; }
@@ -58,7 +59,7 @@ struct ScheduleView {
     return lo;
   }
   __device__ __forceinline__ int PartOf(int b, int block) const {
-    return (prefix[b] + kFixedCostBlocks + block) / units_per_part;
+    return (prefix[b] + fixed_cost + block) / units_per_part;
   }
 };
 
@@ -95,7 +96,7 @@ struct SegmentWalker {
       int cur = b++;
       int len = EffectiveLength(seq_lens[cur], max_pages, page_size);
       int n = NumKvBlocks(len);
-      int first = view.prefix[cur] + kFixedCostBlocks;
+      int first = view.prefix[cur] + view.fixed_cost;
       int kb = x0 - first, ke = x1 - first;
       kb = kb < 0 ? 0 : (kb > n ? n : kb);
       ke = ke < 0 ? 0 : (ke > n ? n : ke);
@@ -116,7 +117,8 @@ constexpr int kScheduleThreads = 256;
 
 // One CTA: S[b] = sum of costs of requests < b, S[batch] = total.
 __global__ void __launch_bounds__(kScheduleThreads)
-ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size, int32_t* prefix) {
+ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size, int fixed_cost,
+               int32_t* prefix) {
   GridDependencyWait();
   __shared__ int warp_sums[kScheduleThreads / 32];
   __shared__ int carry_in;
@@ -128,7 +130,7 @@ ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size,
     int cost = 0;
     if (b < batch) {
       int n = NumKvBlocks(EffectiveLength(seq_lens[b], max_pages, page_size));
-      cost = n > 0 ? n + kFixedCostBlocks : 0;
+      cost = n > 0 ? n + fixed_cost : 0;
     }
     int incl = cost;
 #pragma unroll
