@@ -24,13 +24,20 @@ __device__ __forceinline__ void GridDependencyLaunchDependents() {
 }
 
 // Sequence length clamped to what the block table can address; negative lengths become 0.
-__device__ __forceinline__ int EffectiveLength(int seq_len, int max_pages, int page_size) {
+__host__ __device__ __forceinline__ int EffectiveLength(int seq_len, int max_pages, int page_size) {
   long long capacity = static_cast<long long>(max_pages) * page_size;
   long long len = seq_len < 0 ? 0 : seq_len;
   return static_cast<int>(len < capacity ? len : capacity);
 }
 
-__device__ __forceinline__ int NumKvBlocks(int len) { return (len + kBlockN - 1) / kBlockN; }
+__host__ __device__ __forceinline__ int NumKvBlocks(int len) { return (len + kBlockN - 1) / kBlockN; }
+
+// A request's cost in schedule units: its KV blocks plus the fixed cost, 0 when it has none.
+__host__ __device__ __forceinline__ int RequestCost(int seq_len, int max_pages, int page_size,
+                                                    int fixed_cost) {
+  const int n = NumKvBlocks(EffectiveLength(seq_len, max_pages, page_size));
+  return n > 0 ? n + fixed_cost : 0;
+}
 
 struct ScheduleView {
   const int32_t* prefix;  // S[0..batch]
@@ -38,7 +45,7 @@ struct ScheduleView {
   int units_per_part;     // Q
   int fixed_cost;         // F
 
-  __device__ __forceinline__ static ScheduleView Load(const DecodeParams& p, int num_parts) {
+  __host__ __device__ __forceinline__ static ScheduleView Load(const DecodeParams& p, int num_parts) {
     ScheduleView v;
     v.prefix = p.schedule;
     v.batch = p.batch;
@@ -48,9 +55,9 @@ struct ScheduleView {
     v.units_per_part = q < p.min_blocks_per_part ? p.min_blocks_per_part : q;
     return v;
   }
-  __device__ __forceinline__ int Total() const { return prefix[batch]; }
+  __host__ __device__ __forceinline__ int Total() const { return prefix[batch]; }
   // Last request b with S[b] <= x (x >= 0).
-  __device__ __forceinline__ int FindRequest(int x) const {
+  __host__ __device__ __forceinline__ int FindRequest(int x) const {
     int lo = 0, hi = batch - 1;
     while (lo < hi) {
       int mid = (lo + hi + 1) >> 1;
@@ -58,7 +65,7 @@ struct ScheduleView {
     }
     return lo;
   }
-  __device__ __forceinline__ int PartOf(int b, int block) const {
+  __host__ __device__ __forceinline__ int PartOf(int b, int block) const {
     return (prefix[b] + fixed_cost + block) / units_per_part;
   }
 };
@@ -80,8 +87,9 @@ struct SegmentWalker {
   int max_pages, page_size;
   int x0, x1, b;
 
-  __device__ __forceinline__ SegmentWalker(const ScheduleView& v, int part,
-                                           const int32_t* lens, int max_pages_, int page_size_)
+  __host__ __device__ __forceinline__ SegmentWalker(const ScheduleView& v, int part,
+                                                    const int32_t* lens, int max_pages_,
+                                                    int page_size_)
       : view(v), seq_lens(lens), max_pages(max_pages_), page_size(page_size_) {
     int total = v.Total();
     long long begin = static_cast<long long>(part) * v.units_per_part;
@@ -91,7 +99,7 @@ struct SegmentWalker {
     b = x0 < x1 ? v.FindRequest(x0) : v.batch;
   }
 
-  __device__ __forceinline__ bool Next(Segment& s) {
+  __host__ __device__ __forceinline__ bool Next(Segment& s) {
     while (b < view.batch && view.prefix[b] < x1) {
       int cur = b++;
       int len = EffectiveLength(seq_lens[cur], max_pages, page_size);
@@ -127,11 +135,7 @@ ScheduleKernel(const int32_t* seq_lens, int batch, int max_pages, int page_size,
   __syncthreads();
   for (int base = 0; base < batch; base += kScheduleThreads) {
     int b = base + threadIdx.x;
-    int cost = 0;
-    if (b < batch) {
-      int n = NumKvBlocks(EffectiveLength(seq_lens[b], max_pages, page_size));
-      cost = n > 0 ? n + fixed_cost : 0;
-    }
+    const int cost = b < batch ? RequestCost(seq_lens[b], max_pages, page_size, fixed_cost) : 0;
     int incl = cost;
 #pragma unroll
     for (int d = 1; d < 32; d <<= 1) {
