@@ -45,9 +45,10 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         ``jax.experimental.checkify.checkify`` and call ``err.throw()`` (docs/bad-values.md).
       fail_closed: give a request whose values are bad (a length outside [q_len, max_pages *
         page_size], a page id it reads outside [0, num_pages), a length other than the plan's)
-        nothing to read, so its out is 0 and its lse -inf (``jax_mla.guard``; XLA computes this
-        once per step for all layers; docs/bad-values.md). False skips it for callers that
-        guarantee their values: fa3, fa2 and trtllm-gen then read whatever the values point at.
+        nothing to read, so its out is 0 and its lse -inf on xla, sm90, fa3 and fa2 (trtllm-gen:
+        not run on hardware) (``jax_mla.guard``; inside ``jax.jit`` XLA computes this once per
+        step for all layers; docs/bad-values.md). False skips it for callers that guarantee their
+        values: fa3, fa2 and trtllm-gen then read whatever the values point at.
 
     With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
     ``[0, seq_len - q_len + i]``.

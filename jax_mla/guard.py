@@ -91,7 +91,7 @@ def guard(block_tables, seq_lens, plan, *, num_pages: int, page_size: int, q_len
 
     Args:
       block_tables: int32 [B, max_pages]; seq_lens: int32 [B].
-      plan: None, "device", or a ``Plan`` for B requests over a table ``max_pages`` wide
+      plan: None, or a ``Plan`` for B requests over a table ``max_pages`` wide
         (``PlanMismatchError`` otherwise).
       num_pages, page_size: the cache's first two dims; q_len: query tokens per request.
       max_len: the longest length the backend takes (``planning.MAX_KV_LEN`` for the fa3/fa2
