@@ -133,6 +133,28 @@ def test_device_plan_matches_host_plan_and_reference(lengths, q_len, num_heads, 
     assert request_head_error(by_device[0], by_host[0]) < tolerances(name, jnp.bfloat16)[0]
 
 
+def test_per_call_device_plans_and_guards_are_built_once_per_step():
+    """With plan="device" every layer's planner call reads the same (guarded) lengths, so XLA keeps
+    one planner call for the step, as it keeps one guard: counted in the compiled program."""
+    problem = make_problem(18, batch=6, q_len=1, num_heads=128, page_size=64, max_len=3000,
+                           dtype=jnp.bfloat16)
+    caches = [problem.kv_cache * (1 + 0.05 * i) for i in range(4)]
+
+    def step(query, caches, tables, lengths):
+        return [jax_mla.decode(query, cache, tables, lengths, softmax_scale=problem.softmax_scale,
+                               backend=FA_BACKENDS[0], plan="device") for cache in caches]
+
+    arrays = (problem.query, caches, problem.block_tables, problem.seq_lens)
+    hlo = jax.jit(step).lower(*arrays).compile().as_text()
+    assert hlo.count('custom_call_target="jax_mla_device_plan"') == 1
+    assert hlo.count('custom_call_target="jax_mla_fa_decode"') == 4
+    for cache, got in zip(caches, jax.jit(step)(*arrays)):
+        lone = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=problem.softmax_scale,
+                                                 backend=FA_BACKENDS[0], plan="device"))(
+            problem.query, cache, problem.block_tables, problem.seq_lens)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(lone, np.float32))
+
+
 def test_plan_mismatch_is_rejected():
     problem = make_problem(14, batch=4, q_len=1, num_heads=16, page_size=64, dtype=jnp.bfloat16)
     plan = jax_mla.plan(np.asarray(problem.seq_lens), num_heads=32,
