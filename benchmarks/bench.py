@@ -17,7 +17,8 @@ from benchmarks.problem import (GIB, HEAD_DIM, SOFTMAX_SCALE, Layout, cache_coun
                                 naive_temp_bytes, random_cache, relative_error, work)
 from benchmarks.progress import Progress
 from benchmarks.results import name_plan_comparison
-from benchmarks.timing import host_time_us, median, profiled_kernel_us, time_jax
+from benchmarks.timing import (host_time_us, interleaved_ratio, median, profiled_kernel_us,
+                               time_jax)
 
 CHECK_REQUESTS = 4  # requests checked against the float32 reference at every point
 CHECK_TOL = 2e-2  # max |out - ref| / max |ref| for bf16 outputs
@@ -293,7 +294,8 @@ class Bench:
         loop does; it overlaps the previous step's GPU work under async dispatch) and passes the
         plan in. ``step_device_plan``: the step builds its schedule with ``jax_mla.device_plan``.
         ``*_unguarded``: the same with ``fail_closed=False``. Records ``<name>_ms`` per step (and
-        ``<name>_us`` per layer)."""
+        ``<name>_us`` per layer), and ``<name>_guard_ratio``: guarded / unguarded step time, the
+        median over rounds run alternately (``timing.interleaved_ratio``)."""
         import jax_mla
 
         layout, record = run.layout, run.record
@@ -320,6 +322,11 @@ class Bench:
                 record[f"{name}_ms"] = record[f"{name}_us"] * layers / 1e3
         if all(f"{n}_ms" in record for n in steps):
             record["methods_done"].append("jax_mla_step")
+            call_args = [(run.q, s, run.tables, run.lens, None)
+                         for s in m.rotation_sets(run.caches, layers)]
+            for name in ("step_host_plan", "step_device_plan"):
+                record[f"{name}_guard_ratio"] = interleaved_ratio(
+                    steps[name], steps[f"{name}_unguarded"], call_args, self.args)
         self.time_guard(run)
 
     def time_guard(self, run: PointRun, copies: int = 64) -> None:

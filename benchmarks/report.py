@@ -256,13 +256,16 @@ def step_table(rows) -> list[str]:
         return []
     head = ["H", "q", "B", "L", "layers", "step, host plan ms", "step, device plan ms", "device/host",
             "host plan, unguarded ms", "device plan, unguarded ms", "guarded/unguarded - 1, host plan",
-            "guarded/unguarded - 1, device plan", "guard alone µs, lengths only",
+            "guarded/unguarded - 1, device plan", "interleaved, host plan",
+            "interleaved, device plan", "guard alone µs, lengths only",
             "guard alone µs, with a plan", "guard with a plan / step", "host plan() µs"]
     out = ["## Whole decode step, host plan vs GPU plan, with and without the guard", "",
            "One jitted step of all layers, steps dispatched back to back. Host plan: "
            "`jax_mla.plan(lengths)` runs on the host before every step (overlapping the previous "
            "step's GPU work) and is passed in; device plan: `jax_mla.device_plan` inside the step. "
-           "Unguarded: `decode(..., fail_closed=False)`. The guard alone: one step's guard "
+           "Unguarded: `decode(..., fail_closed=False)`; interleaved: the median of guarded / "
+           "unguarded over rounds run alternately (less exposed to drift than the two medians). "
+           "The guard alone: one step's guard "
            "(`jax_mla.guard`), timed as 64 independent guards in one jitted program; lengths only "
            "(what `plan=\"device\"`, `plan=None` and the backends without a plan run) and with a "
            "plan (also rewrites the plan's works: what both steps here run, as both pass a Plan "
@@ -275,7 +278,9 @@ def step_table(rows) -> list[str]:
         cell_rows.append([
             r["H"], r["q_len"], r["B"], fmt_len(r["L"]), r.get("step_layers", "–"), f(host, 2),
             f(dev, 2), f(ratio(dev, host), 3), f(host_open, 2), f(dev_open, 2),
-            percent_over(host, host_open), percent_over(dev, dev_open), f(num(r, "guard_us"), 2),
+            percent_over(host, host_open), percent_over(dev, dev_open),
+            ratio_percent(num(r, "step_host_plan_guard_ratio")),
+            ratio_percent(num(r, "step_device_plan_guard_ratio")), f(num(r, "guard_us"), 2),
             f(num(r, "guard_plan_us"), 2), guard_share(r), f(num(r, "plan_ready_us"))])
     return out + markdown_table(head, cell_rows) + [""]
 
@@ -287,6 +292,11 @@ def guard_share(r) -> str:
               for step in ("step_device_plan_unguarded_ms", "step_host_plan_unguarded_ms")
               if num(r, "guard_plan_us") is not None and num(r, step)]
     return f"{100 * max(shares):.2f}%" if shares else "–"
+
+
+def ratio_percent(ratio) -> str:
+    """A ratio ``r`` as ``r - 1`` in signed percent, or "–"."""
+    return "–" if ratio is None else f"{100 * (ratio - 1):+.2f}%"
 
 
 def percent_over(value, base) -> str:

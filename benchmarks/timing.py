@@ -50,6 +50,25 @@ def time_jax(fn, arg_sets: list[tuple], layers: int, args) -> tuple[float, int]:
     return median(samples), len(samples)
 
 
+def interleaved_ratio(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15) -> float:
+    """Median of time(a) / time(b) over ``pairs`` rounds run a, b, a, b, ...: each round is the
+    same number of back-to-back jitted calls (blocking once), so drift and noise that span rounds
+    cancel in the ratio of neighbours. Both functions must already be compiled."""
+    import jax
+
+    def one_round(fn, calls):
+        t0 = time.perf_counter()
+        out = None
+        for k in range(calls):
+            out = fn(*arg_sets[k % len(arg_sets)])
+        jax.block_until_ready(out)
+        return time.perf_counter() - t0
+
+    calls = max(1, min(2000, math.ceil(args.round_s / max(one_round(fn_a, 1), 1e-6))))
+    ratios = [one_round(fn_a, calls) / one_round(fn_b, calls) for _ in range(pairs)]
+    return median(ratios)
+
+
 def time_torch(fn, per_call: int, args, torch) -> tuple[float, str]:
     """Seconds per layer of ``fn`` (which runs ``per_call`` layers) on the GPU, and the timer used.
 

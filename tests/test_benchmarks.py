@@ -151,6 +151,7 @@ def test_report_planner_tables(tmp_path):
                   "device_plan_us": planner, "layers": 12, "step_layers": 61, "step_host_plan_ms": 6.5,
                   "step_device_plan_ms": 6.2, "step_host_plan_unguarded_ms": 6.5,
                   "step_device_plan_unguarded_ms": 6.1, "guard_us": 3.05, "guard_plan_us": 6.1,
+                  "step_host_plan_guard_ratio": 1.002, "step_device_plan_guard_ratio": 0.999,
                   "errors": {}}
         results.name_plan_comparison(record)
         assert record["run_with_host_plan_us"] == 100.0
@@ -166,8 +167,8 @@ def test_report_planner_tables(tmp_path):
     assert "## Host schedule vs GPU schedule" in text
     assert "## Whole decode step, host plan vs GPU plan" in text
     assert "| 128 | 1 | 32 | 4k | 80.0 | 100.0 | 101.0 | 1.010 | 101.5 | 6.0 | – | 450.0 |" in text
-    assert ("| 128 | 1 | 512 | 4k | 61 | 6.50 | 6.20 | 0.954 | 6.50 | 6.10 | +0.00% | +1.64% | 3.05 | "
-            "6.10 | 0.10% | 450.0 |" in text)
+    assert ("| 128 | 1 | 512 | 4k | 61 | 6.50 | 6.20 | 0.954 | 6.50 | 6.10 | +0.00% | +1.64% | +0.20% | "
+            "-0.10% | 3.05 | 6.10 | 0.10% | 450.0 |" in text)
     planner_goal = next(line for line in text.splitlines() if "GPU planner at most 10 us" in line)
     assert "NOT MET at any of the 1 measured point(s)" in planner_goal, planner_goal
     run_goal = next(line for line in text.splitlines() if "device-planned run within 3%" in line)
@@ -371,3 +372,21 @@ def test_flashinfer_path_with_a_stand_in_peer():
     assert record["flashinfer_fa3_rel_err"] < 1e-2 and record["flashinfer_fa3_plan_us"] > 0
     assert record["jax_mla_vs_flashinfer_peer"] == "flashinfer_fa3"
     assert record["jax_mla_vs_flashinfer_max_abs_diff"] < 0.1
+
+
+def test_interleaved_ratio_orders_a_heavy_and_a_light_step():
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.timing import interleaved_ratio
+
+    x = jnp.ones((256, 256), jnp.float32)
+    heavy = jax.jit(lambda a: jax.lax.fori_loop(0, 40, lambda i, y: jnp.tanh(y @ a), a))
+    light = jax.jit(lambda a: a + 1)
+    jax.block_until_ready((heavy(x), light(x)))
+    args = types.SimpleNamespace(round_s=0.01)
+    assert interleaved_ratio(heavy, light, [(x,)], args, pairs=5) > 2
+    assert interleaved_ratio(light, heavy, [(x,)], args, pairs=5) < 0.5
+
