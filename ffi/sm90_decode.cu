@@ -48,6 +48,27 @@ std::string Shape(ffi::Span<const int64_t> dims) {
 
 bool Aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
 
+// Token positions and the schedule's per-request costs (64-token blocks + the fixed cost) are
+// summed in int32: the block table's capacity and batch * capacity must stay below that.
+ffi::Error CheckTableCapacity(int64_t batch, int64_t max_pages, int64_t page_size) {
+  using namespace sm90;
+  if (max_pages * page_size >= (int64_t{1} << 30)) {
+    return Invalid("block_tables max_pages * page_size must be < 2^30 tokens, got " +
+                   std::to_string(max_pages * page_size));
+  }
+  if (batch * (max_pages * page_size / kBlockN + kFixedCostBlocks + 1) >= (int64_t{1} << 31)) {
+    return Invalid("batch * block-table capacity too large for the int32 schedule");
+  }
+  return ffi::Error::Success();
+}
+
+// Success, or the CUDA error of launching `what` ("decode", "schedule").
+ffi::Error Launched(const std::string& what, cudaError_t status) {
+  if (status == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal("jax_mla: sm90 " + what + " launch failed: " +
+                              cudaGetErrorString(status));
+}
+
 ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
                           ffi::Buffer<ffi::BF16> kv_cache, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> schedule,
@@ -86,13 +107,8 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
                    ", max_pages >= 1], got " + Shape(bt));
   }
   const int64_t max_pages = bt[1];
-  // Token positions and the schedule's per-request costs (64-token blocks + 2) are summed in int32.
-  if (max_pages * page_size >= (int64_t{1} << 30)) {
-    return Invalid("block_tables max_pages * page_size must be < 2^30 tokens, got " +
-                   std::to_string(max_pages * page_size));
-  }
-  if (batch * (max_pages * page_size / kBlockN + kFixedCostBlocks + 1) >= (int64_t{1} << 31)) {
-    return Invalid("batch * block-table capacity too large for the int32 schedule");
+  if (ffi::Error capacity = CheckTableCapacity(batch, max_pages, page_size); capacity.failure()) {
+    return capacity;
   }
   if (seq_lens.dimensions().size() != 1 || seq_lens.element_count() != static_cast<size_t>(batch)) {
     return Invalid("seq_lens must be [batch=" + std::to_string(batch) + "], got " +
@@ -157,12 +173,7 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   p.num_sms = static_cast<int>(sm_count);
   p.enable_pdl = enable_pdl;
 
-  const cudaError_t status = LaunchDecode(p, stream);
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_mla: sm90 decode: decode launch failed: ") +
-                                cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
+  return Launched("decode", LaunchDecode(p, stream));
 }
 
 // The step's schedule: int32 [B + 1] from seq_lens [B] (ScheduleKernel, ffi/sm90/schedule.cuh).
@@ -183,11 +194,11 @@ ffi::Error Sm90ScheduleImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
   if (page_size != 32 && page_size != 64) {
     return Invalid("schedule: page_size must be 32 or 64, got " + std::to_string(page_size));
   }
-  if (max_pages < 1 || max_pages * page_size >= (int64_t{1} << 30) ||
-      batch * (max_pages * page_size / kBlockN + kFixedCostBlocks + 1) >= (int64_t{1} << 31)) {
-    return Invalid("schedule: needs max_pages >= 1, max_pages * page_size < 2^30 and batch * "
-                   "block-table capacity within the int32 schedule, got batch " +
-                   std::to_string(batch) + ", max_pages " + std::to_string(max_pages));
+  if (max_pages < 1) {
+    return Invalid("schedule: max_pages must be >= 1, got " + std::to_string(max_pages));
+  }
+  if (ffi::Error capacity = CheckTableCapacity(batch, max_pages, page_size); capacity.failure()) {
+    return capacity;
   }
   DecodeParams p{};
   p.seq_lens = seq_lens.typed_data();
@@ -196,12 +207,7 @@ ffi::Error Sm90ScheduleImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> seq_lens,
   p.max_pages = static_cast<int>(max_pages);
   p.page_size = static_cast<int>(page_size);
   p.enable_pdl = enable_pdl;
-  const cudaError_t status = LaunchSchedule(p, stream);
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("jax_mla: sm90 schedule launch failed: ") +
-                                cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
+  return Launched("schedule", LaunchSchedule(p, stream));
 }
 
 }  // namespace
