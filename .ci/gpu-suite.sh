@@ -2,7 +2,7 @@
 # The whole GPU test suite on one H200 within one 10-minute call, in the environment
 # .ci/gpu-h200.sh prepares:
 #   .ci/gpu-h200.sh cmd .ci/gpu-suite.sh      (or run it directly: it calls gpu-h200.sh itself)
-# Six pytest processes side by side (compilation is what takes the time, and it runs on the CPU
+# Eight pytest processes side by side (compilation is what takes the time, and it runs on the CPU
 # cores), XLA's autotuning off (it only costs compile time here), JAX_MLA_REQUIRE_GPU=1 (a GPU
 # test that cannot run fails), each under SUITE_TIMEOUT seconds (default 540). The multi-GPU
 # tests are left to .ci/gpu-h200-x2.sh. Logs: $OUT/t-*.log; a summary line per log is printed.
@@ -17,13 +17,16 @@ run() {  # LOG, pytest args...
     python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
 }
 own="tests/test_decode.py tests/test_sm90.py tests/test_bad_values.py tests/test_gpu.py
-     tests/test_device_plan.py tests/test_readme.py tests/test_example.py tests/test_require_gpu.py"
+     tests/test_device_plan.py tests/test_readme.py tests/test_example.py tests/test_require_gpu.py
+     tests/test_ffi.py tests/test_fp8_cache.py tests/test_sharding.py tests/test_torch_view.py"
 ignore=$(for f in $own; do printf -- '--ignore=%s ' "$f"; done)
-run t-decode-xla.log tests/test_decode.py -k xla &
+run t-decode-xla.log tests/test_decode.py -k "not (fa3 or fa2 or sm90 or Sm90)" &
 run t-decode-fa.log tests/test_decode.py -k "fa3 or fa2" &
 run t-sm90.log tests/test_sm90.py tests/test_decode.py -k "sm90 or Sm90" &
 run t-guard-gpu.log tests/test_bad_values.py tests/test_gpu.py tests/test_device_plan.py &
 run t-commands.log tests/test_readme.py tests/test_example.py tests/test_require_gpu.py &
+run t-ffi-fp8.log tests/test_ffi.py tests/test_fp8_cache.py &
+run t-sharding-view.log tests/test_sharding.py tests/test_torch_view.py -m "not multi_gpu" &
 # shellcheck disable=SC2086  # a word list on purpose
 run t-rest.log tests $ignore -m "not multi_gpu" &
 wait
