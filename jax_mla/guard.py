@@ -68,17 +68,17 @@ def guard_plan(plan: planning.Plan, usable) -> planning.Plan:
     """
     layout, works = plan.layout, planning.MAX_TOTAL_WORKS
     words = lax.bitcast_convert_type(plan.int_workspace.reshape(-1, 4), jnp.int32)  # [N]
-    index = jnp.arange(words.shape[0], dtype=jnp.int32)
-    emptied = jnp.zeros(words.shape, bool)
-    indptr_start = layout.entry("kv_indptr") // 4
-    for field in ("kv_len", "kv_start", "kv_end"):
-        start = layout.entry(field) // 4
-        work = index - start
-        in_field = (work >= 0) & (work < works)
-        kv_indptr = words[indptr_start + jnp.clip(work, 0, works - 1)]
-        request = jnp.clip(kv_indptr // plan.max_pages, 0, plan.batch - 1)
-        emptied = emptied | (in_field & ~usable[request])
-    guarded = lax.bitcast_convert_type(jnp.where(emptied, 0, words), jnp.uint8).reshape(-1)
+    indptr = layout.entry("kv_indptr") // 4
+    request = jnp.clip(words[indptr:indptr + works] // plan.max_pages, 0, plan.batch - 1)
+    keep_work = usable[request]  # bool [works]
+    pieces, end = [], 0
+    for start in sorted(layout.entry(field) // 4 for field in ("kv_len", "kv_start", "kv_end")):
+        assert start >= end, "plan fields overlap"
+        pieces += [jnp.ones(start - end, bool), keep_work]
+        end = start + works
+    pieces.append(jnp.ones(words.shape[0] - end, bool))
+    keep = jnp.concatenate(pieces)  # bool [N]: False on the emptied works' three entries
+    guarded = lax.bitcast_convert_type(jnp.where(keep, words, 0), jnp.uint8).reshape(-1)
     return dataclasses.replace(plan, int_workspace=guarded)
 
 
