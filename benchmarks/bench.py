@@ -17,12 +17,13 @@ from benchmarks.problem import (GIB, HEAD_DIM, SOFTMAX_SCALE, Layout, cache_coun
                                 naive_temp_bytes, random_cache, relative_error, work)
 from benchmarks.progress import Progress
 from benchmarks.results import name_plan_comparison
-from benchmarks.timing import (host_time_us, interleaved_ratio, median, profiled_kernel_us,
-                               time_jax)
+from benchmarks.timing import (host_time_us, interleaved_ratios, median, profiled_kernel_us,
+                               quartiles, time_jax)
 
 CHECK_REQUESTS = 4  # requests checked against the float32 reference at every point
 CHECK_TOL = 2e-2  # max |out - ref| / max |ref| for bf16 outputs
 PLANNER_KERNEL = "PlanKernel"
+GUARD_RATIO_PAIRS = 25  # alternating rounds behind each guarded / unguarded step ratio
 
 
 @dataclasses.dataclass
@@ -295,7 +296,8 @@ class Bench:
         plan in. ``step_device_plan``: the step builds its schedule with ``jax_mla.device_plan``.
         ``*_unguarded``: the same with ``fail_closed=False``. Records ``<name>_ms`` per step (and
         ``<name>_us`` per layer), and ``<name>_guard_ratio``: guarded / unguarded step time, the
-        median over rounds run alternately (``timing.interleaved_ratio``)."""
+        median over GUARD_RATIO_PAIRS rounds run alternately (``timing.interleaved_ratios``), with
+        its quartiles in ``<name>_guard_ratio_quartiles``."""
         import jax_mla
 
         layout, record = run.layout, run.record
@@ -325,8 +327,10 @@ class Bench:
             call_args = [(run.q, s, run.tables, run.lens, None)
                          for s in m.rotation_sets(run.caches, layers)]
             for name in ("step_host_plan", "step_device_plan"):
-                record[f"{name}_guard_ratio"] = interleaved_ratio(
-                    steps[name], steps[f"{name}_unguarded"], call_args, self.args)
+                ratios = interleaved_ratios(steps[name], steps[f"{name}_unguarded"], call_args,
+                                            self.args, pairs=GUARD_RATIO_PAIRS)
+                record[f"{name}_guard_ratio"] = median(ratios)
+                record[f"{name}_guard_ratio_quartiles"] = quartiles(ratios)
         self.time_guard(run)
 
     def time_guard(self, run: PointRun, copies: int = 64) -> None:

@@ -264,7 +264,8 @@ def step_table(rows) -> list[str]:
            "`jax_mla.plan(lengths)` runs on the host before every step (overlapping the previous "
            "step's GPU work) and is passed in; device plan: `jax_mla.device_plan` inside the step. "
            "Unguarded: `decode(..., fail_closed=False)`; interleaved: the median of guarded / "
-           "unguarded over rounds run alternately (less exposed to drift than the two medians). "
+           "unguarded over rounds run alternately (less exposed to drift than the two medians), "
+           "its quartiles in brackets. "
            "The guard alone: one step's guard "
            "(`jax_mla.guard`), timed as 64 independent guards in one jitted program; lengths only "
            "(what `plan=\"device\"`, `plan=None` and the backends without a plan run) and with a "
@@ -279,8 +280,8 @@ def step_table(rows) -> list[str]:
             r["H"], r["q_len"], r["B"], fmt_len(r["L"]), r.get("step_layers", "–"), f(host, 2),
             f(dev, 2), f(ratio(dev, host), 3), f(host_open, 2), f(dev_open, 2),
             percent_over(host, host_open), percent_over(dev, dev_open),
-            ratio_percent(num(r, "step_host_plan_guard_ratio")),
-            ratio_percent(num(r, "step_device_plan_guard_ratio")), f(num(r, "guard_us"), 2),
+            ratio_with_quartiles(r, "step_host_plan_guard_ratio"),
+            ratio_with_quartiles(r, "step_device_plan_guard_ratio"), f(num(r, "guard_us"), 2),
             f(num(r, "guard_plan_us"), 2), guard_share(r), f(num(r, "plan_ready_us"))])
     return out + markdown_table(head, cell_rows) + [""]
 
@@ -292,6 +293,14 @@ def guard_share(r) -> str:
               for step in ("step_device_plan_unguarded_ms", "step_host_plan_unguarded_ms")
               if num(r, "guard_plan_us") is not None and num(r, step)]
     return f"{100 * max(shares):.2f}%" if shares else "–"
+
+
+def ratio_with_quartiles(r, key: str) -> str:
+    """``ratio_percent`` of ``r[key]``, followed by its quartiles ``r[key + "_quartiles"]`` in
+    brackets where the record has them."""
+    q = r.get(key + "_quartiles")
+    text = ratio_percent(num(r, key))
+    return text if not q else f"{text} [{ratio_percent(q[0])}, {ratio_percent(q[1])}]"
 
 
 def ratio_percent(ratio) -> str:

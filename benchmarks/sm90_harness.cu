@@ -39,6 +39,7 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings ("--cluster2")
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
+static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -337,6 +338,7 @@ static void RunOnce(const Problem& pb, int copy) {
   CHECK_CUDA(cudaGetLastError());
   LaunchOptions opt;
   if (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0) opt.cluster = 2;
+  opt.transposed_scores = g_transposed;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -504,6 +506,12 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   LaunchOptions base;
   v.push_back({"default", base});
   if (which == "default") return v;
+  if (which == "transposed") {
+    LaunchOptions plain = base;
+    plain.transposed_scores = 0;
+    v.push_back({"scores-not-transposed", plain});
+    return v;
+  }
   if (which == "cluster") {
     LaunchOptions cluster2 = base;
     cluster2.cluster = 2;
@@ -537,6 +545,9 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   LaunchOptions flip = base;
   flip.kv_evict_first = 2;  // replaced per problem: the opposite of the default choice
   v.push_back({"evict-flip", flip});
+  LaunchOptions plain = base;
+  plain.transposed_scores = 0;
+  v.push_back({"scores-not-transposed", plain});
   return v;
 }
 
@@ -645,6 +656,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--cluster2") g_cluster = 2;
+    else if (a == "--plain-scores") g_transposed = 0;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);

@@ -50,10 +50,10 @@ def time_jax(fn, arg_sets: list[tuple], layers: int, args) -> tuple[float, int]:
     return median(samples), len(samples)
 
 
-def interleaved_ratio(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15) -> float:
-    """Median of time(a) / time(b) over ``pairs`` rounds run a, b, a, b, ...: each round is the
-    same number of back-to-back jitted calls (blocking once), so drift and noise that span rounds
-    cancel in the ratio of neighbours. Both functions must already be compiled."""
+def interleaved_ratios(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15) -> list[float]:
+    """time(a) / time(b) for ``pairs`` rounds run a, b, a, b, ...: each round is the same number of
+    back-to-back jitted calls (blocking once), so drift and noise that span rounds cancel in the
+    ratio of neighbours. Both functions must already be compiled."""
     import jax
 
     def one_round(fn, calls):
@@ -65,8 +65,18 @@ def interleaved_ratio(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15) 
         return time.perf_counter() - t0
 
     calls = max(1, min(2000, math.ceil(args.round_s / max(one_round(fn_a, 1), 1e-6))))
-    ratios = [one_round(fn_a, calls) / one_round(fn_b, calls) for _ in range(pairs)]
-    return median(ratios)
+    return [one_round(fn_a, calls) / one_round(fn_b, calls) for _ in range(pairs)]
+
+
+def interleaved_ratio(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15) -> float:
+    """The median of ``interleaved_ratios``."""
+    return median(interleaved_ratios(fn_a, fn_b, arg_sets, args, pairs))
+
+
+def quartiles(xs) -> list[float]:
+    """[25th, 75th] percentiles of ``xs``."""
+    q = statistics.quantiles(xs, n=4)
+    return [float(q[0]), float(q[2])]
 
 
 def time_torch(fn, per_call: int, args, torch) -> tuple[float, str]:

@@ -52,6 +52,18 @@ using QkMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Ma
                                                              cute::SM90::GMMA::Major::K>;
 using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
+// Transposed scores S^T = K Q^T: M = 64 tokens, N = kScoreN query rows.
+template <int kScoreN>
+struct QkTransposedMmaFor;
+template <>
+struct QkTransposedMmaFor<16> {
+  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                            cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct QkTransposedMmaFor<32> {
+  using type = QkMma;
+};
 
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaImpl(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
@@ -96,6 +108,8 @@ __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, i
 
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
+constexpr int kScoreWarpgroupBarrier = 2;  // warpgroup 0 alone (transposed scores)
+constexpr int kPvDoneBarrier = 3;  // both consumer warpgroups: the previous PV is done with P
 
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
   uint32_t rank;
@@ -123,6 +137,10 @@ __device__ __forceinline__ void ConsumerSync() {
   cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
 }
 
+__device__ __forceinline__ void ScoreWarpgroupSync() {
+  cutlass::arch::NamedBarrier::sync(128, kScoreWarpgroupBarrier);
+}
+
 }  // namespace detail
 
 // kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
@@ -133,10 +151,17 @@ __device__ __forceinline__ void ConsumerSync() {
 // kCluster == 2: the two CTAs of a cluster are consecutive M tiles of the same part (grid y), so
 // they walk the same KV blocks: each issues half of every KV tile's pieces, multicast into both
 // CTAs' shared memory, and a stage is refilled only once the consumers of both CTAs released it.
-template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1>
+// kScoreN (16 or 32; 0: off), for q_len * num_heads <= kScoreN: the scores are computed
+// transposed, S^T = K Q^T (M = the block's 64 tokens, N = kScoreN query rows) by warpgroup 0
+// alone, which also runs the softmax (maxima over tokens reduced across its four warps) and writes
+// P and the per-row rescale factors to shared memory; both warpgroups then rescale and run PV as
+// above. This avoids computing 64 - q_len * num_heads padded query rows in QK^T.
+template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
+  static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
+                "transposed scores need early release, no experiment and no cluster");
   using namespace detail;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -166,6 +191,21 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const int unit = i % 8;
       *reinterpret_cast<uint4*>(smem + kSmemQ + chunk * kChunkBytes + row * kRowBytes +
                                 unit * 16) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
+  if (kScoreN > 0 && tid < kConsumerThreads) {
+    // Rows kScoreN..63 of P, the rescale factors and the row results are never written below.
+    float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
+    float* row_sum = reinterpret_cast<float*>(smem + kSmemRowSum);
+    for (int i = tid; i < kBlockM; i += kConsumerThreads) {
+      alpha_s[i] = 0.f;
+      row_sum[i] = 0.f;
+      row_sum[kBlockM + i] = detail::kNegInf;
+    }
+    for (int i = kScoreN * (kRowBytes / 16) + tid; i < kBlockM * (kRowBytes / 16);
+         i += kConsumerThreads) {
+      *reinterpret_cast<uint4*>(smem + kSmemP + i * 16) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();
   }
@@ -264,6 +304,17 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   float o[kLatentDim / kConsumerWarpgroups / 2];  // 64 x 256 fp32 over 128 threads
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
   int it = 0, seg = 0;
+  // Transposed scores (kScoreN > 0): warpgroup 0's thread holds tokens tok_a and tok_a + 8 of
+  // the block for the query rows RowT(i), i < kRowsT; st is its part of S^T (64 x kScoreN).
+  constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
+  constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
+  using QkT = typename QkTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
+  const int warp_in_wg = wg_tid / 32;
+  const int tok_a = warp_in_wg * 16 + lane / 4;
+  auto RowT = [&](int i) { return 8 * (i / 2) + quad_col + (i % 2); };
+  float st[kStN], m_t[kRowsT], l_t[kRowsT], alpha_t[kRowsT];
+  int limit_t[kRowsT];
+  float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
 
   while (walker.Next(seg_info)) {
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -272,6 +323,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      const int row = RowT(i);
+      limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
+      m_t[i] = kNegInf;
+      l_t[i] = 0.f;
+    }
 
     Barrier::wait(q_full, seg & 1);
 
@@ -302,6 +360,79 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         ConsumerSync();
       }
 
+      if constexpr (kScoreN > 0) {
+        // S^T = K Q^T for the block's 64 tokens (warpgroup 0).
+        if (wg == 0) {
+          FenceRegisters(st);
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int c = 0; c < kNumChunks; ++c) {
+#pragma unroll
+            for (int kk = 0; kk < kChunkCols / 16; ++kk) {
+              const uint64_t da = KMajorDesc(kv_addr + c * kChunkBytes + kk * 32);
+              const uint64_t db = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
+              Gmma<QkT>(da, db, st, (c | kk) != 0);
+            }
+          }
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          FenceRegisters(st);
+        }
+        if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(q_empty);
+        if (wg == 0) {
+          // Masked online softmax over tokens: maxima over the thread's two tokens, the eight
+          // lanes sharing its query rows, then the four warps (through shared memory).
+          const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
+          const int ta = token_base + tok_a, tb = ta + 8;
+          float mx[kRowsT];
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            const int j = i / 2, e = i % 2;
+            const float a = (half_ok && ta <= limit_t[i]) ? st[4 * j + e] : kNegInf;
+            const float b = (half_ok && tb <= limit_t[i]) ? st[4 * j + 2 + e] : kNegInf;
+            st[4 * j + e] = a;
+            st[4 * j + 2 + e] = b;
+            mx[i] = fmaxf(a, b);
+#pragma unroll
+            for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+          }
+          if (lane < 4) {
+#pragma unroll
+            for (int i = 0; i < kRowsT; ++i) row_max[warp_in_wg * kScoreN + RowT(i)] = mx[i];
+          }
+          ScoreWarpgroupSync();
+          float alpha[kRowsT];
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            const int j = i / 2, e = i % 2, row = RowT(i);
+            float m_blk = row_max[row];
+#pragma unroll
+            for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, row_max[w * kScoreN + row]);
+            const float m_new = fmaxf(m_t[i], m_blk);
+            const float mu = m_new == kNegInf ? 0.f : m_new;
+            alpha[i] = Exp2((m_t[i] - mu) * sl2);
+            m_t[i] = m_new;
+            const float nb = -mu * sl2;
+            st[4 * j + e] = Exp2(fmaf(st[4 * j + e], sl2, nb));
+            st[4 * j + 2 + e] = Exp2(fmaf(st[4 * j + 2 + e], sl2, nb));
+            l_t[i] = l_t[i] * alpha[i] + st[4 * j + e] + st[4 * j + 2 + e];
+            alpha_t[i] = alpha[i];
+          }
+        }
+        // Both warpgroups are past the previous block's PV: P and alpha can be rewritten.
+        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
+        if (wg == 0) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            const int j = i / 2, e = i % 2, row = RowT(i);
+            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
+                __float2bfloat16_rn(st[4 * j + e]);
+            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a + 8)) =
+                __float2bfloat16_rn(st[4 * j + 2 + e]);
+            if (lane < 4 && warp_in_wg == 0) alpha_s[row] = alpha_t[i];
+          }
+        }
+      } else {
       // S = Q K^T for this warpgroup's 32 tokens.
       FenceRegisters(s_acc);
       cute::warpgroup_arrive();
@@ -405,8 +536,19 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         o[4 * j + 3] *= alpha1;
       }
       }
+      }  // kScoreN == 0
       cutlass::arch::fence_view_async_shared();
       ConsumerSync();
+      if constexpr (kScoreN > 0) {
+        const float alpha0 = alpha_s[r0], alpha1 = alpha_s[r1];
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 0] *= alpha0;
+          o[4 * j + 1] *= alpha0;
+          o[4 * j + 2] *= alpha1;
+          o[4 * j + 3] *= alpha1;
+        }
+      }
 
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
@@ -428,6 +570,38 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     FenceRegisters(o);
     if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(&empty[(it + kStages - 1) % kStages]);
 
+    float sum0, sum1;
+    if constexpr (kScoreN > 0) {
+      if (wg == 0) {
+        // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
+        float l[kRowsT];
+#pragma unroll
+        for (int i = 0; i < kRowsT; ++i) {
+          l[i] = l_t[i];
+#pragma unroll
+          for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
+        }
+        if (lane < 4) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) row_max[warp_in_wg * kScoreN + RowT(i)] = l[i];
+        }
+        ScoreWarpgroupSync();
+        if (lane < 4 && warp_in_wg == 0) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            const int row = RowT(i);
+            row_sum[row] = ((row_max[row] + row_max[kScoreN + row]) + row_max[2 * kScoreN + row]) +
+                           row_max[3 * kScoreN + row];
+            row_sum[kBlockM + row] = m_t[i];
+          }
+        }
+      }
+      ConsumerSync();
+      sum0 = row_sum[r0];
+      sum1 = row_sum[r1];
+      m0 = row_sum[kBlockM + r0];
+      m1 = row_sum[kBlockM + r1];
+    } else {
     // Row sums: quad, then the two warpgroups (fixed order: deterministic and identical in both).
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
     l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -438,8 +612,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       row_sum[wg * kBlockM + r1] = l1;
     }
     ConsumerSync();
-    const float sum0 = row_sum[r0] + row_sum[kBlockM + r0];
-    const float sum1 = row_sum[r1] + row_sum[kBlockM + r1];
+    sum0 = row_sum[r0] + row_sum[kBlockM + r0];
+    sum1 = row_sum[r1] + row_sum[kBlockM + r1];
+    }
     constexpr float kLn2 = 0.6931471805599453f;
     const float inv0 = sum0 > 0.f ? 1.f / sum0 : 0.f;
     const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;

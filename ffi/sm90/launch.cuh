@@ -34,6 +34,8 @@ struct LaunchOptions {
   int experiment = 0;         // DecodeKernel's kSkip bits (timing experiments, wrong results)
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
+  int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 wherever q_len * num_heads <= 32
+                              // (the default), 0 never
 };
 
 namespace detail {
@@ -184,7 +186,21 @@ inline cudaError_t Prepare(const void* kernel, int cluster, KernelInfo* info) {
   return cudaSuccess;
 }
 
-inline const void* SelectKernel(const LaunchOptions& options, int cluster) {
+// kScoreN of DecodeKernel for these options and q_len * num_heads rows (0: scores not transposed).
+inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int rows) {
+  if (options.transposed_scores == 0 || cluster != 1 || options.experiment != 0 ||
+      !options.early_release) {
+    return 0;
+  }
+  return rows <= 16 ? 16 : (rows <= 32 ? 32 : 0);
+}
+
+inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows) {
+  switch (TransposedScoreRows(options, cluster, rows)) {
+    case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16>);
+    case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32>);
+    default: break;
+  }
   if (cluster == 2) {
     return options.experiment == 0 && options.early_release
                ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>)
@@ -212,7 +228,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  const void* kernel = detail::SelectKernel(options, cluster);
+  const void* kernel = detail::SelectKernel(options, cluster, rows);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   detail::KernelInfo info;
   cudaError_t err = detail::Prepare(kernel, cluster, &info);
