@@ -195,14 +195,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     cutlass::arch::fence_view_async_shared();
   }
   if (kScoreN > 0 && tid < kConsumerThreads) {
-    // Rows kScoreN..63 of P, the rescale factors and the row results are never written below.
+    // Rows kScoreN..63 of P and of the rescale factors are never written below.
     float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
-    float* row_sum = reinterpret_cast<float*>(smem + kSmemRowSum);
-    for (int i = tid; i < kBlockM; i += kConsumerThreads) {
-      alpha_s[i] = 0.f;
-      row_sum[i] = 0.f;
-      row_sum[kBlockM + i] = detail::kNegInf;
-    }
+    for (int i = tid; i < 2 * kBlockM; i += kConsumerThreads) alpha_s[i] = 0.f;
     for (int i = kScoreN * (kRowBytes / 16) + tid; i < kBlockM * (kRowBytes / 16);
          i += kConsumerThreads) {
       *reinterpret_cast<uint4*>(smem + kSmemP + i * 16) = make_uint4(0, 0, 0, 0);
@@ -429,7 +424,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 __float2bfloat16_rn(st[4 * j + e]);
             *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a + 8)) =
                 __float2bfloat16_rn(st[4 * j + 2 + e]);
-            if (lane < 4 && warp_in_wg == 0) alpha_s[row] = alpha_t[i];
+            if (lane < 4 && warp_in_wg == 0) alpha_s[(it & 1) * kBlockM + row] = alpha_t[i];
           }
         }
       } else {
@@ -540,7 +535,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       cutlass::arch::fence_view_async_shared();
       ConsumerSync();
       if constexpr (kScoreN > 0) {
-        const float alpha0 = alpha_s[r0], alpha1 = alpha_s[r1];
+        const float* alpha_blk = alpha_s + (it & 1) * kBlockM;
+        const float alpha0 = alpha_blk[r0], alpha1 = alpha_blk[r1];
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
           o[4 * j + 0] *= alpha0;
@@ -572,6 +568,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 
     float sum0, sum1;
     if constexpr (kScoreN > 0) {
+      // Row sums and maxima of this segment, in one of two buffers (alternating per segment).
+      float* row_result = row_sum + (seg & 1) * kBlockM;
       if (wg == 0) {
         // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
         float l[kRowsT];
@@ -590,17 +588,17 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
             const int row = RowT(i);
-            row_sum[row] = ((row_max[row] + row_max[kScoreN + row]) + row_max[2 * kScoreN + row]) +
-                           row_max[3 * kScoreN + row];
-            row_sum[kBlockM + row] = m_t[i];
+            row_result[row] = ((row_max[row] + row_max[kScoreN + row]) +
+                               row_max[2 * kScoreN + row]) + row_max[3 * kScoreN + row];
+            row_result[kScoreN + row] = m_t[i];
           }
         }
       }
       ConsumerSync();
-      sum0 = row_sum[r0];
-      sum1 = row_sum[r1];
-      m0 = row_sum[kBlockM + r0];
-      m1 = row_sum[kBlockM + r1];
+      sum0 = r0 < kScoreN ? row_result[r0] : 0.f;
+      sum1 = r1 < kScoreN ? row_result[r1] : 0.f;
+      m0 = r0 < kScoreN ? row_result[kScoreN + r0] : kNegInf;
+      m1 = r1 < kScoreN ? row_result[kScoreN + r1] : kNegInf;
     } else {
     // Row sums: quad, then the two warpgroups (fixed order: deterministic and identical in both).
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
