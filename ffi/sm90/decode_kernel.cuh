@@ -108,7 +108,7 @@ __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, i
 
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
-constexpr int kScoreWarpgroupBarrier = 2;  // warpgroup 0 alone (transposed scores)
+constexpr int kScoreWarpgroupBarrier = 4;  // + the warpgroup: its own four warps (transposed scores)
 constexpr int kPvDoneBarrier = 3;  // both consumer warpgroups: the previous PV is done with P
 
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
@@ -137,8 +137,8 @@ __device__ __forceinline__ void ConsumerSync() {
   cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
 }
 
-__device__ __forceinline__ void ScoreWarpgroupSync() {
-  cutlass::arch::NamedBarrier::sync(128, kScoreWarpgroupBarrier);
+__device__ __forceinline__ void ScoreWarpgroupSync(int wg) {
+  cutlass::arch::NamedBarrier::sync(128, kScoreWarpgroupBarrier + wg);
 }
 
 }  // namespace detail
@@ -152,10 +152,11 @@ __device__ __forceinline__ void ScoreWarpgroupSync() {
 // they walk the same KV blocks: each issues half of every KV tile's pieces, multicast into both
 // CTAs' shared memory, and a stage is refilled only once the consumers of both CTAs released it.
 // kScoreN (16 or 32; 0: off), for q_len * num_heads <= kScoreN: the scores are computed
-// transposed, S^T = K Q^T (M = the block's 64 tokens, N = kScoreN query rows) by warpgroup 0
-// alone, which also runs the softmax (maxima over tokens reduced across its four warps) and writes
-// P and the per-row rescale factors to shared memory; both warpgroups then rescale and run PV as
-// above. This avoids computing 64 - q_len * num_heads padded query rows in QK^T.
+// transposed, S^T = K Q^T (M = the block's 64 tokens, N = kScoreN query rows), which avoids
+// computing 64 - q_len * num_heads padded query rows in QK^T. Each consumer warpgroup computes
+// all of S^T and the softmax itself (maxima and sums over tokens reduced across its own four warps
+// through its own shared buffer), so both hold the same rescale factors and row results in
+// registers; each writes its half of the block's tokens into P, then both run PV as above.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
@@ -195,9 +196,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     cutlass::arch::fence_view_async_shared();
   }
   if (kScoreN > 0 && tid < kConsumerThreads) {
-    // Rows kScoreN..63 of P and of the rescale factors are never written below.
-    float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
-    for (int i = tid; i < 2 * kBlockM; i += kConsumerThreads) alpha_s[i] = 0.f;
+    // Rows kScoreN..63 of P are never written below.
     for (int i = kScoreN * (kRowBytes / 16) + tid; i < kBlockM * (kRowBytes / 16);
          i += kConsumerThreads) {
       *reinterpret_cast<uint4*>(smem + kSmemP + i * 16) = make_uint4(0, 0, 0, 0);
@@ -299,17 +298,29 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   float o[kLatentDim / kConsumerWarpgroups / 2];  // 64 x 256 fp32 over 128 threads
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
   int it = 0, seg = 0;
-  // Transposed scores (kScoreN > 0): warpgroup 0's thread holds tokens tok_a and tok_a + 8 of
-  // the block for the query rows RowT(i), i < kRowsT; st is its part of S^T (64 x kScoreN).
+  // Transposed scores (kScoreN > 0): a consumer thread holds tokens tok_a and tok_a + 8 of the
+  // block for the query rows RowT(i), i < kRowsT; st is its part of S^T (64 x kScoreN).
   constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
   using QkT = typename QkTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = warp_in_wg * 16 + lane / 4;
   auto RowT = [&](int i) { return 8 * (i / 2) + quad_col + (i % 2); };
-  float st[kStN], m_t[kRowsT], l_t[kRowsT], alpha_t[kRowsT];
+  float st[kStN], m_t[kRowsT], l_t[kRowsT];
   int limit_t[kRowsT];
-  float* alpha_s = reinterpret_cast<float*>(smem + kSmemAlpha);
+  // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
+  float* wg_exchange = reinterpret_cast<float*>(smem + (wg == 0 ? kSmemRowMax : kSmemRowSum));
+  // The value that lane (r % 8) / 2 holds for query row r in v[RowT index], for row r of this
+  // thread's output (r < kScoreN), or fallback.
+  auto RowValue = [&](const float (&v)[kRowsT], int r, float fallback) {
+    float out = fallback;
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      const float x = __shfl_sync(0xffffffffu, v[i], (r % 8) / 2);
+      if (r < kScoreN && i == 2 * (r / 8) + (r % 2)) out = x;
+    }
+    return out;
+  };
 
   while (walker.Next(seg_info)) {
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -356,67 +367,71 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
 
       if constexpr (kScoreN > 0) {
-        // S^T = K Q^T for the block's 64 tokens (warpgroup 0).
-        if (wg == 0) {
-          FenceRegisters(st);
-          cute::warpgroup_arrive();
+        // S^T = K Q^T for the block's 64 tokens (each warpgroup).
+        FenceRegisters(st);
+        cute::warpgroup_arrive();
 #pragma unroll
-          for (int c = 0; c < kNumChunks; ++c) {
+        for (int c = 0; c < kNumChunks; ++c) {
 #pragma unroll
-            for (int kk = 0; kk < kChunkCols / 16; ++kk) {
-              const uint64_t da = KMajorDesc(kv_addr + c * kChunkBytes + kk * 32);
-              const uint64_t db = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
-              Gmma<QkT>(da, db, st, (c | kk) != 0);
-            }
+          for (int kk = 0; kk < kChunkCols / 16; ++kk) {
+            const uint64_t da = KMajorDesc(kv_addr + c * kChunkBytes + kk * 32);
+            const uint64_t db = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
+            Gmma<QkT>(da, db, st, (c | kk) != 0);
           }
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-          FenceRegisters(st);
         }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        FenceRegisters(st);
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(q_empty);
-        if (wg == 0) {
-          // Masked online softmax over tokens: maxima over the thread's two tokens, the eight
-          // lanes sharing its query rows, then the four warps (through shared memory).
-          const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
-          const int ta = token_base + tok_a, tb = ta + 8;
-          float mx[kRowsT];
+        // Masked online softmax over tokens: maxima over the thread's two tokens, the eight lanes
+        // sharing its query rows, then the warpgroup's four warps.
+        const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
+        const int ta = token_base + tok_a, tb = ta + 8;
+        float mx[kRowsT];
 #pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            const int j = i / 2, e = i % 2;
-            const float a = (half_ok && ta <= limit_t[i]) ? st[4 * j + e] : kNegInf;
-            const float b = (half_ok && tb <= limit_t[i]) ? st[4 * j + 2 + e] : kNegInf;
-            st[4 * j + e] = a;
-            st[4 * j + 2 + e] = b;
-            mx[i] = fmaxf(a, b);
+        for (int i = 0; i < kRowsT; ++i) {
+          const int j = i / 2, e = i % 2;
+          const float a = (half_ok && ta <= limit_t[i]) ? st[4 * j + e] : kNegInf;
+          const float b = (half_ok && tb <= limit_t[i]) ? st[4 * j + 2 + e] : kNegInf;
+          st[4 * j + e] = a;
+          st[4 * j + 2 + e] = b;
+          mx[i] = fmaxf(a, b);
 #pragma unroll
-            for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
-          }
-          if (lane < 4) {
-#pragma unroll
-            for (int i = 0; i < kRowsT; ++i) row_max[warp_in_wg * kScoreN + RowT(i)] = mx[i];
-          }
-          ScoreWarpgroupSync();
-          float alpha[kRowsT];
-#pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            const int j = i / 2, e = i % 2, row = RowT(i);
-            float m_blk = row_max[row];
-#pragma unroll
-            for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, row_max[w * kScoreN + row]);
-            const float m_new = fmaxf(m_t[i], m_blk);
-            const float mu = m_new == kNegInf ? 0.f : m_new;
-            alpha[i] = Exp2((m_t[i] - mu) * sl2);
-            m_t[i] = m_new;
-            const float nb = -mu * sl2;
-            st[4 * j + e] = Exp2(fmaf(st[4 * j + e], sl2, nb));
-            st[4 * j + 2 + e] = Exp2(fmaf(st[4 * j + 2 + e], sl2, nb));
-            l_t[i] = l_t[i] * alpha[i] + st[4 * j + e] + st[4 * j + 2 + e];
-            alpha_t[i] = alpha[i];
-          }
+          for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
         }
-        // Both warpgroups are past the previous block's PV: P and alpha can be rewritten.
+        if (lane < 4) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = mx[i];
+        }
+        ScoreWarpgroupSync(wg);
+        float alpha[kRowsT];
+#pragma unroll
+        for (int i = 0; i < kRowsT; ++i) {
+          const int j = i / 2, e = i % 2, row = RowT(i);
+          float m_blk = wg_exchange[row];
+#pragma unroll
+          for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, wg_exchange[w * kScoreN + row]);
+          const float m_new = fmaxf(m_t[i], m_blk);
+          const float mu = m_new == kNegInf ? 0.f : m_new;
+          alpha[i] = Exp2((m_t[i] - mu) * sl2);
+          m_t[i] = m_new;
+          const float nb = -mu * sl2;
+          st[4 * j + e] = Exp2(fmaf(st[4 * j + e], sl2, nb));
+          st[4 * j + 2 + e] = Exp2(fmaf(st[4 * j + 2 + e], sl2, nb));
+          l_t[i] = l_t[i] * alpha[i] + st[4 * j + e] + st[4 * j + 2 + e];
+        }
+        const float alpha0 = RowValue(alpha, r0, 0.f), alpha1 = RowValue(alpha, r1, 0.f);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          o[4 * j + 0] *= alpha0;
+          o[4 * j + 1] *= alpha0;
+          o[4 * j + 2] *= alpha1;
+          o[4 * j + 3] *= alpha1;
+        }
+        // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
+        // writes the probabilities of tokens [32w, 32w + 32).
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
-        if (wg == 0) {
+        if ((tok_a < kHalfN) == (wg == 0)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
             const int j = i / 2, e = i % 2, row = RowT(i);
@@ -424,7 +439,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 __float2bfloat16_rn(st[4 * j + e]);
             *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a + 8)) =
                 __float2bfloat16_rn(st[4 * j + 2 + e]);
-            if (lane < 4 && warp_in_wg == 0) alpha_s[(it & 1) * kBlockM + row] = alpha_t[i];
           }
         }
       } else {
@@ -534,17 +548,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }  // kScoreN == 0
       cutlass::arch::fence_view_async_shared();
       ConsumerSync();
-      if constexpr (kScoreN > 0) {
-        const float* alpha_blk = alpha_s + (it & 1) * kBlockM;
-        const float alpha0 = alpha_blk[r0], alpha1 = alpha_blk[r1];
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j + 0] *= alpha0;
-          o[4 * j + 1] *= alpha0;
-          o[4 * j + 2] *= alpha1;
-          o[4 * j + 3] *= alpha1;
-        }
-      }
 
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
@@ -568,37 +571,30 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 
     float sum0, sum1;
     if constexpr (kScoreN > 0) {
-      // Row sums and maxima of this segment, in one of two buffers (alternating per segment).
-      float* row_result = row_sum + (seg & 1) * kBlockM;
-      if (wg == 0) {
-        // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
-        float l[kRowsT];
+      // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
+      float l[kRowsT];
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) {
-          l[i] = l_t[i];
+      for (int i = 0; i < kRowsT; ++i) {
+        l[i] = l_t[i];
 #pragma unroll
-          for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
-        }
-        if (lane < 4) {
-#pragma unroll
-          for (int i = 0; i < kRowsT; ++i) row_max[warp_in_wg * kScoreN + RowT(i)] = l[i];
-        }
-        ScoreWarpgroupSync();
-        if (lane < 4 && warp_in_wg == 0) {
-#pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            const int row = RowT(i);
-            row_result[row] = ((row_max[row] + row_max[kScoreN + row]) +
-                               row_max[2 * kScoreN + row]) + row_max[3 * kScoreN + row];
-            row_result[kScoreN + row] = m_t[i];
-          }
-        }
+        for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
       }
-      ConsumerSync();
-      sum0 = r0 < kScoreN ? row_result[r0] : 0.f;
-      sum1 = r1 < kScoreN ? row_result[r1] : 0.f;
-      m0 = r0 < kScoreN ? row_result[kScoreN + r0] : kNegInf;
-      m1 = r1 < kScoreN ? row_result[kScoreN + r1] : kNegInf;
+      if (lane < 4) {
+#pragma unroll
+        for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = l[i];
+      }
+      ScoreWarpgroupSync(wg);
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+        const int row = RowT(i);
+        l[i] = ((wg_exchange[row] + wg_exchange[kScoreN + row]) + wg_exchange[2 * kScoreN + row]) +
+               wg_exchange[3 * kScoreN + row];
+      }
+      ScoreWarpgroupSync(wg);  // the exchange buffer is free for the next segment
+      sum0 = RowValue(l, r0, 0.f);
+      sum1 = RowValue(l, r1, 0.f);
+      m0 = RowValue(m_t, r0, kNegInf);
+      m1 = RowValue(m_t, r1, kNegInf);
     } else {
     // Row sums: quad, then the two warpgroups (fixed order: deterministic and identical in both).
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
