@@ -40,6 +40,7 @@ static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timi
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
+static bool g_wide_combine = false;  // LaunchOptions::wide_combine of checks ("--wide-combine")
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -339,6 +340,7 @@ static void RunOnce(const Problem& pb, int copy) {
   LaunchOptions opt;
   if (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0) opt.cluster = 2;
   opt.transposed_scores = g_transposed;
+  opt.wide_combine = g_wide_combine;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -506,6 +508,12 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   LaunchOptions base;
   v.push_back({"default", base});
   if (which == "default") return v;
+  if (which == "combine") {
+    LaunchOptions wide = base;
+    wide.wide_combine = true;
+    v.push_back({"combine-wide", wide});
+    return v;
+  }
   if (which == "transposed") {
     LaunchOptions plain = base;
     plain.transposed_scores = 0;
@@ -548,6 +556,9 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   LaunchOptions plain = base;
   plain.transposed_scores = 0;
   v.push_back({"scores-not-transposed", plain});
+  LaunchOptions wide = base;
+  wide.wide_combine = true;
+  v.push_back({"combine-wide", wide});
   return v;
 }
 
@@ -657,6 +668,7 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--plain-scores") g_transposed = 0;
+    else if (a == "--wide-combine") g_wide_combine = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
@@ -739,6 +751,8 @@ int main(int argc, char** argv) {
     }
     return ok ? 0 : 1;
   }
-  printf("usage: %s check | sanitize | time [iters] | one --B .. --L .. --H ..\n", argv[0]);
+  printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H ..\n"
+         "flags: --cluster2 --plain-scores --wide-combine --fixed-cost N --min-blocks N\n",
+         argv[0]);
   return 2;
 }

@@ -1,6 +1,6 @@
-// Combine kernel of the SM90 decode: merges the fp32 partial outputs of split requests.
+// Combine kernels of the SM90 decode: merge the fp32 partial outputs of split requests.
 //
-// One warp per output row (grid: row groups x requests). A request with no KV blocks (length 0
+// CombineKernel: one warp per output row (grid: row groups x requests). A request with no KV blocks (length 0
 // after clamping) gets zeros and LSE -inf here; a request handled by one part was written whole
 // by the decode kernel and is skipped. The splits are merged in part order: deterministic.
 #pragma once
@@ -98,6 +98,90 @@ CombineKernel(const DecodeParams p, int num_parts) {
     *reinterpret_cast<uint2*>(out + g * 128 + lane * 4) = v;
   }
   if (lane == 0) *lse_out = lse;
+}
+
+// The same merge with kCombineWarpsPerRow warps per output row, each owning 512 / that many
+// columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
+// over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
+// j + 32, ...) and reduced across the warp in a fixed order; the outputs are accumulated in part
+// order, each lane with several partial rows in flight. Deterministic; grid: (ceil(rows /
+// kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock * kCombineWarpsPerRow warps.
+__global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
+CombineKernelWide(const DecodeParams p, int num_parts) {
+  GridDependencyWait();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = blockIdx.y;
+  const int rows = p.q_len * p.num_heads;
+  const int row = blockIdx.x * kCombineWideRowsPerBlock + warp / kCombineWarpsPerRow;
+  if (row >= rows) return;
+  constexpr int kCols = kLatentDim / kCombineWarpsPerRow;  // 128: 4 per lane
+  static_assert(kCols == 4 * 32, "one float4 of columns per lane");
+  const int col0 = (warp % kCombineWarpsPerRow) * kCols + lane * 4;
+  const bool writes_lse = warp % kCombineWarpsPerRow == 0 && lane == 0;
+  const int len = EffectiveLength(p.seq_lens[b], p.max_pages, p.page_size);
+  const int n = NumKvBlocks(len);
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
+                       (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
+  float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
+  constexpr float kNegInf = -__builtin_huge_valf();
+
+  auto write = [&](float4 v, float lse) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
+    uint2 packed;
+    packed.x = *reinterpret_cast<uint32_t*>(&lo);
+    packed.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(out) = packed;
+    if (writes_lse) *lse_out = lse;
+  };
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+
+  if (n == 0) {
+    write(zero, kNegInf);
+    return;
+  }
+  const ScheduleView view = ScheduleView::Load(p, num_parts);
+  const int first = view.PartOf(b, 0);
+  const int last = view.PartOf(b, n - 1);
+  if (first == last) return;
+
+  const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
+  const uint8_t* wsb = static_cast<const uint8_t*>(p.workspace);
+  const float* part_out = reinterpret_cast<const float*>(wsb + ws.partial_out);
+  const float* part_lse = reinterpret_cast<const float*>(wsb + ws.partial_lse);
+  auto slot_row = [&](int s) { return static_cast<size_t>(b + s) * ws.rows_pad + row; };
+
+  float max_lse = kNegInf;
+  for (int s = first + lane; s <= last; s += 32) max_lse = fmaxf(max_lse, part_lse[slot_row(s)]);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+  if (max_lse == kNegInf) {
+    write(zero, kNegInf);
+    return;
+  }
+  float sum = 0.f;
+  for (int s = first + lane; s <= last; s += 32) sum += __expf(part_lse[slot_row(s)] - max_lse);
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+  const float lse = max_lse + __logf(sum);
+
+  float4 acc = zero;
+  for (int base = first; base <= last; base += 32) {
+    // Lane j holds the weight of split base + j.
+    const float w_lane = base + lane <= last ? __expf(part_lse[slot_row(base + lane)] - lse) : 0.f;
+    const int count = min(32, last - base + 1);
+#pragma unroll 8
+    for (int j = 0; j < count; ++j) {
+      const float w = __shfl_sync(0xffffffffu, w_lane, j);
+      const float4 v = *reinterpret_cast<const float4*>(part_out + slot_row(base + j) * kLatentDim + col0);
+      acc.x = fmaf(w, v.x, acc.x);
+      acc.y = fmaf(w, v.y, acc.y);
+      acc.z = fmaf(w, v.z, acc.z);
+      acc.w = fmaf(w, v.w, acc.w);
+    }
+  }
+  const float f = p.output_scale;
+  write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
 }
 
 }  // namespace sm90

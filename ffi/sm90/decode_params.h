@@ -43,8 +43,11 @@ static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * kProduc
 constexpr int kFixedCostBlocks = 2;
 constexpr int kMinBlocksPerPart = 2;
 
-// Combine kernel: one warp per output row.
+// Combine kernels: CombineKernel has one warp per output row; CombineKernelWide has
+// kCombineWarpsPerRow warps per row and kCombineWideRowsPerBlock rows per block.
 constexpr int kCombineRowsPerBlock = 8;
+constexpr int kCombineWarpsPerRow = 4;
+constexpr int kCombineWideRowsPerBlock = 2;
 
 struct DecodeParams {
   // Inputs.

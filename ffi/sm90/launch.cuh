@@ -36,6 +36,8 @@ struct LaunchOptions {
                               // even number of M tiles)
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 wherever q_len * num_heads <= 32
                               // (the default), 0 never
+  bool wide_combine = false;  // CombineKernelWide (several warps per output row) instead of
+                              // CombineKernel
 };
 
 namespace detail {
@@ -265,6 +267,12 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   DecodeParams cp = p;
   int num_parts = parts;
   void* combine_args[] = {&cp, &num_parts};
+  if (options.wide_combine) {
+    return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernelWide),
+                            dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
+                            dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
+                            p.enable_pdl, stream, combine_args);
+  }
   return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernel),
                           dim3(CeilDivInt(rows, kCombineRowsPerBlock), p.batch),
                           dim3(kCombineRowsPerBlock * 32), 0, p.enable_pdl, stream, combine_args);
