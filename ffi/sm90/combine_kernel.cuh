@@ -15,6 +15,36 @@
 namespace jax_mla {
 namespace sm90 {
 
+// What a combine kernel needs to know of request b: its KV blocks n, the parts first..last that
+// hold its splits (valid when n > 0), and the workspace's partial results.
+struct SplitRequest {
+  int n, first, last;
+  const float* part_out;  // f32 [slots, rows_pad, 512]
+  const float* part_lse;  // f32 [slots, rows_pad]
+  int rows_pad;
+
+  __device__ __forceinline__ static SplitRequest Load(const DecodeParams& p, int num_parts, int b) {
+    SplitRequest r;
+    r.n = NumKvBlocks(EffectiveLength(p.seq_lens[b], p.max_pages, p.page_size));
+    r.first = r.last = 0;
+    if (r.n > 0) {
+      const ScheduleView view = ScheduleView::Load(p, num_parts);
+      r.first = view.PartOf(b, 0);
+      r.last = view.PartOf(b, r.n - 1);
+    }
+    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
+    const uint8_t* wsb = static_cast<const uint8_t*>(p.workspace);
+    r.part_out = reinterpret_cast<const float*>(wsb + ws.partial_out);
+    r.part_lse = reinterpret_cast<const float*>(wsb + ws.partial_lse);
+    r.rows_pad = ws.rows_pad;
+    return r;
+  }
+  // Workspace row of (this request b, part s, output row).
+  __device__ __forceinline__ size_t SlotRow(int b, int s, int row) const {
+    return static_cast<size_t>(b + s) * rows_pad + row;
+  }
+};
+
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
   GridDependencyWait();
@@ -23,8 +53,8 @@ CombineKernel(const DecodeParams p, int num_parts) {
   const int rows = p.q_len * p.num_heads;
   const int row = blockIdx.x * kCombineRowsPerBlock + warp;
   if (row >= rows) return;
-  const int len = EffectiveLength(p.seq_lens[b], p.max_pages, p.page_size);
-  const int n = NumKvBlocks(len);
+  const SplitRequest req = SplitRequest::Load(p, num_parts, b);
+  const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                        (static_cast<size_t>(b) * rows + row) * kLatentDim;
   float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
@@ -40,24 +70,16 @@ CombineKernel(const DecodeParams p, int num_parts) {
     if (lane == 0) *lse_out = kNegInf;
   };
 
-  if (n == 0) {
+  if (req.n == 0) {
     write_empty();
     return;
   }
-  const ScheduleView view = ScheduleView::Load(p, num_parts);
-  const int first = view.PartOf(b, 0);
-  const int last = view.PartOf(b, n - 1);
   if (first == last) return;
-
-  const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
-  const uint8_t* wsb = static_cast<const uint8_t*>(p.workspace);
-  const float* part_out = reinterpret_cast<const float*>(wsb + ws.partial_out);
-  const float* part_lse = reinterpret_cast<const float*>(wsb + ws.partial_lse);
 
   float max_lse = kNegInf;
 #pragma unroll 4
   for (int s = first; s <= last; ++s) {
-    max_lse = fmaxf(max_lse, part_lse[static_cast<size_t>(b + s) * ws.rows_pad + row]);
+    max_lse = fmaxf(max_lse, req.part_lse[req.SlotRow(b, s, row)]);
   }
   if (max_lse == kNegInf) {
     write_empty();
@@ -66,7 +88,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
   float sum = 0.f;
 #pragma unroll 4
   for (int s = first; s <= last; ++s) {
-    sum += __expf(part_lse[static_cast<size_t>(b + s) * ws.rows_pad + row] - max_lse);
+    sum += __expf(req.part_lse[req.SlotRow(b, s, row)] - max_lse);
   }
   const float lse = max_lse + __logf(sum);
   float acc[kColsPerLane];
@@ -74,9 +96,9 @@ CombineKernel(const DecodeParams p, int num_parts) {
   for (int i = 0; i < kColsPerLane; ++i) acc[i] = 0.f;
 #pragma unroll 4
   for (int s = first; s <= last; ++s) {
-    const size_t slot_row = static_cast<size_t>(b + s) * ws.rows_pad + row;
-    const float w = __expf(part_lse[slot_row] - lse);
-    const float* src = part_out + slot_row * kLatentDim;
+    const size_t slot_row = req.SlotRow(b, s, row);
+    const float w = __expf(req.part_lse[slot_row] - lse);
+    const float* src = req.part_out + slot_row * kLatentDim;
 #pragma unroll
     for (int g = 0; g < kColsPerLane / 4; ++g) {
       const float4 v = *reinterpret_cast<const float4*>(src + g * 128 + lane * 4);
@@ -104,7 +126,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
 // columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
 // over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
 // j + 32, ...) and reduced across the warp in a fixed order; the outputs are accumulated in part
-// order, each lane with several partial rows in flight. Deterministic; grid: (ceil(rows /
+// order, each lane with four partial rows in flight. Deterministic; grid: (ceil(rows /
 // kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock * kCombineWarpsPerRow warps.
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
@@ -118,41 +140,34 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(kCols == 4 * 32, "one float4 of columns per lane");
   const int col0 = (warp % kCombineWarpsPerRow) * kCols + lane * 4;
   const bool writes_lse = warp % kCombineWarpsPerRow == 0 && lane == 0;
-  const int len = EffectiveLength(p.seq_lens[b], p.max_pages, p.page_size);
-  const int n = NumKvBlocks(len);
+  const SplitRequest req = SplitRequest::Load(p, num_parts, b);
+  const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                        (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
   float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
   constexpr float kNegInf = -__builtin_huge_valf();
 
+  struct alignas(8) Bf16x4 {
+    __nv_bfloat162 lo, hi;
+  };
   auto write = [&](float4 v, float lse) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y);
-    __nv_bfloat162 hi = __floats2bfloat162_rn(v.z, v.w);
-    uint2 packed;
-    packed.x = *reinterpret_cast<uint32_t*>(&lo);
-    packed.y = *reinterpret_cast<uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(out) = packed;
+    *reinterpret_cast<Bf16x4*>(out) =
+        Bf16x4{__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
     if (writes_lse) *lse_out = lse;
   };
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
 
-  if (n == 0) {
+  if (req.n == 0) {
     write(zero, kNegInf);
     return;
   }
-  const ScheduleView view = ScheduleView::Load(p, num_parts);
-  const int first = view.PartOf(b, 0);
-  const int last = view.PartOf(b, n - 1);
   if (first == last) return;
-
-  const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
-  const uint8_t* wsb = static_cast<const uint8_t*>(p.workspace);
-  const float* part_out = reinterpret_cast<const float*>(wsb + ws.partial_out);
-  const float* part_lse = reinterpret_cast<const float*>(wsb + ws.partial_lse);
-  auto slot_row = [&](int s) { return static_cast<size_t>(b + s) * ws.rows_pad + row; };
+  auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
 
   float max_lse = kNegInf;
-  for (int s = first + lane; s <= last; s += 32) max_lse = fmaxf(max_lse, part_lse[slot_row(s)]);
+  for (int s = first + lane; s <= last; s += 32) {
+    max_lse = fmaxf(max_lse, req.part_lse[slot_row(s)]);
+  }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
   if (max_lse == kNegInf) {
@@ -160,7 +175,7 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
     return;
   }
   float sum = 0.f;
-  for (int s = first + lane; s <= last; s += 32) sum += __expf(part_lse[slot_row(s)] - max_lse);
+  for (int s = first + lane; s <= last; s += 32) sum += __expf(req.part_lse[slot_row(s)] - max_lse);
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   const float lse = max_lse + __logf(sum);
@@ -168,12 +183,14 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   float4 acc = zero;
   for (int base = first; base <= last; base += 32) {
     // Lane j holds the weight of split base + j.
-    const float w_lane = base + lane <= last ? __expf(part_lse[slot_row(base + lane)] - lse) : 0.f;
+    const float w_lane =
+        base + lane <= last ? __expf(req.part_lse[slot_row(base + lane)] - lse) : 0.f;
     const int count = min(32, last - base + 1);
-#pragma unroll 8
+#pragma unroll 4
     for (int j = 0; j < count; ++j) {
       const float w = __shfl_sync(0xffffffffu, w_lane, j);
-      const float4 v = *reinterpret_cast<const float4*>(part_out + slot_row(base + j) * kLatentDim + col0);
+      const float4 v =
+          *reinterpret_cast<const float4*>(req.part_out + slot_row(base + j) * kLatentDim + col0);
       acc.x = fmaf(w, v.x, acc.x);
       acc.y = fmaf(w, v.y, acc.y);
       acc.z = fmaf(w, v.z, acc.z);

@@ -92,6 +92,17 @@ __device__ __forceinline__ float Exp2(float x) {
   return y;
 }
 
+// Multiplies a warpgroup's 64 x 256 accumulator fragment by its two rows' factors.
+__device__ __forceinline__ void RescaleRows(float (&o)[128], float alpha0, float alpha1) {
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    o[4 * j + 0] *= alpha0;
+    o[4 * j + 1] *= alpha0;
+    o[4 * j + 2] *= alpha1;
+    o[4 * j + 3] *= alpha1;
+  }
+}
+
 __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -420,14 +431,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           st[4 * j + 2 + e] = Exp2(fmaf(st[4 * j + 2 + e], sl2, nb));
           l_t[i] = l_t[i] * alpha[i] + st[4 * j + e] + st[4 * j + 2 + e];
         }
-        const float alpha0 = RowValue(alpha, r0, 0.f), alpha1 = RowValue(alpha, r1, 0.f);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-          o[4 * j + 0] *= alpha0;
-          o[4 * j + 1] *= alpha0;
-          o[4 * j + 2] *= alpha1;
-          o[4 * j + 3] *= alpha1;
-        }
+        RescaleRows(o, RowValue(alpha, r0, 0.f), RowValue(alpha, r1, 0.f));
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
@@ -537,13 +541,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
       l0 = l0 * alpha0 + sum0;
       l1 = l1 * alpha1 + sum1;
-#pragma unroll
-      for (int j = 0; j < 32; ++j) {
-        o[4 * j + 0] *= alpha0;
-        o[4 * j + 1] *= alpha0;
-        o[4 * j + 2] *= alpha1;
-        o[4 * j + 3] *= alpha1;
-      }
+      RescaleRows(o, alpha0, alpha1);
       }
       }  // kScoreN == 0
       cutlass::arch::fence_view_async_shared();
