@@ -5,9 +5,11 @@
 //        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
 //   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
-//   .gpu/sm90_harness time [iters] [default|cluster|exp|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
+//                                      # (variants other than default, transposed and combine
+//                                      # take the plain-score kernel also where q_len * H <= 16)
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--bad] [--iters N] [--check-only] [--ref-requests N]
@@ -15,6 +17,8 @@
 //   number of M tiles is even.
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
+//   --plain-scores, --all-transposed, --wide-combine (checks only): LaunchOptions'
+//   transposed_scores = 0, transposed_scores = 1 (N = 32 up to 32 rows), wide_combine.
 //
 // Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
 // (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
@@ -39,7 +43,8 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings ("--cluster2")
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
-static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
+static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0,
+                               // "--all-transposed": 1)
 static bool g_wide_combine = false;  // LaunchOptions::wide_combine of checks ("--wide-combine")
 
 #define CHECK_CUDA(call)                                                                  \
@@ -518,6 +523,9 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     LaunchOptions plain = base;
     plain.transposed_scores = 0;
     v.push_back({"scores-not-transposed", plain});
+    LaunchOptions all = base;
+    all.transposed_scores = 1;
+    v.push_back({"scores-transposed-to-32-rows", all});
     return v;
   }
   if (which == "cluster") {
@@ -668,6 +676,7 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--plain-scores") g_transposed = 0;
+    else if (a == "--all-transposed") g_transposed = 1;
     else if (a == "--wide-combine") g_wide_combine = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
@@ -752,7 +761,8 @@ int main(int argc, char** argv) {
     return ok ? 0 : 1;
   }
   printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H ..\n"
-         "flags: --cluster2 --plain-scores --wide-combine --fixed-cost N --min-blocks N\n",
+         "flags: --cluster2 --plain-scores --all-transposed --wide-combine --fixed-cost N "
+         "--min-blocks N\n",
          argv[0]);
   return 2;
 }

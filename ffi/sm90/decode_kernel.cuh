@@ -119,7 +119,7 @@ __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, i
 
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
-constexpr int kScoreWarpgroupBarrier = 4;  // + the warpgroup: its own four warps (transposed scores)
+constexpr int kScoreWarpgroupBarrier = 4;  // + warpgroup: its own four warps (transposed scores)
 constexpr int kPvDoneBarrier = 3;  // both consumer warpgroups: the previous PV is done with P
 
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
@@ -174,6 +174,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
              const DecodeKernelArgs args) {
   static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
                 "transposed scores need early release, no experiment and no cluster");
+  static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
+                "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
@@ -408,7 +410,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           st[4 * j + 2 + e] = b;
           mx[i] = fmaxf(a, b);
 #pragma unroll
-          for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+          for (int d = 4; d < 32; d <<= 1) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+          }
         }
         if (lane < 4) {
 #pragma unroll
@@ -431,6 +435,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           st[4 * j + 2 + e] = Exp2(fmaf(st[4 * j + 2 + e], sl2, nb));
           l_t[i] = l_t[i] * alpha[i] + st[4 * j + e] + st[4 * j + 2 + e];
         }
+        FenceRegisters(o);
         RescaleRows(o, RowValue(alpha, r0, 0.f), RowValue(alpha, r1, 0.f));
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).

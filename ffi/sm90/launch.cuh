@@ -34,8 +34,10 @@ struct LaunchOptions {
   int experiment = 0;         // DecodeKernel's kSkip bits (timing experiments, wrong results)
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
-  int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 wherever q_len * num_heads <= 32
-                              // (the default), 0 never
+  int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
+                              // <= 16; 1 also up to 32 (N = 32: no less QK^T work than the
+                              // plain path, measured only for correctness); 0 never; any other
+                              // value is rejected
   bool wide_combine = false;  // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel
 };
@@ -194,7 +196,8 @@ inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int ro
       !options.early_release) {
     return 0;
   }
-  return rows <= 16 ? 16 : (rows <= 32 ? 32 : 0);
+  if (rows <= 16) return 16;
+  return options.transposed_scores == 1 && rows <= 32 ? 32 : 0;
 }
 
 inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows) {
@@ -230,6 +233,9 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
+  if (options.transposed_scores < -1 || options.transposed_scores > 1) {
+    return cudaErrorInvalidValue;
+  }
   const void* kernel = detail::SelectKernel(options, cluster, rows);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   detail::KernelInfo info;
