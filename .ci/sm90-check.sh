@@ -5,8 +5,13 @@
 # 2. python3 -m pytest -q -rs tests/test_sm90.py (JAX_MLA_REQUIRE_GPU=1: nothing may skip)
 # 3. the standalone harness (benchmarks/sm90_harness.cu): nvcc build, then its `check` suite
 # 4. compute-sanitizer memcheck on the jax path: one small sm90 decode through jax_mla.decode
+# 5. (part "sanitize") the harness's sanitize suite under memcheck, racecheck and synccheck, with a
+#    -lineinfo build so that reports name source lines
+# 6. (part "time") the harness's timing grid: `time 30 $SM90_TIME_VARIANTS` (default "transposed")
 # Logs go to $OUT (sm90-*.log); a summary table is printed last. SM90_CHECK picks the parts
-# (default "tests,harness,memcheck"); SM90_HARNESS names an already built harness to use.
+# (default "tests,harness,memcheck"; all: "tests,harness,memcheck,sanitize,time"); SM90_HARNESS
+# and SM90_HARNESS_LINEINFO name already built harness binaries to use; SM90_CHECK_FLAGS adds
+# harness flags to the check (e.g. "--wide-combine").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_mla_out}; mkdir -p "$OUT"
@@ -24,20 +29,22 @@ if [[ $parts == *,tests,* ]]; then
   status[pytest]="rc=$? $(tail -1 "$OUT/sm90-tests.log")"
 fi
 
-if [[ $parts == *,harness,* ]]; then
-  harness=${SM90_HARNESS:-/tmp/sm90_harness}
-  if [ ! -x "$harness" ]; then
-    CUTLASS=$(python3 -c "import importlib.util, os; s = importlib.util.find_spec('flashinfer'); \
+build_harness() {  # OUTPUT [extra nvcc flags]
+  local output=$1; shift
+  [ -x "$output" ] && return 0
+  CUTLASS=$(python3 -c "import importlib.util, os; s = importlib.util.find_spec('flashinfer'); \
 print(os.path.join(s.submodule_search_locations[0], 'data', 'cutlass', 'include'))")
-    { time nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. -I"$CUTLASS" \
-        --expt-relaxed-constexpr benchmarks/sm90_harness.cu -o "$harness"; } \
-      > "$OUT/sm90-harness-build.log" 2>&1
-    status[harness_build]="rc=$?"
-  fi
-  if [ -x "$harness" ]; then
-    timeout 900 "$harness" check > "$OUT/sm90-harness-check.log" 2>&1
-    status[harness_check]="rc=$? $(tail -1 "$OUT/sm90-harness-check.log")"
-  fi
+  { time nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. -I"$CUTLASS" \
+      --expt-relaxed-constexpr "$@" benchmarks/sm90_harness.cu -o "$output"; } \
+    >> "$OUT/sm90-harness-build.log" 2>&1
+  status[harness_build]="rc=$?"
+}
+harness=${SM90_HARNESS:-/tmp/sm90_harness}
+if [[ $parts == *,harness,* || $parts == *,time,* ]]; then build_harness "$harness"; fi
+if [[ $parts == *,harness,* && -x "$harness" ]]; then
+  # shellcheck disable=SC2086  # flags are words on purpose
+  timeout 900 "$harness" check ${SM90_CHECK_FLAGS:-} > "$OUT/sm90-harness-check.log" 2>&1
+  status[harness_check]="rc=$? $(tail -1 "$OUT/sm90-harness-check.log")"
 fi
 
 # One buffer per allocation (no pool), so memcheck sees the true bounds of every XLA buffer; only
@@ -56,8 +63,27 @@ if [[ $parts == *,memcheck,* ]]; then
   status[memcheck]="rc=$rc $(grep -E 'ERROR SUMMARY' "$OUT/sm90-memcheck.log" | tail -1)"
 fi
 
+if [[ $parts == *,sanitize,* ]]; then
+  harness_li=${SM90_HARNESS_LINEINFO:-/tmp/sm90_harness_lineinfo}
+  build_harness "$harness_li" -lineinfo
+  for tool in memcheck racecheck synccheck; do
+    timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$harness_li" sanitize \
+      > "$OUT/san-$tool.log" 2>&1
+    rc=$?
+    status[san_$tool]="rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$tool.log" |
+                                tail -1)"
+  done
+fi
+
+if [[ $parts == *,time,* && -x "$harness" ]]; then
+  timeout 600 "$harness" time 30 "${SM90_TIME_VARIANTS:-transposed}" \
+    > "$OUT/sm90-harness-time.log" 2>&1
+  status[harness_time]="rc=$?"
+fi
+
 { echo "| sm90 check | result |"
   echo "|---|---|"
-  for key in symbol pytest harness_build harness_check memcheck; do
+  for key in symbol pytest harness_build harness_check memcheck san_memcheck san_racecheck \
+             san_synccheck harness_time; do
     echo "| $key | ${status[$key]:-not run} |"
   done; } | tee "$OUT/sm90-summary.md"
