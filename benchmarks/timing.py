@@ -68,11 +68,6 @@ def interleaved_ratios(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15)
     return [one_round(fn_a, calls) / one_round(fn_b, calls) for _ in range(pairs)]
 
 
-def interleaved_ratio(fn_a, fn_b, arg_sets: list[tuple], args, pairs: int = 15) -> float:
-    """The median of ``interleaved_ratios``."""
-    return median(interleaved_ratios(fn_a, fn_b, arg_sets, args, pairs))
-
-
 def quartiles(xs) -> list[float]:
     """[25th, 75th] percentiles of ``xs``."""
     q = statistics.quantiles(xs, n=4)
