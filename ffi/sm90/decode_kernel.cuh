@@ -32,6 +32,7 @@
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "decode_params.h"
+#include "fragment_layout.h"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
 
@@ -295,11 +296,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   const int wg = warp / 4;
   const int wg_tid = tid % 128;
-  const int r0 = (wg_tid / 32) * 16 + lane / 4;
-  const int r1 = r0 + 8;
+  const int r0 = Fragment::Row(wg_tid, 0);
+  const int r1 = Fragment::Row(wg_tid, 1);
   const int gr0 = mtile * kBlockM + r0;
   const int gr1 = mtile * kBlockM + r1;
-  const int quad_col = 2 * (lane % 4);
+  const int quad_col = Fragment::Col(lane, 0, 0);
   float* row_max = reinterpret_cast<float*>(smem + kSmemRowMax);
   float* row_sum = reinterpret_cast<float*>(smem + kSmemRowSum);
   uint8_t* p_tile = smem + kSmemP;
@@ -311,26 +312,28 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   float o[kLatentDim / kConsumerWarpgroups / 2];  // 64 x 256 fp32 over 128 threads
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
   int it = 0, seg = 0;
-  // Transposed scores (kScoreN > 0): a consumer thread holds tokens tok_a and tok_a + 8 of the
-  // block for the query rows RowT(i), i < kRowsT; st is its part of S^T (64 x kScoreN).
+  // Transposed scores (kScoreN > 0): a consumer thread holds tokens tok_a and tok_b of the block
+  // for the query rows RowT(i), i < kRowsT; st is its part of S^T (64 x kScoreN)
+  // (fragment_layout.h).
   constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
   using QkT = typename QkTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
   const int warp_in_wg = wg_tid / 32;
-  const int tok_a = warp_in_wg * 16 + lane / 4;
-  auto RowT = [&](int i) { return 8 * (i / 2) + quad_col + (i % 2); };
+  const int tok_a = TransposedScores::Token(wg_tid, 0);
+  const int tok_b = TransposedScores::Token(wg_tid, 1);
+  auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
   float st[kStN], m_t[kRowsT], l_t[kRowsT];
   int limit_t[kRowsT];
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange = reinterpret_cast<float*>(smem + (wg == 0 ? kSmemRowMax : kSmemRowSum));
-  // The value that lane (r % 8) / 2 holds for query row r in v[RowT index], for row r of this
-  // thread's output (r < kScoreN), or fallback.
+  // For row r of this thread's output: the value the warp's lane holding query row r keeps in
+  // v[its index of r] (r < kScoreN), or fallback.
   auto RowValue = [&](const float (&v)[kRowsT], int r, float fallback) {
     float out = fallback;
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) {
-      const float x = __shfl_sync(0xffffffffu, v[i], (r % 8) / 2);
-      if (r < kScoreN && i == 2 * (r / 8) + (r % 2)) out = x;
+      const float x = __shfl_sync(0xffffffffu, v[i], TransposedScores::LaneOfRow(r));
+      if (r < kScoreN && i == TransposedScores::IndexOfRow(r)) out = x;
     }
     return out;
   };
@@ -399,15 +402,15 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // Masked online softmax over tokens: maxima over the thread's two tokens, the eight lanes
         // sharing its query rows, then the warpgroup's four warps.
         const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
-        const int ta = token_base + tok_a, tb = ta + 8;
+        const int ta = token_base + tok_a, tb = token_base + tok_b;
         float mx[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
-          const int j = i / 2, e = i % 2;
-          const float a = (half_ok && ta <= limit_t[i]) ? st[4 * j + e] : kNegInf;
-          const float b = (half_ok && tb <= limit_t[i]) ? st[4 * j + 2 + e] : kNegInf;
-          st[4 * j + e] = a;
-          st[4 * j + 2 + e] = b;
+          const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
+          const float a = (half_ok && ta <= limit_t[i]) ? st[ea] : kNegInf;
+          const float b = (half_ok && tb <= limit_t[i]) ? st[eb] : kNegInf;
+          st[ea] = a;
+          st[eb] = b;
           mx[i] = fmaxf(a, b);
 #pragma unroll
           for (int d = 4; d < 32; d <<= 1) {
@@ -422,7 +425,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         float alpha[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
-          const int j = i / 2, e = i % 2, row = RowT(i);
+          const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
+          const int row = RowT(i);
           float m_blk = wg_exchange[row];
 #pragma unroll
           for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, wg_exchange[w * kScoreN + row]);
@@ -431,23 +435,23 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           alpha[i] = Exp2((m_t[i] - mu) * sl2);
           m_t[i] = m_new;
           const float nb = -mu * sl2;
-          st[4 * j + e] = Exp2(fmaf(st[4 * j + e], sl2, nb));
-          st[4 * j + 2 + e] = Exp2(fmaf(st[4 * j + 2 + e], sl2, nb));
-          l_t[i] = l_t[i] * alpha[i] + st[4 * j + e] + st[4 * j + 2 + e];
+          st[ea] = Exp2(fmaf(st[ea], sl2, nb));
+          st[eb] = Exp2(fmaf(st[eb], sl2, nb));
+          l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
         }
         FenceRegisters(o);
         RescaleRows(o, RowValue(alpha, r0, 0.f), RowValue(alpha, r1, 0.f));
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
-        if ((tok_a < kHalfN) == (wg == 0)) {
+        if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
-            const int j = i / 2, e = i % 2, row = RowT(i);
+            const int row = RowT(i);
             *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
-                __float2bfloat16_rn(st[4 * j + e]);
-            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a + 8)) =
-                __float2bfloat16_rn(st[4 * j + 2 + e]);
+                __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
+            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
+                __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
           }
         }
       } else {

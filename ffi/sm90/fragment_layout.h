@@ -1,0 +1,44 @@
+// Where a consumer thread's values sit in a warpgroup's 64 x N WGMMA accumulator, and the
+// transposed-score bookkeeping built on it (DecodeKernel's kScoreN path). Host and device code, so
+// tests/sm90_fragment_check.cu checks the index math on the CPU.
+//
+// A warpgroup's 64 x N fp32 accumulator spreads over its 128 threads: thread t (warp t / 32 of the
+// warpgroup, lane t % 32) holds rows Row(t, 0) and Row(t, 1) = Row(t, 0) + 8, and for every group
+// j < N / 8 of eight columns the columns Col(lane, j, 0) and Col(lane, j, 0) + 1; the value of
+// (Row(t, h), Col(lane, j, e)) is element Element(j, e, h) of the thread's N / 2 floats.
+#pragma once
+
+#ifdef __CUDACC__
+#define JAX_MLA_HD __host__ __device__ __forceinline__
+#else
+#define JAX_MLA_HD inline
+#endif
+
+namespace jax_mla {
+namespace sm90 {
+
+struct Fragment {
+  static JAX_MLA_HD int Row(int wg_tid, int half) {
+    return (wg_tid / 32) * 16 + (wg_tid % 32) / 4 + 8 * half;
+  }
+  static JAX_MLA_HD int Col(int lane, int j, int e) { return 8 * j + 2 * (lane % 4) + e; }
+  static JAX_MLA_HD int Element(int j, int e, int half) { return 4 * j + 2 * half + e; }
+};
+
+// S^T = K Q^T (M = 64 tokens, N = kScoreN query rows): a thread's tokens are Fragment rows, its
+// query rows Fragment columns, numbered i = 2 j + e (i < N / 4).
+struct TransposedScores {
+  static JAX_MLA_HD int QueryRow(int lane, int i) { return Fragment::Col(lane, i / 2, i % 2); }
+  static JAX_MLA_HD int Token(int wg_tid, int half) { return Fragment::Row(wg_tid, half); }
+  static JAX_MLA_HD int Element(int i, int half) { return Fragment::Element(i / 2, i % 2, half); }
+  // The lane of every warp that holds query row r (r < N), and its index i there.
+  static JAX_MLA_HD int LaneOfRow(int r) { return (r % 8) / 2; }
+  static JAX_MLA_HD int IndexOfRow(int r) { return 2 * (r / 8) + r % 2; }
+  // Warpgroup wg writes the probabilities of tokens [32 wg, 32 wg + 32) into the P tile.
+  static JAX_MLA_HD bool WritesToken(int wg, int token) { return (token < 32) == (wg == 0); }
+};
+
+}  // namespace sm90
+}  // namespace jax_mla
+
+#undef JAX_MLA_HD

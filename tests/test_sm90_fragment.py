@@ -1,0 +1,26 @@
+"""The sm90 kernel's transposed-score index math, run on the host (``tests/sm90_fragment_check.cpp``
+includes the same ``ffi/sm90/fragment_layout.h`` as the kernel): every (token, query row) of S^T
+held once, a row's lane and index found back, P written once by the two warpgroups."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from conftest import skip_or_fail
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_transposed_score_fragments_cover_every_token_and_row_once(tmp_path):
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        skip_or_fail("building tests/sm90_fragment_check.cpp needs a C++ compiler")
+    binary = tmp_path / "sm90_fragment_check"
+    subprocess.run([compiler, "-std=c++17", "-O1", f"-I{ROOT}",
+                    f"{ROOT}/tests/sm90_fragment_check.cpp", "-o", str(binary)], check=True,
+                   capture_output=True)
+    lines = subprocess.run([str(binary)], capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    assert lines == ["ok 16", "ok 32"], lines
