@@ -46,6 +46,11 @@ def page32_grid() -> list[Point]:
     return [Point(b, l, h, 1, 32) for h in (16, 128) for b in (32, 128) for l in (4096, 16384)]
 
 
+def heads_grid() -> list[Point]:
+    """Head counts between the full grid's 16 and 128 (DeepSeek-V3 over TP 2-16, 64-head models)."""
+    return [Point(b, l, h, 1, 64) for h in (8, 32, 64) for b in (32, 128) for l in (4096, 16384)]
+
+
 def quick_grid() -> list[Point]:
     return [Point(1, 1024, 128, 1, 64), Point(32, 4096, 128, 1, 64), Point(128, 4096, 16, 1, 64),
             Point(128, 4096, 128, 2, 64), Point(128, 16384, 128, 1, 64), Point(512, 4096, 128, 1, 64)]
@@ -55,7 +60,8 @@ def dry_grid() -> list[Point]:
     return [Point(1, 64, 4, 1, 16), Point(3, 96, 2, 2, 32)]
 
 
-GRIDS = {"full": full_grid, "quick": quick_grid, "page32": page32_grid, "dry": dry_grid}
+GRIDS = {"full": full_grid, "quick": quick_grid, "page32": page32_grid, "heads": heads_grid,
+         "dry": dry_grid}
 
 _FIELDS = {"b": "B", "l": "L", "h": "H", "q": "q_len", "q_len": "q_len", "p": "page_size",
            "page": "page_size", "page_size": "page_size"}
