@@ -61,7 +61,7 @@ def guard_plan(plan: planning.Plan, usable) -> planning.Plan:
     other word is kept.
 
     Args:
-      plan: a Plan whose arrays passed ``check_arrays``.
+      plan: a Plan whose arrays passed ``Plan.check_arrays``.
       usable: bool [plan.batch].
     Returns:
       The plan with its int_workspace rewritten (uint8, same size).
@@ -103,8 +103,7 @@ def guard(block_tables, seq_lens, plan, *, num_pages: int, page_size: int, q_len
     usable = usable_requests(block_tables, seq_lens, num_pages=num_pages, page_size=page_size,
                              q_len=q_len, max_len=max_len)
     if isinstance(plan, planning.Plan):
-        plan.check_arrays()
-        plan.check_batch(seq_lens.shape[0], block_tables.shape[1])
+        plan.check_for(seq_lens, block_tables)
         usable = usable & (plan.seq_lens == seq_lens)
         plan = guard_plan(plan, usable)
     return neutralised_lengths(seq_lens, usable), plan

@@ -126,9 +126,11 @@ class Plan:
                 f"got {self.seq_lens.dtype} {list(self.seq_lens.shape)}; build plans with "
                 "jax_mla.plan or jax_mla.device_plan")
 
-    def check_batch(self, batch: int, max_pages: int) -> None:
-        """Raise ``PlanMismatchError`` unless the plan is for ``batch`` requests over a block table
-        ``max_pages`` wide."""
+    def check_for(self, seq_lens, block_tables) -> None:
+        """Raise ``PlanMismatchError`` unless the arrays pass ``check_arrays`` and the plan is for
+        a call's int32 ``seq_lens`` [B] over ``block_tables`` [B, max_pages]."""
+        self.check_arrays()
+        batch, max_pages = seq_lens.shape[0], block_tables.shape[1]
         if (self.batch, self.max_pages) != (batch, max_pages):
             raise PlanMismatchError(
                 f"plan was built for batch {self.batch} and max_pages {self.max_pages} but decode "

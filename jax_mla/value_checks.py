@@ -33,8 +33,7 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
     _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
     _check_finite_query(query)
     if plan is not None:
-        plan.check_arrays()
-        plan.check_batch(seq_lens.shape[0], block_tables.shape[1])
+        plan.check_for(seq_lens, block_tables)
         _check_none(plan.seq_lens != seq_lens, seq_lens,
                     "seq_lens[{0}] = {1} but the plan was built for length {2}: build the plan "
                     "from this step's seq_lens", plan.seq_lens)
