@@ -86,8 +86,7 @@ struct Divisor {
 // would give negative counts and writes past the workspace, a longer one could overflow the chunk
 // size. jax_mla.decode gives longer requests nothing to read (jax_mla.guard).
 __host__ __device__ inline int ReadKvLen(const int32_t* seq_lens, int request) {
-  const int kv_len = seq_lens[request];
-  return kv_len < 0 ? 0 : (kv_len > kMaxKvLen ? kMaxKvLen : kv_len);
+  return ClampLength(seq_lens[request], kMaxKvLen);
 }
 
 // MLAPlan's kv range of a query tile: under the causal mask earlier tiles see fewer tokens.
