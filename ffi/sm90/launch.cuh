@@ -35,9 +35,8 @@ struct LaunchOptions {
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
-                              // <= 16; 1 also up to 32 (N = 32: no less QK^T work than the
-                              // plain path, measured only for correctness); 0 never; any other
-                              // value is rejected
+                              // <= 16; 1 also up to 32 (N = 32 does as much QK^T work as the
+                              // plain path; docs/sm90-kernel.md); 0 never; other values rejected
   bool wide_combine = false;  // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel
 };
