@@ -12,13 +12,15 @@
 //                                      # take the plain-score kernel also where q_len * H <= 16)
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
+//                         [--variants default|cluster|exp|transposed|combine|all]
 //                         [--bad] [--iters N] [--check-only] [--ref-requests N]
 //   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
 //   number of M tiles is even.
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
-//   --plain-scores, --all-transposed, --wide-combine (checks only): LaunchOptions'
-//   transposed_scores = 0, transposed_scores = 1 (N = 32 up to 32 rows), wide_combine.
+//   --plain-scores, --all-transposed, --wide-combine, --narrow-combine (checks only):
+//   LaunchOptions' transposed_scores = 0, transposed_scores = 1 (N = 32 up to 32 rows),
+//   wide_combine = 1, wide_combine = 0.
 //
 // Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
 // (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
@@ -45,7 +47,8 @@ static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0,
                                // "--all-transposed": 1)
-static bool g_wide_combine = false;  // LaunchOptions::wide_combine of checks ("--wide-combine")
+static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
+                                 // "--narrow-combine": 0)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -514,8 +517,11 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   v.push_back({"default", base});
   if (which == "default") return v;
   if (which == "combine") {
+    LaunchOptions narrow = base;
+    narrow.wide_combine = 0;
+    v.push_back({"combine-narrow", narrow});
     LaunchOptions wide = base;
-    wide.wide_combine = true;
+    wide.wide_combine = 1;
     v.push_back({"combine-wide", wide});
     return v;
   }
@@ -543,6 +549,10 @@ static std::vector<Variant> AllVariants(const std::string& which) {
       e.cluster = 1;
       v.push_back({name, e});
     }
+    LaunchOptions none_cluster = base;
+    none_cluster.experiment = 7;
+    none_cluster.cluster = 2;
+    v.push_back({"x-none-cluster-2", none_cluster});
     return v;
   }
   LaunchOptions late = base;
@@ -564,13 +574,17 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   LaunchOptions plain = base;
   plain.transposed_scores = 0;
   v.push_back({"scores-not-transposed", plain});
+  LaunchOptions narrow = base;
+  narrow.wide_combine = 0;
+  v.push_back({"combine-narrow", narrow});
   LaunchOptions wide = base;
-  wide.wide_combine = true;
+  wide.wide_combine = 1;
   v.push_back({"combine-wide", wide});
   return v;
 }
 
-// Per-layer time: a CUDA graph of one schedule and `iters` decodes rotating among cache copies.
+// Per-layer time: a CUDA graph of one schedule and `iters` decodes rotating among cache copies,
+// replayed 3 times untimed, then the median of 5 timed replays.
 static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& variants) {
   Problem pb;
   // Rotate among enough copies that the bytes touched per round exceed 4x the L2.
@@ -605,7 +619,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     for (int i = 0; i < iters; ++i) CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
     CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
     CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    for (int warm = 0; warm < 3; ++warm) CHECK_CUDA(cudaGraphLaunch(exec, stream));
     CHECK_CUDA(cudaStreamSynchronize(stream));
     cudaEvent_t e0, e1;
     CHECK_CUDA(cudaEventCreate(&e0));
@@ -677,7 +691,8 @@ int main(int argc, char** argv) {
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--plain-scores") g_transposed = 0;
     else if (a == "--all-transposed") g_transposed = 1;
-    else if (a == "--wide-combine") g_wide_combine = true;
+    else if (a == "--wide-combine") g_wide_combine = 1;
+    else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
@@ -737,6 +752,7 @@ int main(int argc, char** argv) {
     s.name = "one";
     int iters = 50;
     bool check_only = false;
+    std::string variants = "all";
     for (int i = 2; i < argc; ++i) {
       std::string a = argv[i];
       auto next = [&]() { return i + 1 < argc ? argv[++i] : "0"; };
@@ -750,18 +766,21 @@ int main(int argc, char** argv) {
       else if (a == "--iters") iters = atoi(next());
       else if (a == "--check-only" || a == "--sanitize") check_only = true;
       else if (a == "--ref-requests") s.ref_requests = atoi(next());
+      else if (a == "--variants") variants = next();
       else { printf("unknown argument %s\n", a.c_str()); return 2; }
     }
     PrintCheckHeader();
     bool ok = RunCheck(s, 2e-2);
     if (!check_only) {
       PrintTimeHeader();
-      RunTime(s, iters, AllVariants("all"));
+      RunTime(s, iters, AllVariants(variants));
     }
     return ok ? 0 : 1;
   }
-  printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H ..\n"
-         "flags: --cluster2 --plain-scores --all-transposed --wide-combine --fixed-cost N "
+  printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H .. "
+         "[--variants NAME]\n"
+         "flags: --cluster2 --plain-scores --all-transposed --wide-combine --narrow-combine "
+         "--fixed-cost N "
          "--min-blocks N\n",
          argv[0]);
   return 2;

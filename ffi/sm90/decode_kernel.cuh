@@ -145,6 +145,36 @@ __device__ __forceinline__ void ReleaseStage(uint64_t* empty_barrier) {
   }
 }
 
+// The QK^T k steps (16 columns each) of the 576-wide rows; transposed scores split them evenly
+// between the consumer warpgroups.
+constexpr int kQkStepsPerChunk = kChunkCols / 16;
+constexpr int kQkSteps = kNumChunks * kQkStepsPerChunk;
+constexpr int kQkStepsPerWarpgroup = kQkSteps / kConsumerWarpgroups;
+static_assert(kQkSteps % kConsumerWarpgroups == 0, "QK^T steps split evenly");
+
+// Byte offset of QK^T k step g inside a 576-wide tile (its chunk, then 32 bytes per step).
+__device__ __forceinline__ uint32_t QkStepOffset(int g) {
+  return (g / kQkStepsPerChunk) * kChunkBytes + (g % kQkStepsPerChunk) * 32;
+}
+
+// Transposed scores: slot v (four floats per thread) of warpgroup wg's partial S^T, which the
+// other warpgroup adds. The slots live in the query tile's rows kScoreN..63, which the scores never
+// read (the bulk copy writes at most kScoreN rows); each slot is 128 threads x 16 bytes, thread-
+// contiguous (conflict-free float4 accesses).
+template <int kScoreN>
+__device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int v, int wg_tid) {
+  constexpr int kSlotBytes = 128 * 16;
+  constexpr int kSlotsPerChunk = (kBlockM - kScoreN) * kRowBytes / kSlotBytes;
+  constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
+  static_assert(kSlotsPerChunk >= 1 &&
+                    kConsumerWarpgroups * kSlotsPerWarpgroup <= kSlotsPerChunk * kNumChunks,
+                "the exchange slots fit in the query tile's unused rows");
+  const int slot = wg * kSlotsPerWarpgroup + v;
+  return reinterpret_cast<float4*>(smem + kSmemQ + (slot / kSlotsPerChunk) * kChunkBytes +
+                                   kScoreN * kRowBytes + (slot % kSlotsPerChunk) * kSlotBytes +
+                                   wg_tid * 16);
+}
+
 __device__ __forceinline__ void ConsumerSync() {
   cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
 }
@@ -165,10 +195,11 @@ __device__ __forceinline__ void ScoreWarpgroupSync(int wg) {
 // CTAs' shared memory, and a stage is refilled only once the consumers of both CTAs released it.
 // kScoreN (16 or 32; 0: off), for q_len * num_heads <= kScoreN: the scores are computed
 // transposed, S^T = K Q^T (M = the block's 64 tokens, N = kScoreN query rows), which avoids
-// computing 64 - q_len * num_heads padded query rows in QK^T. Each consumer warpgroup computes
-// all of S^T and the softmax itself (maxima and sums over tokens reduced across its own four warps
-// through its own shared buffer), so both hold the same rescale factors and row results in
-// registers; each writes its half of the block's tokens into P, then both run PV as above.
+// computing 64 - q_len * num_heads padded query rows in QK^T. Each consumer warpgroup contracts
+// half of the 576 columns and adds the other's partial S^T (shared memory), then computes the
+// softmax itself (maxima and sums over tokens reduced across its own four warps through its own
+// shared buffer), so both hold the same rescale factors and row results in registers; each writes
+// its half of the block's tokens into P, then both run PV as above.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
@@ -383,22 +414,34 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
 
       if constexpr (kScoreN > 0) {
-        // S^T = K Q^T for the block's 64 tokens (each warpgroup).
+        // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
+        // columns, then each adds the other's partial sums (shared memory); fp32 addition of two
+        // terms is commutative, so both warpgroups hold the same S^T.
         FenceRegisters(st);
         cute::warpgroup_arrive();
 #pragma unroll
-        for (int c = 0; c < kNumChunks; ++c) {
-#pragma unroll
-          for (int kk = 0; kk < kChunkCols / 16; ++kk) {
-            const uint64_t da = KMajorDesc(kv_addr + c * kChunkBytes + kk * 32);
-            const uint64_t db = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
-            Gmma<QkT>(da, db, st, (c | kk) != 0);
-          }
+        for (int s = 0; s < kQkStepsPerWarpgroup; ++s) {
+          const uint32_t offset = QkStepOffset(wg * kQkStepsPerWarpgroup + s);
+          Gmma<QkT>(KMajorDesc(kv_addr + offset), KMajorDesc(q_addr + offset), st, s != 0);
         }
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         FenceRegisters(st);
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(q_empty);
+#pragma unroll
+        for (int v = 0; v < kStN / 4; ++v) {
+          *ScoreExchangeSlot<kScoreN>(smem, wg, v, wg_tid) =
+              make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
+        }
+        ConsumerSync();
+#pragma unroll
+        for (int v = 0; v < kStN / 4; ++v) {
+          const float4 other = *ScoreExchangeSlot<kScoreN>(smem, wg ^ 1, v, wg_tid);
+          st[4 * v] += other.x;
+          st[4 * v + 1] += other.y;
+          st[4 * v + 2] += other.z;
+          st[4 * v + 3] += other.w;
+        }
         // Masked online softmax over tokens: maxima over the thread's two tokens, the eight lanes
         // sharing its query rows, then the warpgroup's four warps.
         const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;

@@ -37,8 +37,9 @@ struct LaunchOptions {
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
                               // <= 16; 1 also up to 32 (N = 32 does as much QK^T work as the
                               // plain path; docs/sm90-kernel.md); 0 never; other values rejected
-  bool wide_combine = false;  // CombineKernelWide (several warps per output row) instead of
-                              // CombineKernel
+  int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
+                              // CombineKernel: -1 (default) where requests are split over many
+                              // parts (UseWideCombine), 1 always, 0 never
 };
 
 namespace detail {
@@ -199,6 +200,14 @@ inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int ro
   return options.transposed_scores == 1 && rows <= 32 ? 32 : 0;
 }
 
+// The default combine: CombineKernelWide when there are at least kCombineWarpsPerRow parts per
+// request (few requests, each split many ways: its parallel reads of the splits pay off), else
+// CombineKernel (fewer, cheaper CTAs for the many requests that are mostly handled whole).
+inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
+  if (options.wide_combine >= 0) return options.wide_combine != 0;
+  return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
+}
+
 inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows) {
   switch (TransposedScoreRows(options, cluster, rows)) {
     case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16>);
@@ -206,9 +215,12 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     default: break;
   }
   if (cluster == 2) {
-    return options.experiment == 0 && options.early_release
-               ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>)
-               : nullptr;
+    if (!options.early_release) return nullptr;
+    switch (options.experiment) {
+      case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
+      case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7, 2>);
+      default: return nullptr;
+    }
   }
   switch (options.experiment) {
     case 0: return options.early_release ? reinterpret_cast<const void*>(&DecodeKernel<true, 0>)
@@ -232,7 +244,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  if (options.transposed_scores < -1 || options.transposed_scores > 1) {
+  if (options.transposed_scores < -1 || options.transposed_scores > 1 ||
+      options.wide_combine < -1 || options.wide_combine > 1) {
     return cudaErrorInvalidValue;
   }
   const void* kernel = detail::SelectKernel(options, cluster, rows);
@@ -272,7 +285,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   DecodeParams cp = p;
   int num_parts = parts;
   void* combine_args[] = {&cp, &num_parts};
-  if (options.wide_combine) {
+  if (detail::UseWideCombine(options, p.batch, parts)) {
     return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernelWide),
                             dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
                             dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
