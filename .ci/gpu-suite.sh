@@ -31,6 +31,6 @@ run t-sharding-view.log tests/test_sharding.py tests/test_torch_view.py -m "not 
 run t-rest.log tests $ignore -m "not multi_gpu" &
 wait
 for f in "$OUT"/t-*.log; do
-  printf '%-20s %s\n' "$(basename "$f")" "$(grep -E ' (passed|failed|errors?)( |$)' "$f" | tail -1)"
+  printf '%-20s %s\n' "$(basename "$f")" "$(grep -E ' in [0-9.]+s( |$)' "$f" | tail -1)"
 done
 grep -hE '^(FAILED|ERROR) ' "$OUT"/t-*.log | head -20

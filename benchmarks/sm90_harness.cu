@@ -9,7 +9,7 @@
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
-//                                      # take the plain-score kernel also where q_len * H <= 16)
+//                                      # take the plain-score kernel also where q_len * H <= 32)
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|transposed|combine|all]
@@ -18,9 +18,8 @@
 //   number of M tiles is even.
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
-//   --plain-scores, --all-transposed, --wide-combine, --narrow-combine (checks only):
-//   LaunchOptions' transposed_scores = 0, transposed_scores = 1 (N = 32 up to 32 rows),
-//   wide_combine = 1, wide_combine = 0.
+//   --plain-scores, --wide-combine, --narrow-combine (checks only): LaunchOptions'
+//   transposed_scores = 0, wide_combine = 1, wide_combine = 0.
 //
 // Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
 // (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
@@ -45,8 +44,7 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings ("--cluster2")
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
-static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0,
-                               // "--all-transposed": 1)
+static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
 
@@ -529,9 +527,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     LaunchOptions plain = base;
     plain.transposed_scores = 0;
     v.push_back({"scores-not-transposed", plain});
-    LaunchOptions all = base;
-    all.transposed_scores = 1;
-    v.push_back({"scores-transposed-to-32-rows", all});
     return v;
   }
   if (which == "cluster") {
@@ -690,7 +685,6 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--plain-scores") g_transposed = 0;
-    else if (a == "--all-transposed") g_transposed = 1;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
@@ -779,7 +773,7 @@ int main(int argc, char** argv) {
   }
   printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H .. "
          "[--variants NAME]\n"
-         "flags: --cluster2 --plain-scores --all-transposed --wide-combine --narrow-combine "
+         "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
          "--fixed-cost N "
          "--min-blocks N\n",
          argv[0]);

@@ -1,6 +1,7 @@
 """The sm90 kernel's transposed-score index math, run on the host (``tests/sm90_fragment_check.cpp``
 includes the same ``ffi/sm90/fragment_layout.h`` as the kernel): every (token, query row) of S^T
-held once, a row's lane and index found back, P written once by the two warpgroups."""
+held once, P written once by the two warpgroups, every (column, query row) of a warpgroup's O^T
+held once, every row's LSE written once."""
 
 from __future__ import annotations
 

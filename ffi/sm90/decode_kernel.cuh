@@ -66,6 +66,21 @@ struct QkTransposedMmaFor<32> {
   using type = QkMma;
 };
 
+// Transposed PV, O^T += V^T P^T: M = 64 latent columns (V^T read MN-major from the KV tile), N =
+// kScoreN query rows (P read K-major).
+template <int kScoreN>
+struct PvTransposedMmaFor;
+template <>
+struct PvTransposedMmaFor<16> {
+  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+                                                            cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct PvTransposedMmaFor<32> {
+  using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
+                                                            cute::SM90::GMMA::Major::K>;
+};
+
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaImpl(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
                                         cute::SM90::GMMA::ScaleOut scale,
@@ -183,6 +198,61 @@ __device__ __forceinline__ void ScoreWarpgroupSync(int wg) {
   cutlass::arch::NamedBarrier::sync(128, kScoreWarpgroupBarrier + wg);
 }
 
+// Transposed scores: writes a segment's results from this thread's O^T values (kOTiles tiles of 64
+// of the warpgroup's columns x kScoreN query rows) and its rows' sums l and maxima m (query rows
+// TransposedScores::QueryRow(lane, i)): bf16 out and LSE for a request handled whole, fp32
+// partial out and LSE in the workspace for a split one. Rows >= rows are padding, not written.
+template <int kScoreN, int kOTiles, int kOPerTile>
+__device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Segment& seg,
+                                                int part, int num_parts, int rows, int wg,
+                                                int wg_tid, const float (&o)[kOTiles][kOPerTile],
+                                                const float (&l)[kScoreN / 4],
+                                                const float (&m)[kScoreN / 4], float scale_log2) {
+  constexpr int kRowsT = kScoreN / 4;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const int lane = wg_tid % 32;
+  const int col_base = wg * (kLatentDim / kConsumerWarpgroups);
+  // Lanes 0-3 of the warpgroup's first warp hold every query row once.
+  const bool writes_lse = wg == 0 && wg_tid < 4;
+  const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
+  uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
+  float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
+  float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
+  const size_t out_row0 = static_cast<size_t>(seg.b) * rows;
+  const size_t slot_row0 = static_cast<size_t>(seg.b + part) * ws.rows_pad;
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    if (row >= rows) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float lse = l[i] > 0.f ? (m[i] * scale_log2 + __log2f(l[i])) * kLn2 : kNegInf;
+    if (seg.whole) {
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (out_row0 + row) * kLatentDim;
+      const float f = inv * p.output_scale;
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          dst[col_base + t * kChunkCols + TransposedScores::Token(wg_tid, half)] =
+              __float2bfloat16_rn(o[t][TransposedScores::Element(i, half)] * f);
+        }
+      }
+      if (writes_lse) p.lse[out_row0 + row] = lse;
+    } else {
+      float* dst = part_out + (slot_row0 + row) * kLatentDim;
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          dst[col_base + t * kChunkCols + TransposedScores::Token(wg_tid, half)] =
+              o[t][TransposedScores::Element(i, half)] * inv;
+        }
+      }
+      if (writes_lse) part_lse[slot_row0 + row] = lse;
+    }
+  }
+}
+
 }  // namespace detail
 
 // kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
@@ -199,7 +269,9 @@ __device__ __forceinline__ void ScoreWarpgroupSync(int wg) {
 // half of the 576 columns and adds the other's partial S^T (shared memory), then computes the
 // softmax itself (maxima and sums over tokens reduced across its own four warps through its own
 // shared buffer), so both hold the same rescale factors and row results in registers; each writes
-// its half of the block's tokens into P, then both run PV as above.
+// its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
+// warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
+// either and a thread's output rows are the query rows whose softmax state it holds.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
@@ -237,14 +309,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const int unit = i % 8;
       *reinterpret_cast<uint4*>(smem + kSmemQ + chunk * kChunkBytes + row * kRowBytes +
                                 unit * 16) = make_uint4(0, 0, 0, 0);
-    }
-    cutlass::arch::fence_view_async_shared();
-  }
-  if (kScoreN > 0 && tid < kConsumerThreads) {
-    // Rows kScoreN..63 of P are never written below.
-    for (int i = kScoreN * (kRowBytes / 16) + tid; i < kBlockM * (kRowBytes / 16);
-         i += kConsumerThreads) {
-      *reinterpret_cast<uint4*>(smem + kSmemP + i * 16) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();
   }
@@ -340,7 +404,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const uint32_t p_addr = SmemAddr(p_tile);
   const float sl2 = args.scale_log2;
 
-  float o[kLatentDim / kConsumerWarpgroups / 2];  // 64 x 256 fp32 over 128 threads
+  // Output accumulator of this warpgroup's 256 columns: O, 64 rows x 256 fp32 in one tile; with
+  // transposed scores O^T, four tiles of 64 columns x kScoreN rows (fragment_layout.h).
+  constexpr int kOTiles = kScoreN > 0 ? kNumVChunks / kConsumerWarpgroups : 1;
+  constexpr int kOPerTile = kScoreN > 0 ? kScoreN / 2 : kLatentDim / kConsumerWarpgroups / 2;
+  float o_tiles[kOTiles][kOPerTile];
+  float (&o)[kOPerTile] = o_tiles[0];
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
   int it = 0, seg = 0;
   // Transposed scores (kScoreN > 0): a consumer thread holds tokens tok_a and tok_b of the block
@@ -349,6 +418,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
   using QkT = typename QkTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
+  using PvT = typename PvTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
@@ -357,17 +427,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   int limit_t[kRowsT];
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange = reinterpret_cast<float*>(smem + (wg == 0 ? kSmemRowMax : kSmemRowSum));
-  // For row r of this thread's output: the value the warp's lane holding query row r keeps in
-  // v[its index of r] (r < kScoreN), or fallback.
-  auto RowValue = [&](const float (&v)[kRowsT], int r, float fallback) {
-    float out = fallback;
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const float x = __shfl_sync(0xffffffffu, v[i], TransposedScores::LaneOfRow(r));
-      if (r < kScoreN && i == TransposedScores::IndexOfRow(r)) out = x;
-    }
-    return out;
-  };
 
   while (walker.Next(seg_info)) {
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -375,7 +434,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     const int limit1 = gr1 < rows ? seg_info.len - p.q_len + gr1 / p.num_heads : -1;
     float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
 #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    for (int t = 0; t < kOTiles; ++t) {
+#pragma unroll
+      for (int i = 0; i < kOPerTile; ++i) o_tiles[t][i] = 0.f;
+    }
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) {
       const int row = RowT(i);
@@ -482,8 +544,16 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           st[eb] = Exp2(fmaf(st[eb], sl2, nb));
           l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
         }
-        FenceRegisters(o);
-        RescaleRows(o, RowValue(alpha, r0, 0.f), RowValue(alpha, r1, 0.f));
+        // O^T's columns are query rows laid out as S^T's: this thread's rows are its own.
+#pragma unroll
+        for (int t = 0; t < kOTiles; ++t) {
+          FenceRegisters(o_tiles[t]);
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            o_tiles[t][TransposedScores::Element(i, 0)] *= alpha[i];
+            o_tiles[t][TransposedScores::Element(i, 1)] *= alpha[i];
+          }
+        }
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
@@ -599,6 +669,21 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       cutlass::arch::fence_view_async_shared();
       ConsumerSync();
 
+      if constexpr (kScoreN > 0) {
+        // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
+#pragma unroll
+        for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+          for (int t = 0; t < kOTiles; ++t) {
+            const uint64_t da = MNMajorDesc(kv_addr + (wg * kOTiles + t) * kChunkBytes +
+                                            kk * 16 * kRowBytes);
+            Gmma<PvT>(da, KMajorDesc(p_addr + kk * 32), o_tiles[t], true);
+          }
+        }
+      } else {
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
       cute::warpgroup_arrive();
@@ -609,6 +694,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                                         kk * 16 * kRowBytes);
         Gmma<PvMma>(da, db, o, true);
       }
+      }  // kScoreN == 0
       cute::warpgroup_commit_batch();
       if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
@@ -616,10 +702,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
     }
     cute::warpgroup_wait<0>();
-    FenceRegisters(o);
+#pragma unroll
+    for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
     if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(&empty[(it + kStages - 1) % kStages]);
 
-    float sum0, sum1;
     if constexpr (kScoreN > 0) {
       // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
       float l[kRowsT];
@@ -641,10 +727,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                wg_exchange[3 * kScoreN + row];
       }
       ScoreWarpgroupSync(wg);  // the exchange buffer is free for the next segment
-      sum0 = RowValue(l, r0, 0.f);
-      sum1 = RowValue(l, r1, 0.f);
-      m0 = RowValue(m_t, r0, kNegInf);
-      m1 = RowValue(m_t, r1, kNegInf);
+      StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
+                               m_t, sl2);
     } else {
     // Row sums: quad, then the two warpgroups (fixed order: deterministic and identical in both).
     l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -656,9 +740,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       row_sum[wg * kBlockM + r1] = l1;
     }
     ConsumerSync();
-    sum0 = row_sum[r0] + row_sum[kBlockM + r0];
-    sum1 = row_sum[r1] + row_sum[kBlockM + r1];
-    }
+    const float sum0 = row_sum[r0] + row_sum[kBlockM + r0];
+    const float sum1 = row_sum[r1] + row_sum[kBlockM + r1];
     constexpr float kLn2 = 0.6931471805599453f;
     const float inv0 = sum0 > 0.f ? 1.f / sum0 : 0.f;
     const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;
@@ -702,6 +785,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr1] = lse1;
       }
     }
+    }  // kScoreN == 0
     ++seg;
   }
   }

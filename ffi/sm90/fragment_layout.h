@@ -26,14 +26,13 @@ struct Fragment {
 };
 
 // S^T = K Q^T (M = 64 tokens, N = kScoreN query rows): a thread's tokens are Fragment rows, its
-// query rows Fragment columns, numbered i = 2 j + e (i < N / 4).
+// query rows Fragment columns, numbered i = 2 j + e (i < N / 4). The transposed output O^T (M = 64
+// latent columns of a tile, N = the same query rows) is laid out alike: Token(t, half) names the
+// column within the tile, Element(i, half) the value of query row QueryRow(lane, i).
 struct TransposedScores {
   static JAX_MLA_HD int QueryRow(int lane, int i) { return Fragment::Col(lane, i / 2, i % 2); }
   static JAX_MLA_HD int Token(int wg_tid, int half) { return Fragment::Row(wg_tid, half); }
   static JAX_MLA_HD int Element(int i, int half) { return Fragment::Element(i / 2, i % 2, half); }
-  // The lane of every warp that holds query row r (r < N), and its index i there.
-  static JAX_MLA_HD int LaneOfRow(int r) { return (r % 8) / 2; }
-  static JAX_MLA_HD int IndexOfRow(int r) { return 2 * (r / 8) + r % 2; }
   // Warpgroup wg writes the probabilities of tokens [32 wg, 32 wg + 32) into the P tile.
   static JAX_MLA_HD bool WritesToken(int wg, int token) { return (token < 32) == (wg == 0); }
 };

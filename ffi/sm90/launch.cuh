@@ -35,8 +35,8 @@ struct LaunchOptions {
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
-                              // <= 16; 1 also up to 32 (N = 32 does as much QK^T work as the
-                              // plain path; docs/sm90-kernel.md); 0 never; other values rejected
+                              // <= 32 (N = 16 up to 16 rows, else 32); 0 never; other values
+                              // rejected
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
@@ -197,7 +197,7 @@ inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int ro
     return 0;
   }
   if (rows <= 16) return 16;
-  return options.transposed_scores == 1 && rows <= 32 ? 32 : 0;
+  return rows <= 32 ? 32 : 0;
 }
 
 // The default combine: CombineKernelWide when there are at least kCombineWarpsPerRow parts per
@@ -244,7 +244,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  if (options.transposed_scores < -1 || options.transposed_scores > 1 ||
+  if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
       options.wide_combine < -1 || options.wide_combine > 1) {
     return cudaErrorInvalidValue;
   }
