@@ -53,32 +53,17 @@ using QkMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Ma
                                                              cute::SM90::GMMA::Major::K>;
 using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
-// Transposed scores S^T = K Q^T: M = 64 tokens, N = kScoreN query rows.
-template <int kScoreN>
-struct QkTransposedMmaFor;
-template <>
-struct QkTransposedMmaFor<16> {
-  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                            cute::SM90::GMMA::Major::K>;
+// The transposed products, m64 x kScoreN x k16 with B K-major and N = the query rows (16 or 32):
+// S^T = K Q^T (A = the KV tile, K-major) and O^T = V^T P^T (A = V^T, the KV tile read MN-major).
+template <int kScoreN, cute::SM90::GMMA::Major kMajorA>
+struct TransposedMmaFor;
+template <cute::SM90::GMMA::Major kMajorA>
+struct TransposedMmaFor<16, kMajorA> {
+  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<kMajorA, cute::SM90::GMMA::Major::K>;
 };
-template <>
-struct QkTransposedMmaFor<32> {
-  using type = QkMma;
-};
-
-// Transposed PV, O^T += V^T P^T: M = 64 latent columns (V^T read MN-major from the KV tile), N =
-// kScoreN query rows (P read K-major).
-template <int kScoreN>
-struct PvTransposedMmaFor;
-template <>
-struct PvTransposedMmaFor<16> {
-  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
-                                                            cute::SM90::GMMA::Major::K>;
-};
-template <>
-struct PvTransposedMmaFor<32> {
-  using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN,
-                                                            cute::SM90::GMMA::Major::K>;
+template <cute::SM90::GMMA::Major kMajorA>
+struct TransposedMmaFor<32, kMajorA> {
+  using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<kMajorA, cute::SM90::GMMA::Major::K>;
 };
 
 template <class Mma, int N, size_t... I>
@@ -417,8 +402,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // (fragment_layout.h).
   constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
-  using QkT = typename QkTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
-  using PvT = typename PvTransposedMmaFor<kScoreN == 16 ? 16 : 32>::type;
+  using QkT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>::type;
+  using PvT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>::type;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
