@@ -509,72 +509,72 @@ struct Variant {
   LaunchOptions options;
 };
 
-static std::vector<Variant> AllVariants(const std::string& which) {
+// The default launch with one knob changed by `set`.
+template <class Set>
+static LaunchOptions With(Set set) {
+  LaunchOptions options;
+  set(options);
+  return options;
+}
+
+static std::vector<Variant> CombineVariants() {
+  return {{"combine-narrow", With([](LaunchOptions& o) { o.wide_combine = 0; })},
+          {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })}};
+}
+
+static std::vector<Variant> TransposedVariants() {
+  return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
+}
+
+static std::vector<Variant> ClusterVariants() {
+  return {{"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
+}
+
+// Timing experiments: kernels that skip parts of the work (results wrong by design).
+static std::vector<Variant> ExperimentVariants() {
   std::vector<Variant> v;
-  LaunchOptions base;
-  v.push_back({"default", base});
+  const std::pair<const char*, int> exps[] = {{"x-noqk", 1}, {"x-nopv", 2}, {"x-nosoftmax", 4},
+                                              {"x-nomma", 3}, {"x-none", 7}};
+  for (auto [name, bits] : exps) {
+    LaunchOptions e;
+    e.experiment = bits;
+    e.cluster = 1;
+    v.push_back({name, e});
+  }
+  v.push_back({"x-none-cluster-2", With([](LaunchOptions& o) {
+                  o.experiment = 7;
+                  o.cluster = 2;
+                })});
+  return v;
+}
+
+// "default" first, then the named set's variants; any other name: every variant but the
+// experiments.
+static std::vector<Variant> AllVariants(const std::string& which) {
+  std::vector<Variant> v{{"default", LaunchOptions()}};
+  auto append = [&v](const std::vector<Variant>& more) {
+    v.insert(v.end(), more.begin(), more.end());
+  };
   if (which == "default") return v;
-  if (which == "combine") {
-    LaunchOptions narrow = base;
-    narrow.wide_combine = 0;
-    v.push_back({"combine-narrow", narrow});
-    LaunchOptions wide = base;
-    wide.wide_combine = 1;
-    v.push_back({"combine-wide", wide});
-    return v;
+  if (which == "combine") append(CombineVariants());
+  else if (which == "transposed") append(TransposedVariants());
+  else if (which == "cluster") append(ClusterVariants());
+  else if (which == "exp") append(ExperimentVariants());
+  else {
+    append({{"late-release", With([](LaunchOptions& o) {
+               o.early_release = false;
+               o.cluster = 1;
+             })},
+            {"l2-promo-128",
+             With([](LaunchOptions& o) { o.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B; })},
+            {"l2-promo-none",
+             With([](LaunchOptions& o) { o.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; })}});
+    append(ClusterVariants());
+    // kv_evict_first = 2 is replaced per problem by the opposite of the default choice.
+    append({{"evict-flip", With([](LaunchOptions& o) { o.kv_evict_first = 2; })}});
+    append(TransposedVariants());
+    append(CombineVariants());
   }
-  if (which == "transposed") {
-    LaunchOptions plain = base;
-    plain.transposed_scores = 0;
-    v.push_back({"scores-not-transposed", plain});
-    return v;
-  }
-  if (which == "cluster") {
-    LaunchOptions cluster2 = base;
-    cluster2.cluster = 2;
-    v.push_back({"cluster-2", cluster2});
-    return v;
-  }
-  if (which == "exp") {
-    const std::pair<const char*, int> exps[] = {{"x-noqk", 1}, {"x-nopv", 2}, {"x-nosoftmax", 4},
-                                                {"x-nomma", 3}, {"x-none", 7}};
-    for (auto [name, bits] : exps) {
-      LaunchOptions e = base;
-      e.experiment = bits;
-      e.cluster = 1;
-      v.push_back({name, e});
-    }
-    LaunchOptions none_cluster = base;
-    none_cluster.experiment = 7;
-    none_cluster.cluster = 2;
-    v.push_back({"x-none-cluster-2", none_cluster});
-    return v;
-  }
-  LaunchOptions late = base;
-  late.early_release = false;
-  late.cluster = 1;
-  v.push_back({"late-release", late});
-  LaunchOptions p128 = base;
-  p128.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
-  v.push_back({"l2-promo-128", p128});
-  LaunchOptions pnone = base;
-  pnone.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE;
-  v.push_back({"l2-promo-none", pnone});
-  LaunchOptions cluster2 = base;
-  cluster2.cluster = 2;
-  v.push_back({"cluster-2", cluster2});
-  LaunchOptions flip = base;
-  flip.kv_evict_first = 2;  // replaced per problem: the opposite of the default choice
-  v.push_back({"evict-flip", flip});
-  LaunchOptions plain = base;
-  plain.transposed_scores = 0;
-  v.push_back({"scores-not-transposed", plain});
-  LaunchOptions narrow = base;
-  narrow.wide_combine = 0;
-  v.push_back({"combine-narrow", narrow});
-  LaunchOptions wide = base;
-  wide.wide_combine = 1;
-  v.push_back({"combine-wide", wide});
   return v;
 }
 
