@@ -1,7 +1,7 @@
 """The guard of bad values in a whole decode step, by the GPU kernels' own durations.
 
-At B=1 a 61-layer step is short (about 1.4 ms) and its wall time drifts by more than the guard
-costs, so medians of step times cannot resolve 1%. This runs the benchmark's steps (61 layers,
+At B=1 a 61-layer step is short and bound by the host's dispatch, and its wall time drifts by more
+than the guard costs, so medians of step times cannot resolve 1%. This runs the benchmark's steps (61 layers,
 fa3 through ``backend="auto"``, H=128, L=4k, the schedule built on the GPU inside the step or on
 the host and passed in) with and without the guard (``fail_closed``), traces 5 steps of each
 under the JAX profiler and sums the durations of every GPU kernel per step, split into the
@@ -16,10 +16,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import glob
-import gzip
-import json
-import os
 import tempfile
 import time
 
@@ -28,6 +24,7 @@ import numpy as np
 from benchmarks.grid import Point
 from benchmarks.methods import decode_with_plan, device_planned, layered
 from benchmarks.problem import HEAD_DIM, make_layout, random_cache
+from benchmarks.timing import trace_event_lists
 
 LAYERS, STEPS = 61, 5
 ATTENTION_MARKERS = ("mla", "merge", "jax_mla")
@@ -38,9 +35,7 @@ def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
     """(name, µs) of every kernel event on a GPU's stream lines of the perfetto traces under
     ``trace_dir`` (the lines of XLA modules and ops repeat the same time and are left out)."""
     found = []
-    for path in glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True):
-        with gzip.open(path, "rt") as f:
-            events = json.load(f).get("traceEvents", [])
+    for events in trace_event_lists(trace_dir):
         processes, threads = {}, {}
         for e in events:
             if e.get("ph") == "M" and e.get("name") == "process_name":

@@ -123,16 +123,19 @@ def host_time_us(fn, repeats: int) -> float:
     return median(samples) * 1e6
 
 
-def kernel_durations_us(trace_dir: str, kernel_name: str) -> list[float]:
-    """Durations (µs) of the events named like ``kernel_name`` in the perfetto traces under
-    ``trace_dir`` (what ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes)."""
-    durations = []
+def trace_event_lists(trace_dir: str):
+    """The event list of each perfetto trace under ``trace_dir`` (what
+    ``jax.profiler.trace(..., create_perfetto_trace=True)`` writes), one list per file."""
     for path in glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True):
         with gzip.open(path, "rt") as f:
-            events = json.load(f).get("traceEvents", [])
-        durations += [float(e["dur"]) for e in events
-                      if kernel_name in str(e.get("name", "")) and "dur" in e]
-    return durations
+            yield json.load(f).get("traceEvents", [])
+
+
+def kernel_durations_us(trace_dir: str, kernel_name: str) -> list[float]:
+    """Durations (µs) of the events named like ``kernel_name`` in the perfetto traces under
+    ``trace_dir``."""
+    return [float(e["dur"]) for events in trace_event_lists(trace_dir) for e in events
+            if kernel_name in str(e.get("name", "")) and "dur" in e]
 
 
 def profiled_kernel_us(run, kernel_name: str) -> tuple[list[float], str | None]:
