@@ -120,7 +120,7 @@ __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, i
 
 constexpr float kNegInf = -__builtin_huge_valf();
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
-constexpr int kScoreWarpgroupBarrier = 4;  // + warpgroup: its own four warps (transposed scores)
+constexpr int kWarpgroupBarrier = 4;  // + warpgroup: its own four warps
 constexpr int kPvDoneBarrier = 3;  // both consumer warpgroups: the previous PV is done with P
 
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
@@ -179,8 +179,8 @@ __device__ __forceinline__ void ConsumerSync() {
   cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
 }
 
-__device__ __forceinline__ void ScoreWarpgroupSync(int wg) {
-  cutlass::arch::NamedBarrier::sync(128, kScoreWarpgroupBarrier + wg);
+__device__ __forceinline__ void WarpgroupSync(int wg) {
+  cutlass::arch::NamedBarrier::sync(128, kWarpgroupBarrier + wg);
 }
 
 // Transposed scores: writes a segment's results from this thread's O^T values (kOTiles tiles of 64
@@ -238,6 +238,224 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   }
 }
 
+// What of a 64-token KV block was loaded: tokens [0, n_valid) are below the length, and the
+// 32-token halves whose page id is in range (half_ok[h]); the rest of the stage holds stale data.
+struct BlockLoad {
+  int n_valid;
+  bool half_ok[2];
+
+  __device__ __forceinline__ static BlockLoad Of(const DecodeParams& p, const Segment& seg, int k) {
+    BlockLoad v;
+    const int token_base = k * kBlockN;
+    v.n_valid = min(kBlockN, seg.len - token_base);
+    v.half_ok[0] = KvRow(p, seg.b, token_base, seg.len) >= 0;
+    v.half_ok[1] = KvRow(p, seg.b, token_base + kHalfN, seg.len) >= 0;
+    return v;
+  }
+  __device__ __forceinline__ bool Complete() const {
+    return n_valid == kBlockN && half_ok[0] && half_ok[1];
+  }
+  __device__ __forceinline__ bool RowLoaded(int row) const {
+    return row < n_valid && (row < kHalfN ? half_ok[0] : half_ok[1]);
+  }
+};
+
+// Zeroes the V columns of chunks [chunk0, chunk0 + kChunks) of the rows of a stage that were not
+// loaded (or hold tokens past the length), so 0 * NaN can never enter PV. Threads tid of
+// kThreadCount share the work, kThreadCount / 64 per row; the caller fences and synchronises them
+// afterwards.
+template <int kChunks, int kThreadCount>
+__device__ __forceinline__ void ZeroUnloadedRows(uint8_t* stage_base, const BlockLoad& load,
+                                                 int chunk0, int tid) {
+  constexpr int kThreadsPerRow = kThreadCount / kBlockN;
+  constexpr int kChunksPerThread = kChunks / kThreadsPerRow;
+  static_assert(kThreadsPerRow * kBlockN == kThreadCount &&
+                    kChunksPerThread * kThreadsPerRow == kChunks,
+                "rows and chunks split evenly over the threads");
+  const int row = tid / kThreadsPerRow;
+  if (load.RowLoaded(row)) return;
+  uint8_t* dst = stage_base + (chunk0 + (tid % kThreadsPerRow) * kChunksPerThread) * kChunkBytes +
+                 row * kRowBytes;
+#pragma unroll
+  for (int c = 0; c < kChunksPerThread; ++c) {
+#pragma unroll
+    for (int unit = 0; unit < kRowBytes / 16; ++unit) {
+      *reinterpret_cast<uint4*>(dst + c * kChunkBytes + unit * 16) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// Zeroes the query tile's rows that the bulk copy never writes (q_len * num_heads < 64; they stay
+// zero for the whole kernel), initialises the pipeline barriers and synchronises the CTA (the
+// cluster when kCluster > 1: the peer multicasts into this CTA's stages and arrives on its
+// barriers).
+template <int kCluster>
+__device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
+  uint64_t* empty = full + kStages;
+  uint64_t* q_full = full + 2 * kStages;
+  uint64_t* q_empty = q_full + 1;
+  if (tid < kConsumerThreads && q_box_rows < kBlockM) {
+    const int units = (kBlockM - q_box_rows) * kNumChunks * (kRowBytes / 16);
+    for (int i = tid; i < units; i += kConsumerThreads) {
+      const int row = q_box_rows + i / (kNumChunks * 8);
+      const int chunk = (i / 8) % kNumChunks;
+      const int unit = i % 8;
+      *reinterpret_cast<uint4*>(smem + kSmemQ + chunk * kChunkBytes + row * kRowBytes +
+                                unit * 16) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
+  if (tid == kConsumerThreads) {
+    for (int s = 0; s < kStages; ++s) {
+      Barrier::init(&full[s], 1);
+      Barrier::init(&empty[s], kConsumerWarpgroups * kCluster);
+    }
+    Barrier::init(q_full, 1);
+    Barrier::init(q_empty, kConsumerWarpgroups);
+    cutlass::arch::fence_barrier_init();
+  }
+  if (kCluster > 1) {
+    ClusterSync();
+  } else {
+    __syncthreads();
+  }
+}
+
+// The producer thread: for each segment of the part, the query tile (once both consumer
+// warpgroups released the previous one), then each KV block into the next stage (once its
+// consumers released it), as 32-token x 64-column bulk-tensor pieces; pieces of halves that are
+// past the length or whose page id is out of range are not loaded and not counted. With
+// kCluster == 2 this CTA issues every other piece, multicast into both CTAs of the cluster.
+template <int kCluster>
+__device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
+                                             const DecodeKernelArgs& args, uint8_t* smem,
+                                             SegmentWalker& walker, int mtile, uint32_t cta_rank) {
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  const DecodeParams& p = args.p;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
+  uint64_t* empty = full + kStages;
+  uint64_t* q_full = full + 2 * kStages;
+  uint64_t* q_empty = q_full + 1;
+  const int rows = p.q_len * p.num_heads;
+  const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
+  Segment seg_info;
+  int it = 0, seg = 0;
+  while (walker.Next(seg_info)) {
+    if (seg > 0) Barrier::wait(q_empty, (seg - 1) & 1);
+    TxBarrier::arrive_and_expect_tx(q_full, q_bytes);
+    const int q_row = seg_info.b * rows + mtile * kBlockM;
+#pragma unroll 1
+    for (int c = 0; c < kNumChunks; ++c) {
+      cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
+                                   static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                   smem + kSmemQ + c * kChunkBytes, c * kChunkCols, q_row);
+    }
+    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
+      const int stage = it % kStages;
+      const int round = it / kStages;
+      if (round > 0) Barrier::wait(&empty[stage], (round - 1) & 1);
+      int kv_row[2];
+      uint32_t bytes = 0;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        kv_row[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
+        if (kv_row[h] >= 0) bytes += kHalfTileBytes;
+      }
+      TxBarrier::arrive_and_expect_tx(&full[stage], bytes);
+      uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (kv_row[h] < 0) continue;
+#pragma unroll 1
+        for (int c = 0; c < kNumChunks; ++c) {
+          uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
+          if (kCluster == 1) {
+            cute::SM90_TMA_LOAD_2D::copy(&kv_map, &full[stage], args.kv_cache_hint, dst,
+                                         c * kChunkCols, kv_row[h]);
+          } else if ((h * kNumChunks + c) % kCluster == static_cast<int>(cta_rank)) {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, &full[stage],
+                                                   static_cast<uint16_t>((1 << kCluster) - 1),
+                                                   args.kv_cache_hint, dst, c * kChunkCols,
+                                                   kv_row[h]);
+          }
+        }
+      }
+    }
+    ++seg;
+  }
+}
+
+// Plain path (64 query rows x 256 columns per warpgroup): adds the two warpgroups' row sums in a
+// fixed order (so both get the same, bit for bit) and writes a segment's results from this
+// thread's rows r0 and r1 = r0 + 8 of the M tile (query rows gr0, gr1; rows >= rows are padding):
+// bf16 out x output_scale and LSE for a request handled whole, fp32 partial out and LSE in the
+// workspace for a split one. m0, m1 are the rows' maxima (in score units), l0, l1 this warpgroup's
+// row sums over its quad.
+__device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment& seg, int part,
+                                           int num_parts, int rows, int wg, int lane, int r0,
+                                           int gr0, int gr1, const float (&o)[128], float l0,
+                                           float l1, float m0, float m1, float scale_log2,
+                                           float* row_sum) {
+  const int r1 = r0 + 8;
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if ((lane & 3) == 0) {
+    row_sum[wg * kBlockM + r0] = l0;
+    row_sum[wg * kBlockM + r1] = l1;
+  }
+  ConsumerSync();
+  const float sum0 = row_sum[r0] + row_sum[kBlockM + r0];
+  const float sum1 = row_sum[r1] + row_sum[kBlockM + r1];
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float inv0 = sum0 > 0.f ? 1.f / sum0 : 0.f;
+  const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;
+  const float lse0 = sum0 > 0.f ? (m0 * scale_log2 + __log2f(sum0)) * kLn2 : kNegInf;
+  const float lse1 = sum1 > 0.f ? (m1 * scale_log2 + __log2f(sum1)) * kLn2 : kNegInf;
+  const int col0 = wg * (kLatentDim / 2) + Fragment::Col(lane, 0, 0);
+
+  if (seg.whole) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+    const float f0 = inv0 * p.output_scale, f1 = inv1 * p.output_scale;
+    const size_t row_base = static_cast<size_t>(seg.b) * rows;
+    if (gr0 < rows) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr0) * kLatentDim + col0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j] * f0, o[4 * j + 1] * f0);
+      if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr0] = lse0;
+    }
+    if (gr1 < rows) {
+      uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr1) * kLatentDim + col0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j + 2] * f1, o[4 * j + 3] * f1);
+      if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr1] = lse1;
+    }
+  } else {
+    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
+    uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
+    float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
+    float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
+    const size_t slot_row = static_cast<size_t>(seg.b + part) * ws.rows_pad;
+    if (gr0 < rows) {
+      float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr0) * kLatentDim + col0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j) dst[4 * j] = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
+      if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr0] = lse0;
+    }
+    if (gr1 < rows) {
+      float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr1) * kLatentDim + col0);
+#pragma unroll
+      for (int j = 0; j < 32; ++j)
+        dst[4 * j] = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
+      if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr1] = lse1;
+    }
+  }
+}
+
 }  // namespace detail
 
 // kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
@@ -267,7 +485,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
   using Barrier = cutlass::arch::ClusterBarrier;
-  using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
@@ -285,32 +502,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int mtile = blockIdx.y;
   const int part = blockIdx.x;
 
-  // Query rows the bulk copy never writes (q_len * num_heads < 64) stay zero for the whole kernel.
-  if (tid < kConsumerThreads && args.q_box_rows < kBlockM) {
-    const int units = (kBlockM - args.q_box_rows) * kNumChunks * (kRowBytes / 16);
-    for (int i = tid; i < units; i += kConsumerThreads) {
-      const int row = args.q_box_rows + i / (kNumChunks * 8);
-      const int chunk = (i / 8) % kNumChunks;
-      const int unit = i % 8;
-      *reinterpret_cast<uint4*>(smem + kSmemQ + chunk * kChunkBytes + row * kRowBytes +
-                                unit * 16) = make_uint4(0, 0, 0, 0);
-    }
-    cutlass::arch::fence_view_async_shared();
-  }
-  if (tid == kConsumerThreads) {
-    for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], kConsumerWarpgroups * kCluster);
-    }
-    Barrier::init(q_full, 1);
-    Barrier::init(q_empty, kConsumerWarpgroups);
-    cutlass::arch::fence_barrier_init();
-  }
-  if (kCluster > 1) {
-    ClusterSync();  // the peer multicasts into this CTA's stages and arrives on its barriers
-  } else {
-    __syncthreads();
-  }
+  SetUpCta<kCluster>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
 
   // Everything below reads inputs that earlier kernels in the stream may write.
@@ -325,51 +517,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
-      int it = 0, seg = 0;
-      while (walker.Next(seg_info)) {
-        if (seg > 0) Barrier::wait(q_empty, (seg - 1) & 1);
-        TxBarrier::arrive_and_expect_tx(q_full, q_bytes);
-        const int q_row = seg_info.b * rows + mtile * kBlockM;
-#pragma unroll 1
-        for (int c = 0; c < kNumChunks; ++c) {
-          cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
-                                       static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-                                       smem + kSmemQ + c * kChunkBytes, c * kChunkCols, q_row);
-        }
-        for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-          const int stage = it % kStages;
-          const int round = it / kStages;
-          if (round > 0) Barrier::wait(&empty[stage], (round - 1) & 1);
-          int kv_row[2];
-          uint32_t bytes = 0;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            kv_row[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
-            if (kv_row[h] >= 0) bytes += kHalfTileBytes;
-          }
-          TxBarrier::arrive_and_expect_tx(&full[stage], bytes);
-          uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (kv_row[h] < 0) continue;
-#pragma unroll 1
-            for (int c = 0; c < kNumChunks; ++c) {
-              uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
-              if (kCluster == 1) {
-                cute::SM90_TMA_LOAD_2D::copy(&kv_map, &full[stage], args.kv_cache_hint, dst,
-                                             c * kChunkCols, kv_row[h]);
-              } else if ((h * kNumChunks + c) % kCluster == static_cast<int>(cta_rank)) {
-                cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, &full[stage],
-                                                       static_cast<uint16_t>((1 << kCluster) - 1),
-                                                       args.kv_cache_hint, dst, c * kChunkCols,
-                                                       kv_row[h]);
-              }
-            }
-          }
-        }
-        ++seg;
-      }
+      ProduceTiles<kCluster>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
@@ -438,24 +586,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       Barrier::wait(&full[stage], (it / kStages) & 1);
       const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
       const int token_base = k * kBlockN;
-      const int n_valid = min(kBlockN, seg_info.len - token_base);
-      const bool half_ok0 = KvRow(p, seg_info.b, token_base, seg_info.len) >= 0;
-      const bool half_ok1 = KvRow(p, seg_info.b, token_base + kHalfN, seg_info.len) >= 0;
-      if (n_valid < kBlockN || !half_ok0 || !half_ok1) {
-        // Zero the V columns of rows that were not loaded (or hold tokens past the length).
-        uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
-        constexpr int kUnits = kBlockN * kNumVChunks * (kRowBytes / 16);
-#pragma unroll 4
-        for (int i = tid; i < kUnits; i += kConsumerThreads) {
-          const int row = i / (kNumVChunks * 8);
-          const int chunk = (i / 8) % kNumVChunks;
-          const int unit = i % 8;
-          const bool ok = row < n_valid && (row < kHalfN ? half_ok0 : half_ok1);
-          if (!ok) {
-            *reinterpret_cast<uint4*>(stage_base + chunk * kChunkBytes + row * kRowBytes +
-                                      unit * 16) = make_uint4(0, 0, 0, 0);
-          }
-        }
+      const BlockLoad load = BlockLoad::Of(p, seg_info, k);
+      const bool half_ok0 = load.half_ok[0];
+      const bool half_ok1 = load.half_ok[1];
+      if (!load.Complete()) {
+        ZeroUnloadedRows<kNumVChunks, kConsumerThreads>(smem + kSmemKv + stage * kTileBytes, load,
+                                                        0, tid);
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
@@ -511,7 +647,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = mx[i];
         }
-        ScoreWarpgroupSync(wg);
+        WarpgroupSync(wg);
         float alpha[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
@@ -704,72 +840,19 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = l[i];
       }
-      ScoreWarpgroupSync(wg);
+      WarpgroupSync(wg);
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) {
         const int row = RowT(i);
         l[i] = ((wg_exchange[row] + wg_exchange[kScoreN + row]) + wg_exchange[2 * kScoreN + row]) +
                wg_exchange[3 * kScoreN + row];
       }
-      ScoreWarpgroupSync(wg);  // the exchange buffer is free for the next segment
+      WarpgroupSync(wg);  // the exchange buffer is free for the next segment
       StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
                                m_t, sl2);
     } else {
-    // Row sums: quad, then the two warpgroups (fixed order: deterministic and identical in both).
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    if ((lane & 3) == 0) {
-      row_sum[wg * kBlockM + r0] = l0;
-      row_sum[wg * kBlockM + r1] = l1;
-    }
-    ConsumerSync();
-    const float sum0 = row_sum[r0] + row_sum[kBlockM + r0];
-    const float sum1 = row_sum[r1] + row_sum[kBlockM + r1];
-    constexpr float kLn2 = 0.6931471805599453f;
-    const float inv0 = sum0 > 0.f ? 1.f / sum0 : 0.f;
-    const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;
-    const float lse0 = sum0 > 0.f ? (m0 * sl2 + __log2f(sum0)) * kLn2 : kNegInf;
-    const float lse1 = sum1 > 0.f ? (m1 * sl2 + __log2f(sum1)) * kLn2 : kNegInf;
-    const int col0 = wg * (kLatentDim / 2) + quad_col;
-
-    if (seg_info.whole) {
-      __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
-      const float f0 = inv0 * p.output_scale, f1 = inv1 * p.output_scale;
-      const size_t row_base = static_cast<size_t>(seg_info.b) * rows;
-      if (gr0 < rows) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr0) * kLatentDim + col0);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j] * f0, o[4 * j + 1] * f0);
-        if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr0] = lse0;
-      }
-      if (gr1 < rows) {
-        uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr1) * kLatentDim + col0);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j + 2] * f1, o[4 * j + 3] * f1);
-        if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr1] = lse1;
-      }
-    } else {
-      const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
-      uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
-      float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
-      float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
-      const size_t slot_row = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
-      if (gr0 < rows) {
-        float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr0) * kLatentDim + col0);
-#pragma unroll
-        for (int j = 0; j < 32; ++j) dst[4 * j] = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-        if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr0] = lse0;
-      }
-      if (gr1 < rows) {
-        float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr1) * kLatentDim + col0);
-#pragma unroll
-        for (int j = 0; j < 32; ++j)
-          dst[4 * j] = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-        if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr1] = lse1;
-      }
-    }
+    StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
+               sl2, row_sum);
     }  // kScoreN == 0
     ++seg;
   }
