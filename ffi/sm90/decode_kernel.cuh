@@ -134,17 +134,6 @@ __device__ __forceinline__ void ClusterSync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
 
-// Hands a KV stage back to the producer of every CTA that multicasts into it.
-template <int kCluster>
-__device__ __forceinline__ void ReleaseStage(uint64_t* empty_barrier) {
-  if (kCluster == 1) {
-    cutlass::arch::ClusterBarrier::arrive(empty_barrier);
-  } else {
-#pragma unroll
-    for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty_barrier, r, 1u);
-  }
-}
-
 // The QK^T k steps (16 columns each) of the 576-wide rows; transposed scores split them evenly
 // between the consumer warpgroups.
 constexpr int kQkStepsPerChunk = kChunkCols / 16;
@@ -238,6 +227,51 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   }
 }
 
+// The pipeline's barriers in shared memory: for each KV stage and 32-token half, "full" (the
+// producer's pieces of that half landed) and "empty" (both consumer warpgroups, of every CTA that
+// multicasts into it, released it), so a half can be refilled before the other is released; and
+// the query tile's pair.
+struct Pipeline {
+  uint64_t* base;
+
+  __device__ __forceinline__ static Pipeline At(uint8_t* smem) {
+    return {reinterpret_cast<uint64_t*>(smem + kSmemBarriers)};
+  }
+  __device__ __forceinline__ uint64_t* Full(int stage, int half) const {
+    return base + 2 * stage + half;
+  }
+  __device__ __forceinline__ uint64_t* Empty(int stage, int half) const {
+    return base + 2 * kStages + 2 * stage + half;
+  }
+  __device__ __forceinline__ uint64_t* QFull() const { return base + 4 * kStages; }
+  __device__ __forceinline__ uint64_t* QEmpty() const { return base + 4 * kStages + 1; }
+
+  // Waits until both halves of a stage landed (its use number `round`).
+  __device__ __forceinline__ void WaitStage(int stage, int round) const {
+    cutlass::arch::ClusterBarrier::wait(Full(stage, 0), round & 1);
+    cutlass::arch::ClusterBarrier::wait(Full(stage, 1), round & 1);
+  }
+};
+
+// Hands a KV stage's half back to the producer of every CTA that multicasts into it (called by
+// one thread of a consumer warpgroup).
+template <int kCluster>
+__device__ __forceinline__ void ReleaseHalf(const Pipeline& pipe, int stage, int half) {
+  uint64_t* empty = pipe.Empty(stage, half);
+  if (kCluster == 1) {
+    cutlass::arch::ClusterBarrier::arrive(empty);
+  } else {
+#pragma unroll
+    for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty, r, 1u);
+  }
+}
+
+template <int kCluster>
+__device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
+  ReleaseHalf<kCluster>(pipe, stage, 0);
+  ReleaseHalf<kCluster>(pipe, stage, 1);
+}
+
 // What of a 64-token KV block was loaded: tokens [0, n_valid) are below the length, and the
 // 32-token halves whose page id is in range (half_ok[h]); the rest of the stage holds stale data.
 struct BlockLoad {
@@ -260,19 +294,19 @@ struct BlockLoad {
   }
 };
 
-// Zeroes the V columns of chunks [chunk0, chunk0 + kChunks) of the rows of a stage that were not
-// loaded (or hold tokens past the length), so 0 * NaN can never enter PV. Threads tid of
-// kThreadCount share the work, kThreadCount / 64 per row; the caller fences and synchronises them
-// afterwards.
-template <int kChunks, int kThreadCount>
+// Zeroes the V columns of chunks [chunk0, chunk0 + kChunks) of the rows [row0, row0 + kRows) of a
+// stage that were not loaded (or hold tokens past the length), so 0 * NaN can never enter PV.
+// Threads tid of kThreadCount share the work, kThreadCount / kRows per row; the caller fences and
+// synchronises them afterwards.
+template <int kChunks, int kThreadCount, int kRows = kBlockN>
 __device__ __forceinline__ void ZeroUnloadedRows(uint8_t* stage_base, const BlockLoad& load,
-                                                 int chunk0, int tid) {
-  constexpr int kThreadsPerRow = kThreadCount / kBlockN;
+                                                 int chunk0, int row0, int tid) {
+  constexpr int kThreadsPerRow = kThreadCount / kRows;
   constexpr int kChunksPerThread = kChunks / kThreadsPerRow;
-  static_assert(kThreadsPerRow * kBlockN == kThreadCount &&
+  static_assert(kThreadsPerRow * kRows == kThreadCount &&
                     kChunksPerThread * kThreadsPerRow == kChunks,
                 "rows and chunks split evenly over the threads");
-  const int row = tid / kThreadsPerRow;
+  const int row = row0 + tid / kThreadsPerRow;
   if (load.RowLoaded(row)) return;
   uint8_t* dst = stage_base + (chunk0 + (tid % kThreadsPerRow) * kChunksPerThread) * kChunkBytes +
                  row * kRowBytes;
@@ -292,10 +326,7 @@ __device__ __forceinline__ void ZeroUnloadedRows(uint8_t* stage_base, const Bloc
 template <int kCluster>
 __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
-  uint64_t* empty = full + kStages;
-  uint64_t* q_full = full + 2 * kStages;
-  uint64_t* q_empty = q_full + 1;
+  const Pipeline pipe = Pipeline::At(smem);
   if (tid < kConsumerThreads && q_box_rows < kBlockM) {
     const int units = (kBlockM - q_box_rows) * kNumChunks * (kRowBytes / 16);
     for (int i = tid; i < units; i += kConsumerThreads) {
@@ -309,11 +340,13 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
   }
   if (tid == kConsumerThreads) {
     for (int s = 0; s < kStages; ++s) {
-      Barrier::init(&full[s], 1);
-      Barrier::init(&empty[s], kConsumerWarpgroups * kCluster);
+      for (int h = 0; h < 2; ++h) {
+        Barrier::init(pipe.Full(s, h), 1);
+        Barrier::init(pipe.Empty(s, h), kConsumerWarpgroups * kCluster);
+      }
     }
-    Barrier::init(q_full, 1);
-    Barrier::init(q_empty, kConsumerWarpgroups);
+    Barrier::init(pipe.QFull(), 1);
+    Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();
   }
   if (kCluster > 1) {
@@ -335,16 +368,14 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   const DecodeParams& p = args.p;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
-  uint64_t* empty = full + kStages;
-  uint64_t* q_full = full + 2 * kStages;
-  uint64_t* q_empty = q_full + 1;
+  const Pipeline pipe = Pipeline::At(smem);
+  uint64_t* q_full = pipe.QFull();
   const int rows = p.q_len * p.num_heads;
   const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
   Segment seg_info;
   int it = 0, seg = 0;
   while (walker.Next(seg_info)) {
-    if (seg > 0) Barrier::wait(q_empty, (seg - 1) & 1);
+    if (seg > 0) Barrier::wait(pipe.QEmpty(), (seg - 1) & 1);
     TxBarrier::arrive_and_expect_tx(q_full, q_bytes);
     const int q_row = seg_info.b * rows + mtile * kBlockM;
 #pragma unroll 1
@@ -356,30 +387,31 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % kStages;
       const int round = it / kStages;
-      if (round > 0) Barrier::wait(&empty[stage], (round - 1) & 1);
-      int kv_row[2];
-      uint32_t bytes = 0;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        kv_row[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
-        if (kv_row[h] >= 0) bytes += kHalfTileBytes;
-      }
-      TxBarrier::arrive_and_expect_tx(&full[stage], bytes);
       uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
+      // The block table is read before waiting for the stage, so the read overlaps the wait.
+      int kv_rows[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if (kv_row[h] < 0) continue;
+        kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint64_t* full = pipe.Full(stage, h);
+        const int kv_row = kv_rows[h];
+        if (round > 0) Barrier::wait(pipe.Empty(stage, h), (round - 1) & 1);
+        TxBarrier::arrive_and_expect_tx(full, kv_row >= 0 ? kHalfTileBytes : 0);
+        if (kv_row < 0) continue;
 #pragma unroll 1
         for (int c = 0; c < kNumChunks; ++c) {
           uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
           if (kCluster == 1) {
-            cute::SM90_TMA_LOAD_2D::copy(&kv_map, &full[stage], args.kv_cache_hint, dst,
-                                         c * kChunkCols, kv_row[h]);
+            cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint, dst,
+                                         c * kChunkCols, kv_row);
           } else if ((h * kNumChunks + c) % kCluster == static_cast<int>(cta_rank)) {
-            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, &full[stage],
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, full,
                                                    static_cast<uint16_t>((1 << kCluster) - 1),
                                                    args.kv_cache_hint, dst, c * kChunkCols,
-                                                   kv_row[h]);
+                                                   kv_row);
           }
         }
       }
@@ -489,10 +521,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
   uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
-  uint64_t* empty = full + kStages;
-  uint64_t* q_full = full + 2 * kStages;
-  uint64_t* q_empty = q_full + 1;
+  const Pipeline pipe = Pipeline::At(smem);
 
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
@@ -579,19 +608,19 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       l_t[i] = 0.f;
     }
 
-    Barrier::wait(q_full, seg & 1);
+    Barrier::wait(pipe.QFull(), seg & 1);
 
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % kStages;
-      Barrier::wait(&full[stage], (it / kStages) & 1);
+      const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
+      pipe.WaitStage(stage, it / kStages);
       const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
       const int token_base = k * kBlockN;
-      const BlockLoad load = BlockLoad::Of(p, seg_info, k);
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
       if (!load.Complete()) {
         ZeroUnloadedRows<kNumVChunks, kConsumerThreads>(smem + kSmemKv + stage * kTileBytes, load,
-                                                        0, tid);
+                                                        0, 0, tid);
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
@@ -610,7 +639,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         FenceRegisters(st);
-        if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(q_empty);
+        if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 #pragma unroll
         for (int v = 0; v < kStN / 4; ++v) {
           *ScoreExchangeSlot<kScoreN>(smem, wg, v, wg_tid) =
@@ -710,12 +739,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       if (!kEarlyRelease && k > seg_info.kv_begin) {
         // The previous block's PV is done: its stage can be refilled.
         cute::warpgroup_wait<1>();
-        if (wg_tid == 0) ReleaseStage<kCluster>(&empty[(it + kStages - 1) % kStages]);
+        if (wg_tid == 0) ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);
       }
       cute::warpgroup_wait<0>();
       FenceRegisters(s_acc);
       FenceRegisters(o);
-      if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(q_empty);
+      if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
       // Masked online softmax; row maxima shared between the two warpgroups.
       if (kSkip & 4) {
@@ -819,13 +848,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       cute::warpgroup_commit_batch();
       if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
-        if (wg_tid == 0) ReleaseStage<kCluster>(&empty[stage]);
+        if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
     }
     cute::warpgroup_wait<0>();
 #pragma unroll
     for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
-    if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(&empty[(it + kStages - 1) % kStages]);
+    if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);
 
     if constexpr (kScoreN > 0) {
       // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.

@@ -1,20 +1,21 @@
 // The SM90 MLA decode kernel's "seesaw" variant for 64-row M tiles (q_len * num_heads > 32).
 //
 // Same CTA, producer, pipeline, schedule and epilogue as DecodeKernel (decode_kernel.cuh); the
-// consumers differ. The KV blocks of a segment are taken in pairs (A, B), one per stage:
-//  - warpgroup 0 scores all 64 tokens of A, warpgroup 1 those of B (S = Q K^T, WGMMA 64x64x16,
-//    both warpgroups' products on the tensor pipe at once);
-//  - warpgroup 0 runs A's softmax against the running maxima, publishes A's new maxima and its
-//    bf16 probabilities P_A (into A's stage, over the rope chunk that nothing reads after A's
-//    scores), and multiplies P_A by its 256 columns of V_A with P_A taken from registers;
-//  - meanwhile warpgroup 1 takes P_A from shared memory for its 256 columns of V_A, then runs B's
-//    softmax against A's maxima and publishes B's maxima and P_B the same way, and multiplies P_B
-//    by its columns of V_B from registers;
-//  - warpgroup 0 rescales its output to B's maxima and multiplies P_B (shared memory) by its
-//    columns of V_B.
-// So one warpgroup's softmax runs while the other's products occupy the tensor pipe, and stage A
-// is released halfway through the pair. Both warpgroups end a pair with the same row maxima; each
-// keeps the row sums of the blocks it scored, and the epilogue adds the two in a fixed order.
+// consumers differ. As in DecodeKernel, consumer warpgroup w scores the 32 tokens of half w of each
+// 64-token block (WGMMA 64x32x16) and owns output columns [256 w, 256 w + 256), but the two do not
+// exchange row maxima and run the softmax at the same time. Instead the softmax passes from one to
+// the other:
+//  - warpgroup 0 runs half 0's softmax against the running maxima, publishes the new maxima and
+//    its bf16 probabilities P_0 (shared memory), and multiplies P_0, taken from its registers, by
+//    its columns of V over half 0;
+//  - warpgroup 1 takes the new maxima and P_0 from shared memory, multiplies P_0 by its columns of
+//    V over half 0 while it runs half 1's softmax against those maxima, publishes the result and
+//    P_1, and multiplies P_1 (registers) by its columns of V over half 1;
+//  - warpgroup 0 moves its output to the final maxima and multiplies P_1 (shared memory) by its
+//    columns of V over half 1, then scores the next block while warpgroup 1 finishes.
+// So one warpgroup's softmax runs while the other's products occupy the tensor pipe. Both end a
+// block with the same row maxima; each keeps the row sums of its own half, and the epilogue adds
+// the two in a fixed order.
 #pragma once
 
 #include "decode_kernel.cuh"
@@ -23,17 +24,14 @@ namespace jax_mla {
 namespace sm90 {
 namespace detail {
 
-using BlockScoreMma = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                     cute::SM90::GMMA::Major::K>;
 using PvFromRegistersMma =
     cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                    cute::SM90::GMMA::Major::MN>;
 
-// Named barriers of both consumer warpgroups, reached at different call sites (HandOff): the
-// pair's first block's maxima and P are in shared memory (warpgroup 0 wrote them); the second
-// block's (warpgroup 1).
-constexpr int kFirstBlockReadyBarrier = 6;
-constexpr int kSecondBlockReadyBarrier = 7;
+// Named barriers of both consumer warpgroups, reached at different call sites (HandOff): half 0's
+// maxima and P are in shared memory (warpgroup 0 wrote them); half 1's (warpgroup 1).
+constexpr int kFirstHalfReadyBarrier = 6;
+constexpr int kSecondHalfReadyBarrier = 7;
 
 // Both consumer warpgroups meet at named barrier `id` (numbered as cutlass::arch::NamedBarrier's),
 // each from its own call site: barrier.sync without .aligned, which requires every thread of the
@@ -44,9 +42,13 @@ __device__ __forceinline__ void HandOff(int id) {
   asm volatile("barrier.sync %0, %1;" ::"r"(hw_id), "n"(kConsumerThreads) : "memory");
 }
 
-// Where a block's P (64 rows x 64 tokens, bf16, one K-major swizzled chunk) lives: its stage's
-// rope chunk.
-constexpr int kPInStage = kNumVChunks * kChunkBytes;
+// Waits for a pipeline barrier's phase. The wait spins inside inline assembly, so the warp's
+// threads may leave it apart: they are reconverged before the aligned barriers and products that
+// follow.
+__device__ __forceinline__ void WaitConverged(uint64_t* barrier, uint32_t phase) {
+  cutlass::arch::ClusterBarrier::wait(barrier, phase);
+  __syncwarp();
+}
 
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaRsImpl(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
@@ -54,35 +56,35 @@ __device__ __forceinline__ void MmaRsImpl(const uint32_t (&a)[4], uint64_t desc_
   Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[I]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
-// S = Q K^T over the 576 columns for the block's 64 tokens (this thread: 32 floats).
-__device__ __forceinline__ void IssueBlockScores(uint32_t q_addr, uint32_t kv_addr,
-                                                 float (&s)[32]) {
+// Scores of half `half` of the block in the stage at kv_addr: S = Q K^T for its 32 tokens, all
+// 64 rows (this thread: 16 floats).
+__device__ __forceinline__ void IssueHalfScores(uint32_t q_addr, uint32_t kv_addr, int half,
+                                                float (&s)[16]) {
   FenceRegisters(s);
   cute::warpgroup_arrive();
   // A descriptor's start address field counts 16-byte units: a step's offset is added to it.
-  const uint64_t q_desc = KMajorDesc(q_addr), kv_desc = KMajorDesc(kv_addr);
+  const uint64_t q_desc = KMajorDesc(q_addr);
+  const uint64_t kv_desc = KMajorDesc(kv_addr + half * kHalfN * kRowBytes);
 #pragma unroll
   for (int g = 0; g < kQkSteps; ++g) {
     const uint32_t units = QkStepOffset(g) >> 4;
-    Gmma<BlockScoreMma>(q_desc + units, kv_desc + units, s, g != 0);
+    Gmma<QkMma>(q_desc + units, kv_desc + units, s, g != 0);
   }
   cute::warpgroup_commit_batch();
 }
 
-// Masks this thread's scores of the block (tokens token_base + Fragment::Col, rows with causal
-// limits limit0 and limit1) to -inf past the limit or in a half that was not loaded, and returns
-// the rows' maxima over the block (reduced over the quad that shares the rows).
-__device__ __forceinline__ void MaskBlockScores(float (&s)[32], const BlockLoad& load,
-                                                int token_base, int lane, int limit0, int limit1,
-                                                float& max0, float& max1) {
+// Masks this thread's scores of a half (tokens token0 + Fragment::Col, rows with causal limits
+// limit0 and limit1; the whole half when it was not loaded) to -inf, and returns the rows'
+// maxima over the half (reduced over the quad that shares the rows).
+__device__ __forceinline__ void MaskHalfScores(float (&s)[16], bool loaded, int token0, int lane,
+                                               int limit0, int limit1, float& max0, float& max1) {
   max0 = kNegInf;
   max1 = kNegInf;
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
+  for (int j = 0; j < kHalfN / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int tok = token_base + Fragment::Col(lane, j, e);
-      const bool loaded = load.half_ok[j < kHalfN / 8 ? 0 : 1];  // column groups j of one half
+      const int tok = token0 + Fragment::Col(lane, j, e);
       const float a = (loaded && tok <= limit0) ? s[Fragment::Element(j, e, 0)] : kNegInf;
       const float c = (loaded && tok <= limit1) ? s[Fragment::Element(j, e, 1)] : kNegInf;
       s[Fragment::Element(j, e, 0)] = a;
@@ -100,19 +102,25 @@ __device__ __forceinline__ void MaskBlockScores(float (&s)[32], const BlockLoad&
 // The softmax offset of a row maximum: -inf (a row that has seen nothing) counts as 0.
 __device__ __forceinline__ float MaxOffset(float m) { return m == kNegInf ? 0.f : m; }
 
+// exp2((from - to) * scale_log2): the factor that moves values kept against maximum `from` to
+// maximum `to` (>= from).
+__device__ __forceinline__ float RescaleFactor(float from, float to, float scale_log2) {
+  return Exp2((from - MaxOffset(to)) * scale_log2);
+}
+
 // P = exp2((S - m) * scale_log2) for the thread's two rows (maxima m0, m1), summed per row, packed
 // to bf16 as WGMMA A fragments: p[4 kk .. 4 kk + 3] are the thread's values of tokens
-// [16 kk, 16 kk + 16), the accumulator fragment of a 64 x 64 product being the A fragment of the
-// 64 x 16 k steps that consume it.
-__device__ __forceinline__ void Exponentiate(const float (&s)[32], float m0, float m1,
+// [16 kk, 16 kk + 16) of the half, the accumulator fragment of a 64 x 32 product being the A
+// fragment of the two 64 x 16 k steps that consume it.
+__device__ __forceinline__ void Exponentiate(const float (&s)[16], float m0, float m1,
                                              float scale_log2, float& sum0, float& sum1,
-                                             uint32_t (&p)[16]) {
+                                             uint32_t (&p)[8]) {
   const float nb0 = -MaxOffset(m0) * scale_log2;
   const float nb1 = -MaxOffset(m1) * scale_log2;
   sum0 = 0.f;
   sum1 = 0.f;
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
+  for (int j = 0; j < kHalfN / 8; ++j) {
     const float p00 = Exp2(fmaf(s[4 * j + 0], scale_log2, nb0));
     const float p01 = Exp2(fmaf(s[4 * j + 1], scale_log2, nb0));
     const float p10 = Exp2(fmaf(s[4 * j + 2], scale_log2, nb1));
@@ -124,66 +132,59 @@ __device__ __forceinline__ void Exponentiate(const float (&s)[32], float m0, flo
   }
 }
 
-// exp2((from - to) * scale_log2): the factor that moves values kept against maximum `from` to
-// maximum `to` (>= from).
-__device__ __forceinline__ float RescaleFactor(float from, float to, float scale_log2) {
-  return Exp2((from - MaxOffset(to)) * scale_log2);
-}
-
-// Writes the thread's packed P values into a K-major swizzled P tile (rows r0 and r0 + 8).
-__device__ __forceinline__ void StoreProbabilities(uint8_t* p_tile, const uint32_t (&p)[16],
-                                                   int r0, int lane) {
+// Writes the thread's packed P values of half `half` into the P tile (rows r0 and r0 + 8).
+__device__ __forceinline__ void StoreProbabilities(uint8_t* p_tile, const uint32_t (&p)[8],
+                                                   int half, int r0, int lane) {
 #pragma unroll
-  for (int j = 0; j < kBlockN / 8; ++j) {
-    const int col = Fragment::Col(lane, j, 0);
+  for (int j = 0; j < kHalfN / 8; ++j) {
+    const int col = half * kHalfN + Fragment::Col(lane, j, 0);
     *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r0, col)) = p[2 * j];
     *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r0 + 8, col)) = p[2 * j + 1];
   }
 }
 
-// O[:, 256 wg : 256 wg + 256] += P V over the block's 64 tokens, P from registers.
-__device__ __forceinline__ void IssuePvFromRegisters(uint32_t (&p)[16], uint32_t kv_addr, int wg,
-                                                     float (&o)[128]) {
+// V descriptor of k step kk (16 tokens) of half `half` for warpgroup wg's 256 columns.
+__device__ __forceinline__ uint64_t VDesc(uint32_t kv_addr, int wg, int half, int kk) {
+  return MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes +
+                     (half * (kHalfN / 16) + kk) * 16 * kRowBytes);
+}
+
+// O[:, 256 wg : 256 wg + 256] += P V over half `half`, P from registers.
+__device__ __forceinline__ void IssuePvFromRegisters(uint32_t (&p)[8], uint32_t kv_addr, int wg,
+                                                     int half, float (&o)[128]) {
   FenceRegisters(o);
 #pragma unroll
-  for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(p[i]);
+  for (int i = 0; i < 8; ++i) cute::warpgroup_fence_operand(p[i]);
   cute::warpgroup_arrive();
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+  for (int kk = 0; kk < kHalfN / 16; ++kk) {
     const uint32_t a[4] = {p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3]};
-    MmaRsImpl<PvFromRegistersMma>(
-        a, MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes + kk * 16 * kRowBytes), o,
-        std::make_index_sequence<128>{});
+    MmaRsImpl<PvFromRegistersMma>(a, VDesc(kv_addr, wg, half, kk), o,
+                                  std::make_index_sequence<128>{});
   }
   cute::warpgroup_commit_batch();
 }
 
-// The same with P read from the block's stage (kPInStage).
-__device__ __forceinline__ void IssuePvFromStage(uint32_t kv_addr, int wg, float (&o)[128]) {
+// The same with P read from the P tile.
+__device__ __forceinline__ void IssuePvFromTile(uint32_t p_addr, uint32_t kv_addr, int wg,
+                                                int half, float (&o)[128]) {
   FenceRegisters(o);
   cute::warpgroup_arrive();
 #pragma unroll
-  for (int kk = 0; kk < kBlockN / 16; ++kk) {
-    Gmma<PvMma>(KMajorDesc(kv_addr + kPInStage + kk * 32),
-                MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes + kk * 16 * kRowBytes),
-                o, true);
+  for (int kk = 0; kk < kHalfN / 16; ++kk) {
+    Gmma<PvMma>(KMajorDesc(p_addr + (half * (kHalfN / 16) + kk) * 32),
+                VDesc(kv_addr, wg, half, kk), o, true);
   }
   cute::warpgroup_commit_batch();
 }
 
-// Waits for a pipeline barrier's phase. The wait spins inside inline assembly, so the warp's
-// threads may leave it apart: they are reconverged before the aligned barriers and products that
-// follow.
-__device__ __forceinline__ void WaitConverged(uint64_t* barrier, uint32_t phase) {
-  cutlass::arch::ClusterBarrier::wait(barrier, phase);
-  __syncwarp();
-}
-
-// Makes the stage's unloaded rows safe for this warpgroup's PV (its four V chunks).
+// Zeroes the stage's rows of half `half` that were not loaded (or hold tokens past the length)
+// in warpgroup wg's V columns, before its PV over that half reads them.
 __device__ __forceinline__ void PrepareVHalf(uint8_t* stage_base, const BlockLoad& load, int wg,
-                                             int wg_tid) {
+                                             int half, int wg_tid) {
   if (load.Complete()) return;
-  ZeroUnloadedRows<kNumVChunks / 2, 128>(stage_base, load, wg * (kNumVChunks / 2), wg_tid);
+  ZeroUnloadedRows<kNumVChunks / 2, 128, kHalfN>(stage_base, load, wg * (kNumVChunks / 2),
+                                                 half * kHalfN, wg_tid);
   cutlass::arch::fence_view_async_shared();
   WarpgroupSync(wg);
 }
@@ -197,15 +198,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 SeesawKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
   using namespace detail;
-  using Barrier = cutlass::arch::ClusterBarrier;
 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
   uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kSmemBarriers);
-  uint64_t* empty = full + kStages;
-  uint64_t* q_full = full + 2 * kStages;
-  uint64_t* q_empty = q_full + 1;
+  const Pipeline pipe = Pipeline::At(smem);
 
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
@@ -240,15 +237,17 @@ SeesawKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     const int r1 = Fragment::Row(wg_tid, 1);
     const int gr0 = mtile * kBlockM + r0;
     const int gr1 = mtile * kBlockM + r1;
-    // f32 [2][64]: the new row maxima after the pair's first block, after its second.
-    float* pair_max = reinterpret_cast<float*>(smem + kSmemRowMax);
+    // f32 [2][64]: the new row maxima after half 0 of the block, after half 1.
+    float* half_max = reinterpret_cast<float*>(smem + kSmemRowMax);
     float* row_sum = reinterpret_cast<float*>(smem + kSmemRowSum);
+    uint8_t* p_tile = smem + kSmemP;
+    const uint32_t p_addr = SmemAddr(p_tile);
     const uint32_t q_addr = SmemAddr(smem + kSmemQ);
     const float sl2 = args.scale_log2;
 
-    float o[128];    // this warpgroup's 64 x 256 output columns
-    float s[32];     // scores of the block this warpgroup scores, 64 x 64
-    uint32_t pr[16]; // its probabilities, bf16 A fragments
+    float o[128];   // this warpgroup's 64 x 256 output columns
+    float s[16];    // scores of this warpgroup's half of the block, 64 x 32
+    uint32_t pr[8]; // its probabilities, bf16 A fragments
     int it = 0, seg = 0;
     while (walker.Next(seg_info)) {
       // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -257,124 +256,106 @@ SeesawKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
 #pragma unroll
       for (int i = 0; i < 128; ++i) o[i] = 0.f;
-      WaitConverged(q_full, seg & 1);
+      WaitConverged(pipe.QFull(), seg & 1);
 
-      for (int k = seg_info.kv_begin; k < seg_info.kv_end; k += 2) {
-        const bool has_second = __shfl_sync(0xffffffffu, k + 1 < seg_info.kv_end, 0);
-        const bool last_pair = k + 2 >= seg_info.kv_end;
-        const int stage_a = it % kStages, stage_b = (it + 1) % kStages;
-        const uint32_t phase_a = (it / kStages) & 1, phase_b = ((it + 1) / kStages) & 1;
-        uint8_t* base_a = smem + kSmemKv + stage_a * kTileBytes;
-        uint8_t* base_b = smem + kSmemKv + stage_b * kTileBytes;
-        const uint32_t kv_a = SmemAddr(base_a), kv_b = SmemAddr(base_b);
-        const BlockLoad load_a = BlockLoad::Of(p, seg_info, k);
-        const BlockLoad load_b = has_second ? BlockLoad::Of(p, seg_info, k + 1) : load_a;
-        float ma0, ma1, mb0, mb1;  // row maxima after block A, after block B
+      for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
+        const int stage = it % kStages;
+        uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
+        const uint32_t kv_addr = SmemAddr(stage_base);
+        const uint32_t phase = (it / kStages) & 1;
+        const BlockLoad load = BlockLoad::Of(p, seg_info, k);
+        WaitConverged(pipe.Full(stage, wg), phase);
+        IssueHalfScores(q_addr, kv_addr, wg, s);
+        float mx0, mx1, mh0, mh1;  // this half's maxima; the maxima after half 0
 
         if (wg == 0) {
-          WaitConverged(&full[stage_a], phase_a);
-          IssueBlockScores(q_addr, kv_a, s);
           cute::warpgroup_wait<0>();
           FenceRegisters(s);
-          if (last_pair && wg_tid == 0) Barrier::arrive(q_empty);
-          float mx0, mx1;
-          MaskBlockScores(s, load_a, k * kBlockN, lane, limit0, limit1, mx0, mx1);
-          ma0 = fmaxf(m0, mx0);
-          ma1 = fmaxf(m1, mx1);
+          if (k == seg_info.kv_end - 1 && wg_tid == 0) {
+            cutlass::arch::ClusterBarrier::arrive(pipe.QEmpty());
+          }
+          MaskHalfScores(s, load.half_ok[0], k * kBlockN, lane, limit0, limit1, mx0, mx1);
+          mh0 = fmaxf(m0, mx0);
+          mh1 = fmaxf(m1, mx1);
           float sum0, sum1;
-          Exponentiate(s, ma0, ma1, sl2, sum0, sum1, pr);
-          const float alpha0 = RescaleFactor(m0, ma0, sl2);
-          const float alpha1 = RescaleFactor(m1, ma1, sl2);
+          Exponentiate(s, mh0, mh1, sl2, sum0, sum1, pr);
+          const float alpha0 = RescaleFactor(m0, mh0, sl2);
+          const float alpha1 = RescaleFactor(m1, mh1, sl2);
           l0 = l0 * alpha0 + sum0;
           l1 = l1 * alpha1 + sum1;
-          StoreProbabilities(base_a + kPInStage, pr, r0, lane);
+          StoreProbabilities(p_tile, pr, 0, r0, lane);
           if ((lane & 3) == 0) {
-            pair_max[r0] = ma0;
-            pair_max[r1] = ma1;
+            half_max[r0] = mh0;
+            half_max[r1] = mh1;
           }
           cutlass::arch::fence_view_async_shared();
-          HandOff(kFirstBlockReadyBarrier);
-          PrepareVHalf(base_a, load_a, wg, wg_tid);
+          HandOff(kFirstHalfReadyBarrier);
+          PrepareVHalf(stage_base, load, wg, 0, wg_tid);
           RescaleRows(o, alpha0, alpha1);
-          IssuePvFromRegisters(pr, kv_a, wg, o);
+          IssuePvFromRegisters(pr, kv_addr, wg, 0, o);
 
-          HandOff(kSecondBlockReadyBarrier);
-          mb0 = has_second ? pair_max[kBlockM + r0] : ma0;
-          mb1 = has_second ? pair_max[kBlockM + r1] : ma1;
-          const float beta0 = RescaleFactor(ma0, mb0, sl2);
-          const float beta1 = RescaleFactor(ma1, mb1, sl2);
+          HandOff(kSecondHalfReadyBarrier);
+          m0 = half_max[kBlockM + r0];
+          m1 = half_max[kBlockM + r1];
+          const float beta0 = RescaleFactor(mh0, m0, sl2);
+          const float beta1 = RescaleFactor(mh1, m1, sl2);
           l0 *= beta0;
           l1 *= beta1;
+          WaitConverged(pipe.Full(stage, 1), phase);
+          PrepareVHalf(stage_base, load, wg, 1, wg_tid);
           cute::warpgroup_wait<0>();
           FenceRegisters(o);
-          if (wg_tid == 0) ReleaseStage<kCluster>(&empty[stage_a]);
-          if (has_second) {
-            WaitConverged(&full[stage_b], phase_b);
-            PrepareVHalf(base_b, load_b, wg, wg_tid);
-            RescaleRows(o, beta0, beta1);
-            IssuePvFromStage(kv_b, wg, o);
-            cute::warpgroup_wait<0>();
-            FenceRegisters(o);
-            if (wg_tid == 0) ReleaseStage<kCluster>(&empty[stage_b]);
-          }
+          if (wg_tid == 0) ReleaseHalf<kCluster>(pipe, stage, 0);
+          RescaleRows(o, beta0, beta1);
+          IssuePvFromTile(p_addr, kv_addr, wg, 1, o);
         } else {
-          // Without a second block the scores of A are computed again and discarded: the
-          // product is issued on every path, so the compiler can track it to its wait.
-          WaitConverged(&full[has_second ? stage_b : stage_a], has_second ? phase_b : phase_a);
-          IssueBlockScores(q_addr, has_second ? kv_b : kv_a, s);
-          WaitConverged(&full[stage_a], phase_a);
-          HandOff(kFirstBlockReadyBarrier);
-          ma0 = pair_max[r0];
-          ma1 = pair_max[r1];
-          const float alpha0 = RescaleFactor(m0, ma0, sl2);
-          const float alpha1 = RescaleFactor(m1, ma1, sl2);
+          HandOff(kFirstHalfReadyBarrier);
+          mh0 = half_max[r0];
+          mh1 = half_max[r1];
+          const float alpha0 = RescaleFactor(m0, mh0, sl2);
+          const float alpha1 = RescaleFactor(m1, mh1, sl2);
           l0 *= alpha0;
           l1 *= alpha1;
-          // The scores are usually done by now (warpgroup 0 has scored and exponentiated A);
-          // waiting for them keeps every product in flight clear of the registers rescaled next.
+          // The scores are usually done by now (warpgroup 0 has scored and exponentiated its
+          // half); waiting for them keeps every product in flight clear of the registers
+          // rescaled next.
           cute::warpgroup_wait<0>();
           FenceRegisters(s);
-          PrepareVHalf(base_a, load_a, wg, wg_tid);
-          RescaleRows(o, alpha0, alpha1);
-          IssuePvFromStage(kv_a, wg, o);
-          if (last_pair && wg_tid == 0) Barrier::arrive(q_empty);
-          mb0 = ma0;
-          mb1 = ma1;
-          float beta0 = 1.f, beta1 = 1.f;
-          if (has_second) {
-            float mx0, mx1;
-            MaskBlockScores(s, load_b, (k + 1) * kBlockN, lane, limit0, limit1, mx0, mx1);
-            mb0 = fmaxf(ma0, mx0);
-            mb1 = fmaxf(ma1, mx1);
-            float sum0, sum1;
-            Exponentiate(s, mb0, mb1, sl2, sum0, sum1, pr);
-            beta0 = RescaleFactor(ma0, mb0, sl2);
-            beta1 = RescaleFactor(ma1, mb1, sl2);
-            l0 = l0 * beta0 + sum0;
-            l1 = l1 * beta1 + sum1;
-            StoreProbabilities(base_b + kPInStage, pr, r0, lane);
-            if ((lane & 3) == 0) {
-              pair_max[kBlockM + r0] = mb0;
-              pair_max[kBlockM + r1] = mb1;
-            }
-            cutlass::arch::fence_view_async_shared();
+          if (k == seg_info.kv_end - 1 && wg_tid == 0) {
+            cutlass::arch::ClusterBarrier::arrive(pipe.QEmpty());
           }
-          HandOff(kSecondBlockReadyBarrier);
+          WaitConverged(pipe.Full(stage, 0), phase);
+          PrepareVHalf(stage_base, load, wg, 0, wg_tid);
+          RescaleRows(o, alpha0, alpha1);
+          IssuePvFromTile(p_addr, kv_addr, wg, 0, o);
+          MaskHalfScores(s, load.half_ok[1], k * kBlockN + kHalfN, lane, limit0, limit1, mx0,
+                         mx1);
+          m0 = fmaxf(mh0, mx0);
+          m1 = fmaxf(mh1, mx1);
+          float sum0, sum1;
+          Exponentiate(s, m0, m1, sl2, sum0, sum1, pr);
+          const float beta0 = RescaleFactor(mh0, m0, sl2);
+          const float beta1 = RescaleFactor(mh1, m1, sl2);
+          l0 = l0 * beta0 + sum0;
+          l1 = l1 * beta1 + sum1;
+          StoreProbabilities(p_tile, pr, 1, r0, lane);
+          if ((lane & 3) == 0) {
+            half_max[kBlockM + r0] = m0;
+            half_max[kBlockM + r1] = m1;
+          }
+          cutlass::arch::fence_view_async_shared();
+          PrepareVHalf(stage_base, load, wg, 1, wg_tid);
+          // Half 0's P is read before warpgroup 0 overwrites it for the next block.
           cute::warpgroup_wait<0>();
           FenceRegisters(o);
-          if (wg_tid == 0) ReleaseStage<kCluster>(&empty[stage_a]);
-          if (has_second) {
-            PrepareVHalf(base_b, load_b, wg, wg_tid);
-            RescaleRows(o, beta0, beta1);
-            IssuePvFromRegisters(pr, kv_b, wg, o);
-            cute::warpgroup_wait<0>();
-            FenceRegisters(o);
-            if (wg_tid == 0) ReleaseStage<kCluster>(&empty[stage_b]);
-          }
+          if (wg_tid == 0) ReleaseHalf<kCluster>(pipe, stage, 0);
+          HandOff(kSecondHalfReadyBarrier);
+          RescaleRows(o, beta0, beta1);
+          IssuePvFromRegisters(pr, kv_addr, wg, 1, o);
         }
-        m0 = mb0;
-        m1 = mb1;
-        it += has_second ? 2 : 1;
+        cute::warpgroup_wait<0>();
+        FenceRegisters(o);
+        if (wg_tid == 0) ReleaseHalf<kCluster>(pipe, stage, 1);
       }
       StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0,
                  m1, sl2, row_sum);
