@@ -227,49 +227,32 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   }
 }
 
-// The pipeline's barriers in shared memory: for each KV stage and 32-token half, "full" (the
-// producer's pieces of that half landed) and "empty" (both consumer warpgroups, of every CTA that
-// multicasts into it, released it), so a half can be refilled before the other is released; and
-// the query tile's pair.
+// The pipeline's barriers in shared memory: for each KV stage "full" (the producer's pieces
+// landed) and "empty" (both consumer warpgroups, of every CTA that multicasts into it, released
+// it); and the query tile's pair.
 struct Pipeline {
   uint64_t* base;
 
   __device__ __forceinline__ static Pipeline At(uint8_t* smem) {
     return {reinterpret_cast<uint64_t*>(smem + kSmemBarriers)};
   }
-  __device__ __forceinline__ uint64_t* Full(int stage, int half) const {
-    return base + 2 * stage + half;
-  }
-  __device__ __forceinline__ uint64_t* Empty(int stage, int half) const {
-    return base + 2 * kStages + 2 * stage + half;
-  }
-  __device__ __forceinline__ uint64_t* QFull() const { return base + 4 * kStages; }
-  __device__ __forceinline__ uint64_t* QEmpty() const { return base + 4 * kStages + 1; }
-
-  // Waits until both halves of a stage landed (its use number `round`).
-  __device__ __forceinline__ void WaitStage(int stage, int round) const {
-    cutlass::arch::ClusterBarrier::wait(Full(stage, 0), round & 1);
-    cutlass::arch::ClusterBarrier::wait(Full(stage, 1), round & 1);
-  }
+  __device__ __forceinline__ uint64_t* Full(int stage) const { return base + stage; }
+  __device__ __forceinline__ uint64_t* Empty(int stage) const { return base + kStages + stage; }
+  __device__ __forceinline__ uint64_t* QFull() const { return base + 2 * kStages; }
+  __device__ __forceinline__ uint64_t* QEmpty() const { return base + 2 * kStages + 1; }
 };
 
-// Hands a KV stage's half back to the producer of every CTA that multicasts into it (called by
-// one thread of a consumer warpgroup).
+// Hands a KV stage back to the producer of every CTA that multicasts into it (called by one
+// thread of a consumer warpgroup).
 template <int kCluster>
-__device__ __forceinline__ void ReleaseHalf(const Pipeline& pipe, int stage, int half) {
-  uint64_t* empty = pipe.Empty(stage, half);
+__device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
+  uint64_t* empty = pipe.Empty(stage);
   if (kCluster == 1) {
     cutlass::arch::ClusterBarrier::arrive(empty);
   } else {
 #pragma unroll
     for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty, r, 1u);
   }
-}
-
-template <int kCluster>
-__device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
-  ReleaseHalf<kCluster>(pipe, stage, 0);
-  ReleaseHalf<kCluster>(pipe, stage, 1);
 }
 
 // What of a 64-token KV block was loaded: tokens [0, n_valid) are below the length, and the
@@ -294,21 +277,19 @@ struct BlockLoad {
   }
 };
 
-// Zeroes the V columns of chunks [chunk0, chunk0 + kChunks) of the rows [row0, row0 + kRows) of a
-// stage that were not loaded (or hold tokens past the length), so 0 * NaN can never enter PV.
-// Threads tid of kThreadCount share the work, kThreadCount / kRows per row; the caller fences and
-// synchronises them afterwards.
-template <int kChunks, int kThreadCount, int kRows = kBlockN>
+// Zeroes the V columns (chunks 0 .. kNumVChunks - 1) of the rows of a stage that were not loaded
+// (or hold tokens past the length), so 0 * NaN can never enter PV. The consumer threads tid share
+// the work, a few per row; the caller fences and synchronises them afterwards.
 __device__ __forceinline__ void ZeroUnloadedRows(uint8_t* stage_base, const BlockLoad& load,
-                                                 int chunk0, int row0, int tid) {
-  constexpr int kThreadsPerRow = kThreadCount / kRows;
-  constexpr int kChunksPerThread = kChunks / kThreadsPerRow;
-  static_assert(kThreadsPerRow * kRows == kThreadCount &&
-                    kChunksPerThread * kThreadsPerRow == kChunks,
+                                                 int tid) {
+  constexpr int kThreadsPerRow = kConsumerThreads / kBlockN;
+  constexpr int kChunksPerThread = kNumVChunks / kThreadsPerRow;
+  static_assert(kThreadsPerRow * kBlockN == kConsumerThreads &&
+                    kChunksPerThread * kThreadsPerRow == kNumVChunks,
                 "rows and chunks split evenly over the threads");
-  const int row = row0 + tid / kThreadsPerRow;
+  const int row = tid / kThreadsPerRow;
   if (load.RowLoaded(row)) return;
-  uint8_t* dst = stage_base + (chunk0 + (tid % kThreadsPerRow) * kChunksPerThread) * kChunkBytes +
+  uint8_t* dst = stage_base + (tid % kThreadsPerRow) * kChunksPerThread * kChunkBytes +
                  row * kRowBytes;
 #pragma unroll
   for (int c = 0; c < kChunksPerThread; ++c) {
@@ -340,10 +321,8 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
   }
   if (tid == kConsumerThreads) {
     for (int s = 0; s < kStages; ++s) {
-      for (int h = 0; h < 2; ++h) {
-        Barrier::init(pipe.Full(s, h), 1);
-        Barrier::init(pipe.Empty(s, h), kConsumerWarpgroups * kCluster);
-      }
+      Barrier::init(pipe.Full(s), 1);
+      Barrier::init(pipe.Empty(s), kConsumerWarpgroups * kCluster);
     }
     Barrier::init(pipe.QFull(), 1);
     Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
@@ -388,18 +367,20 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       const int stage = it % kStages;
       const int round = it / kStages;
       uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
+      uint64_t* full = pipe.Full(stage);
       // The block table is read before waiting for the stage, so the read overlaps the wait.
       int kv_rows[2];
+      uint32_t bytes = 0;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
+        if (kv_rows[h] >= 0) bytes += kHalfTileBytes;
       }
+      if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
+      TxBarrier::arrive_and_expect_tx(full, bytes);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        uint64_t* full = pipe.Full(stage, h);
         const int kv_row = kv_rows[h];
-        if (round > 0) Barrier::wait(pipe.Empty(stage, h), (round - 1) & 1);
-        TxBarrier::arrive_and_expect_tx(full, kv_row >= 0 ? kHalfTileBytes : 0);
         if (kv_row < 0) continue;
 #pragma unroll 1
         for (int c = 0; c < kNumChunks; ++c) {
@@ -613,14 +594,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % kStages;
       const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
-      pipe.WaitStage(stage, it / kStages);
+      Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
       const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
       if (!load.Complete()) {
-        ZeroUnloadedRows<kNumVChunks, kConsumerThreads>(smem + kSmemKv + stage * kTileBytes, load,
-                                                        0, 0, tid);
+        ZeroUnloadedRows(smem + kSmemKv + stage * kTileBytes, load, tid);
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }

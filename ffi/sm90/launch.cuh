@@ -21,7 +21,6 @@
 #include "decode_kernel.cuh"
 #include "decode_params.h"
 #include "schedule.cuh"
-#include "seesaw_kernel.cuh"
 
 namespace jax_mla {
 namespace sm90 {
@@ -41,8 +40,6 @@ struct LaunchOptions {
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
-  int seesaw = 0;             // 1: SeesawKernel for 64-row M tiles (scores not transposed);
-                              // 0 (default): DecodeKernel's lockstep; other values rejected
 };
 
 namespace detail {
@@ -217,10 +214,6 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32>);
     default: break;
   }
-  if (options.seesaw == 1 && options.experiment == 0 && options.early_release) {
-    return cluster == 2 ? reinterpret_cast<const void*>(&SeesawKernel<2>)
-                        : reinterpret_cast<const void*>(&SeesawKernel<1>);
-  }
   if (cluster == 2) {
     if (!options.early_release) return nullptr;
     switch (options.experiment) {
@@ -252,8 +245,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
-      options.wide_combine < -1 || options.wide_combine > 1 || options.seesaw < 0 ||
-      options.seesaw > 1) {
+      options.wide_combine < -1 || options.wide_combine > 1) {
     return cudaErrorInvalidValue;
   }
   const void* kernel = detail::SelectKernel(options, cluster, rows);
