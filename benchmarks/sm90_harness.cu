@@ -5,21 +5,21 @@
 //        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
 //   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
-//   .gpu/sm90_harness time [iters] [default|cluster|overlap|exp|transposed|combine|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
 //                                      # take the plain-score kernel also where q_len * H <= 32)
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
-//                         [--variants default|cluster|overlap|exp|transposed|combine|all]
+//                         [--variants default|cluster|exp|transposed|combine|all]
 //                         [--bad] [--iters N] [--check-only] [--ref-requests N]
 //   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
 //   number of M tiles is even.
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
-//   --plain-scores, --wide-combine, --narrow-combine, --overlap-scores (checks only): LaunchOptions'
-//   transposed_scores = 0, wide_combine = 1, wide_combine = 0, overlap_scores = 1.
+//   --plain-scores, --wide-combine, --narrow-combine (checks only): LaunchOptions'
+//   transposed_scores = 0, wide_combine = 1, wide_combine = 0.
 //
 // Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
 // (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
@@ -47,7 +47,6 @@ static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
-static int g_overlap = 0;  // LaunchOptions::overlap_scores of checks ("--overlap-scores": 1)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -348,7 +347,6 @@ static void RunOnce(const Problem& pb, int copy) {
   if (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0) opt.cluster = 2;
   opt.transposed_scores = g_transposed;
   opt.wide_combine = g_wide_combine;
-  opt.overlap_scores = g_overlap;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -532,14 +530,6 @@ static std::vector<Variant> ClusterVariants() {
   return {{"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
 }
 
-static std::vector<Variant> OverlapVariants() {
-  return {{"overlap-scores", With([](LaunchOptions& o) { o.overlap_scores = 1; })},
-          {"overlap-scores-cluster-2", With([](LaunchOptions& o) {
-             o.overlap_scores = 1;
-             o.cluster = 2;
-           })}};
-}
-
 // Timing experiments: kernels that skip parts of the work (results wrong by design).
 static std::vector<Variant> ExperimentVariants() {
   std::vector<Variant> v;
@@ -569,10 +559,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   if (which == "combine") append(CombineVariants());
   else if (which == "transposed") append(TransposedVariants());
   else if (which == "cluster") append(ClusterVariants());
-  else if (which == "overlap") {
-    append(ClusterVariants());
-    append(OverlapVariants());
-  }
   else if (which == "exp") append(ExperimentVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
@@ -584,7 +570,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
             {"l2-promo-none",
              With([](LaunchOptions& o) { o.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; })}});
     append(ClusterVariants());
-    append(OverlapVariants());
     // kv_evict_first = 2 is replaced per problem by the opposite of the default choice.
     append({{"evict-flip", With([](LaunchOptions& o) { o.kv_evict_first = 2; })}});
     append(TransposedVariants());
@@ -702,7 +687,6 @@ int main(int argc, char** argv) {
     else if (a == "--plain-scores") g_transposed = 0;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
-    else if (a == "--overlap-scores") g_overlap = 1;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
@@ -789,7 +773,7 @@ int main(int argc, char** argv) {
   }
   printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H .. "
          "[--variants NAME]\n"
-         "flags: --cluster2 --plain-scores --wide-combine --narrow-combine --overlap-scores "
+         "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
          "--fixed-cost N "
          "--min-blocks N\n",
          argv[0]);

@@ -488,15 +488,12 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
-template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0,
-          bool kOverlapScores = false>
+template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
   static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
                 "transposed scores need early release, no experiment and no cluster");
-  static_assert(!kOverlapScores || (kEarlyRelease && kSkip == 0 && kScoreN == 0),
-                "overlapped scores need the plain path with early release and no experiment");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -594,51 +591,19 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 
     Barrier::wait(pipe.QFull(), seg & 1);
 
-    // Waits for block k's stage (use number it / kStages) and zeroes its unloaded rows.
-    auto await_block = [&](int k, int it_k, const BlockLoad& load) {
-      const int stage = it_k % kStages;
-      Barrier::wait(pipe.Full(stage), (it_k / kStages) & 1);
+    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
+      const int stage = it % kStages;
+      const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
+      Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
+      const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
+      const int token_base = k * kBlockN;
+      const bool half_ok0 = load.half_ok[0];
+      const bool half_ok1 = load.half_ok[1];
       if (!load.Complete()) {
         ZeroUnloadedRows(smem + kSmemKv + stage * kTileBytes, load, tid);
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
-    };
-    // S = Q K^T for this warpgroup's 32 tokens of the block in the stage at kv_addr, Q (A) read
-    // from a_addr: the query tile, or the stage itself for a product whose result is discarded.
-    auto issue_scores = [&](uint32_t a_addr, uint32_t kv_addr) {
-      FenceRegisters(s_acc);
-      cute::warpgroup_arrive();
-      if (kSkip & 1) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s_acc[i] = 0.f;
-      }
-#pragma unroll
-      for (int c = 0; c < ((kSkip & 1) ? 0 : kNumChunks); ++c) {
-#pragma unroll
-        for (int kk = 0; kk < kChunkCols / 16; ++kk) {
-          const uint64_t da = KMajorDesc(a_addr + c * kChunkBytes + kk * 32);
-          const uint64_t db =
-              KMajorDesc(kv_addr + c * kChunkBytes + wg * kHalfN * kRowBytes + kk * 32);
-          Gmma<QkMma>(da, db, s_acc, (c | kk) != 0);
-        }
-      }
-      cute::warpgroup_commit_batch();
-    };
-
-    if constexpr (kOverlapScores) {
-      // Each block's scores are issued at the end of the block before; the segment's first here.
-      await_block(seg_info.kv_begin, it, BlockLoad::Of(p, seg_info, seg_info.kv_begin));
-      issue_scores(q_addr, kv_addr0 + (it % kStages) * kTileBytes);
-    }
-    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-      const int stage = it % kStages;
-      const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
-      if (!kOverlapScores) await_block(k, it, load);
-      const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
-      const int token_base = k * kBlockN;
-      const bool half_ok0 = load.half_ok[0];
-      const bool half_ok1 = load.half_ok[1];
 
       if constexpr (kScoreN > 0) {
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
@@ -733,7 +698,24 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
         }
       } else {
-      if (!kOverlapScores) issue_scores(q_addr, kv_addr);
+      // S = Q K^T for this warpgroup's 32 tokens.
+      FenceRegisters(s_acc);
+      cute::warpgroup_arrive();
+      if (kSkip & 1) {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s_acc[i] = 0.f;
+      }
+#pragma unroll
+      for (int c = 0; c < ((kSkip & 1) ? 0 : kNumChunks); ++c) {
+#pragma unroll
+        for (int kk = 0; kk < kChunkCols / 16; ++kk) {
+          const uint64_t da = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
+          const uint64_t db =
+              KMajorDesc(kv_addr + c * kChunkBytes + wg * kHalfN * kRowBytes + kk * 32);
+          Gmma<QkMma>(da, db, s_acc, (c | kk) != 0);
+        }
+      }
+      cute::warpgroup_commit_batch();
       if (!kEarlyRelease && k > seg_info.kv_begin) {
         // The previous block's PV is done: its stage can be refilled.
         cute::warpgroup_wait<1>();
@@ -844,18 +826,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
       }  // kScoreN == 0
       cute::warpgroup_commit_batch();
-      if (kOverlapScores) {
-        // The next block's scores go to the tensor pipe behind this block's PV (its stage was
-        // loaded during this block). After the segment's last block a product over this stage
-        // alone is issued instead and discarded, so that one is issued on every path and the
-        // compiler tracks it to its wait; that stage is released after the loop.
-        const bool has_next = k + 1 < seg_info.kv_end;
-        if (has_next) await_block(k + 1, it + 1, BlockLoad::Of(p, seg_info, k + 1));
-        const uint32_t next_kv = has_next ? kv_addr0 + ((it + 1) % kStages) * kTileBytes : kv_addr;
-        issue_scores(has_next ? q_addr : kv_addr, next_kv);
-        cute::warpgroup_wait<1>();
-        if (has_next && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
-      } else if (kEarlyRelease) {
+      if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
         if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
@@ -863,9 +834,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     cute::warpgroup_wait<0>();
 #pragma unroll
     for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
-    if ((!kEarlyRelease || kOverlapScores) && wg_tid == 0) {
-      ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);
-    }
+    if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);
 
     if constexpr (kScoreN > 0) {
       // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.

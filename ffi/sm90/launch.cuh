@@ -40,8 +40,6 @@ struct LaunchOptions {
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
-  int overlap_scores = 0;     // 1: DecodeKernel's kOverlapScores on the plain path (scores not
-                              // transposed); 0 (default) off; other values rejected
 };
 
 namespace detail {
@@ -216,11 +214,6 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32>);
     default: break;
   }
-  if (options.overlap_scores == 1) {
-    if (!options.early_release || options.experiment != 0) return nullptr;
-    return cluster == 2 ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, true>)
-                        : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true>);
-  }
   if (cluster == 2) {
     if (!options.early_release) return nullptr;
     switch (options.experiment) {
@@ -252,8 +245,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
-      options.wide_combine < -1 || options.wide_combine > 1 || options.overlap_scores < 0 ||
-      options.overlap_scores > 1) {
+      options.wide_combine < -1 || options.wide_combine > 1) {
     return cudaErrorInvalidValue;
   }
   const void* kernel = detail::SelectKernel(options, cluster, rows);
