@@ -1,0 +1,86 @@
+// LaunchDecode's argument checks on the host (tests/test_sm90_launch_options.py builds and runs it):
+// launch options outside their documented values, option combinations no kernel implements and
+// shapes the kernels do not take must come back as cudaErrorInvalidValue before any CUDA call, so
+// the buffers here are placeholders that nothing reads. stdout, a line a case: "NAME invalid" when
+// LaunchDecode returned cudaErrorInvalidValue, else "NAME returned CODE".
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+
+#include "ffi/sm90/launch.cuh"
+
+using namespace jax_mla::sm90;
+
+namespace {
+
+alignas(256) char placeholder[256];
+
+DecodeParams ValidParams() {
+  DecodeParams p{};
+  p.query = placeholder;
+  p.kv_cache = placeholder;
+  p.block_tables = reinterpret_cast<const int32_t*>(placeholder);
+  p.seq_lens = reinterpret_cast<const int32_t*>(placeholder);
+  p.out = placeholder;
+  p.lse = reinterpret_cast<float*>(placeholder);
+  p.schedule = reinterpret_cast<int32_t*>(placeholder);
+  p.workspace = placeholder;
+  p.batch = 4;
+  p.q_len = 1;
+  p.num_heads = 16;
+  p.num_pages = 64;
+  p.page_size = 64;
+  p.max_pages = 16;
+  p.softmax_scale = 0.1f;
+  p.output_scale = 1.f;
+  p.num_sms = 132;
+  p.enable_pdl = true;
+  return p;
+}
+
+void Run(const char* name, const std::function<void(DecodeParams&, LaunchOptions&)>& change) {
+  DecodeParams p = ValidParams();
+  LaunchOptions options;
+  change(p, options);
+  const cudaError_t status = LaunchDecode(p, nullptr, options);
+  if (status == cudaErrorInvalidValue) {
+    std::printf("%s invalid\n", name);
+  } else {
+    std::printf("%s returned %d\n", name, static_cast<int>(status));
+  }
+}
+
+}  // namespace
+
+int main() {
+  Run("transposed_scores=1", [](DecodeParams&, LaunchOptions& o) { o.transposed_scores = 1; });
+  Run("transposed_scores=-2", [](DecodeParams&, LaunchOptions& o) { o.transposed_scores = -2; });
+  Run("wide_combine=2", [](DecodeParams&, LaunchOptions& o) { o.wide_combine = 2; });
+  Run("wide_combine=-2", [](DecodeParams&, LaunchOptions& o) { o.wide_combine = -2; });
+  Run("cluster=3", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = 3;
+  });
+  Run("cluster=2,odd_m_tiles", [](DecodeParams&, LaunchOptions& o) { o.cluster = 2; });
+  Run("cluster=2,late_release", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = 2;
+    o.early_release = false;
+  });
+  Run("cluster=2,experiment=1", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = 2;
+    o.experiment = 1;
+  });
+  Run("experiment=5", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.experiment = 5;
+  });
+  Run("page_size=48", [](DecodeParams& p, LaunchOptions&) { p.page_size = 48; });
+  Run("batch=0", [](DecodeParams& p, LaunchOptions&) { p.batch = 0; });
+  Run("softmax_scale=0", [](DecodeParams& p, LaunchOptions&) { p.softmax_scale = 0.f; });
+  Run("query_misaligned", [](DecodeParams& p, LaunchOptions&) { p.query = placeholder + 8; });
+  Run("no_schedule", [](DecodeParams& p, LaunchOptions&) { p.schedule = nullptr; });
+  Run("min_blocks_per_part=0", [](DecodeParams& p, LaunchOptions&) { p.min_blocks_per_part = 0; });
+  return 0;
+}

@@ -1,0 +1,54 @@
+"""The sm90 launcher's argument checks, run on the host (``tests/sm90_launch_options_check.cu``
+calls ``LaunchDecode`` from ``ffi/sm90/launch.cuh``): launch options outside their documented
+values, combinations no kernel implements and shapes the kernels do not take return
+cudaErrorInvalidValue before any CUDA call. ``jax_mla.decode`` always passes the default options;
+the harness (benchmarks/sm90_harness.cu) is what sets the others."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+
+from conftest import skip_or_fail
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_combine=-2",
+         "cluster=3", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
+         "experiment=5", "page_size=48", "batch=0", "softmax_scale=0", "query_misaligned",
+         "no_schedule", "min_blocks_per_part=0"]
+
+
+def cutlass_include() -> str | None:
+    """CUTLASS headers, looked up as ffi/CMakeLists.txt does: CUTLASS_INCLUDE_DIR, the
+    nvidia-cutlass package, flashinfer-python's copy."""
+    candidates = [os.environ.get("CUTLASS_INCLUDE_DIR", "")]
+    for package, parts in (("cutlass_library", ("source", "include")),
+                           ("flashinfer", ("data", "cutlass", "include"))):
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            candidates.append(os.path.join(root, *parts))
+    return next((path for path in candidates
+                 if path and os.path.isfile(os.path.join(path, "cute", "arch", "mma_sm90_gmma.hpp"))),
+                None)
+
+
+def test_out_of_range_options_and_shapes_are_rejected(tmp_path):
+    if shutil.which("nvcc") is None:
+        skip_or_fail("building tests/sm90_launch_options_check.cu needs nvcc")
+    include = cutlass_include()
+    if include is None:
+        skip_or_fail("building tests/sm90_launch_options_check.cu needs CUTLASS headers "
+                     "(pip install nvidia-cutlass, or set CUTLASS_INCLUDE_DIR)")
+    binary = tmp_path / "sm90_launch_options_check"
+    subprocess.run(["nvcc", "-std=c++17", "-O1", f"-I{ROOT}", f"-I{include}",
+                    "--expt-relaxed-constexpr", "-gencode", "arch=compute_90a,code=compute_90a",
+                    f"{ROOT}/tests/sm90_launch_options_check.cu", "-o", str(binary)], check=True,
+                   capture_output=True)
+    lines = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert lines == [f"{case} invalid" for case in CASES], lines
