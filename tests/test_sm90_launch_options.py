@@ -6,8 +6,8 @@ the harness (benchmarks/sm90_harness.cu) is what sets the others."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
+import runpy
 import shutil
 import subprocess
 
@@ -22,20 +22,13 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
 
 
 def cutlass_include() -> str | None:
-    """CUTLASS headers, looked up as ffi/CMakeLists.txt does: CUTLASS_INCLUDE_DIR, the
-    nvidia-cutlass package, flashinfer-python's copy."""
-    candidates = [os.environ.get("CUTLASS_INCLUDE_DIR", "")]
-    for package, parts in (("cutlass_library", ("source", "include")),
-                           ("flashinfer", ("data", "cutlass", "include"))):
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            spec = None
-        for root in (spec.submodule_search_locations or []) if spec else []:
-            candidates.append(os.path.join(root, *parts))
-    return next((path for path in candidates
-                 if path and os.path.isfile(os.path.join(path, "cute", "arch", "mma_sm90_gmma.hpp"))),
-                None)
+    """CUTLASS headers, looked up as ffi/CMakeLists.txt does: CUTLASS_INCLUDE_DIR, then the
+    package copies ffi/find_cutlass.py knows."""
+    finder = runpy.run_path(os.path.join(ROOT, "ffi", "find_cutlass.py"))
+    override = os.environ.get("CUTLASS_INCLUDE_DIR", "")
+    if override and finder["is_cutlass_include"](override):
+        return override
+    return finder["cutlass_include"]()
 
 
 def test_out_of_range_options_and_shapes_are_rejected(tmp_path):
