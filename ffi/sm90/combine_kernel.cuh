@@ -1,8 +1,9 @@
 // Combine kernels of the SM90 decode: merge the fp32 partial outputs of split requests.
 //
-// CombineKernel: one warp per output row (grid: row groups x requests). A request with no KV blocks (length 0
-// after clamping) gets zeros and LSE -inf here; a request handled by one part was written whole
-// by the decode kernel and is skipped. The splits are merged in part order: deterministic.
+// CombineKernel: one warp per output row (grid: row groups x requests). A request with no KV
+// blocks (length 0 after clamping) gets zeros and LSE -inf here; a request handled by one part
+// was written whole by the decode kernel and is skipped. The splits are merged in part order:
+// deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
