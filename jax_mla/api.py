@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import backends, guard, planning, sharding, validation, value_checks
+from jax_mla import backends, gpu, guard, planning, sharding, validation, value_checks
 
 DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
@@ -32,7 +32,10 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       output_scale: multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
-        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format.
+        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format;
+        on Hopper, with ``plan=None``, a device whose shard has a batch of 32 or more with up to 64
+        heads at q_len 1 (or up to 32 query rows below a batch of 512) takes sm90 instead of fa3
+        (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it faster).
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
@@ -64,15 +67,19 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     for name, flag in (("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    chosen = backends.BY_NAME[backends.resolve(backend, backends.platform_of(query, kv_cache),
-                                                query.dtype, backends.cache_format_of(kv_cache))]
+    platform = backends.platform_of(query, kv_cache)
+    cache_format = backends.cache_format_of(kv_cache)
+    chosen = backends.BY_NAME[backends.resolve(backend, platform, query.dtype, cache_format)]
     check_plan_argument(plan, chosen)
+    alternative = backends.auto_alternative(backend, chosen, plan, platform, query.dtype,
+                                            cache_format)
     if checks:
         value_checks.check_values(query, kv_cache, block_tables, seq_lens,
                                   plan if isinstance(plan, planning.Plan) else None)
     kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
-                               device_plan=isinstance(plan, str), fail_closed=fail_closed)
+                               device_plan=isinstance(plan, str), fail_closed=fail_closed,
+                               alternative=alternative)
     # The kernel runs once per device on its shard when the arrays are sharded (jax_mla.sharding).
     schedule = None if isinstance(plan, str) else plan
     out, lse = sharding.call(kernel, query, kv_cache, block_tables, seq_lens, plan=schedule)
@@ -93,9 +100,18 @@ def check_plan_argument(plan, backend: backends.Backend) -> None:
 
 def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,
                 softmax_scale: float, output_scale: float, kv_lora_rank: int, device_plan: bool,
-                fail_closed: bool = True, plan: planning.Plan | None = None):
-    """One device's decode: (out, lse) for its shard of the arrays."""
-    _, q_len, num_heads, _ = query.shape
+                fail_closed: bool = True, plan: planning.Plan | None = None,
+                alternative: backends.Backend | None = None):
+    """One device's decode: (out, lse) for its shard of the arrays. ``alternative`` (sm90, from
+    ``backends.auto_alternative``) replaces ``backend`` where this shard's shape is one sm90 runs
+    and ``backends.prefers_sm90`` holds."""
+    batch, q_len, num_heads, _ = query.shape
+    if alternative is not None and backends.prefers_sm90(batch, q_len, num_heads):
+        try:
+            gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
+            backend = alternative
+        except ValueError:
+            pass
     if fail_closed:
         seq_lens, plan = guard.guard(
             block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],

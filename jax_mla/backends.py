@@ -8,7 +8,9 @@ Every backend's ``decode`` has one signature::
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE`` or ``FP8_CACHE``). That
 order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2 on other CUDA GPUs
-from SM80, and xla everywhere else and for the fp8 cache.
+from SM80, and xla everywhere else and for the fp8 cache. On Hopper without a plan, each device
+then takes sm90 instead of fa3 where its shard's shape is one sm90 is faster at
+(``auto_alternative``, ``prefers_sm90``).
 """
 
 from __future__ import annotations
@@ -165,8 +167,9 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     """The name of the backend to run for a ``backend=`` argument on ``platform`` with a query of
     ``dtype`` and a cache of ``cache_format``.
 
-    "auto" takes the first available backend that takes both. A named backend must be available
-    here and take both; otherwise the error says why and what is available.
+    "auto" takes the first available backend that takes both (``auto_alternative`` says where a
+    device may take sm90 instead). A named backend must be available here and take both; otherwise
+    the error says why and what is available.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
@@ -190,6 +193,32 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
                         f"{' or '.join(str(d) for d in chosen.dtypes)}, got {jnp.dtype(dtype)}; "
                         "use backend='xla' for other dtypes")
     return backend
+
+
+def prefers_sm90(batch: int, q_len: int, num_heads: int) -> bool:
+    """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
+    heads is a shape where the committed benchmark (benchmarks/results/h200-sm90.md) has sm90
+    faster than fa3: a batch of 32 or more with up to 64 heads at q_len 1, or with up to 32 query
+    rows (q_len x heads) below a batch of 512."""
+    if batch < 32:
+        return False
+    if q_len == 1:
+        return num_heads <= 64
+    return q_len * num_heads <= 32 and batch < 512
+
+
+def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,
+                     cache_format: str = FLOAT_CACHE) -> Backend | None:
+    """The backend each device may take instead of ``chosen`` for ``backend=requested``: sm90 when
+    "auto" resolved to fa3 without a plan (a plan is fa3's) and sm90 runs here and takes the query
+    and cache; None otherwise. The choice is made per device, on its shard's shape
+    (``prefers_sm90``), because "auto" is resolved before the arrays are split."""
+    if requested != AUTO or plan is not None or chosen.name != FA3:
+        return None
+    sm90 = BY_NAME[SM90]
+    if SM90 not in available_backends(platform) or not sm90.takes(dtype, cache_format):
+        return None
+    return sm90
 
 
 def _why_unavailable(backend: Backend, platform: str) -> str:

@@ -221,6 +221,55 @@ def test_output_scale_is_applied_once(monkeypatch):
                                rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("batch,q_len,num_heads,prefers", [
+    (32, 1, 64, True), (32, 1, 8, True), (512, 1, 16, True), (31, 1, 16, False), (32, 1, 128, False),
+    (128, 2, 16, True), (32, 4, 8, True), (511, 2, 16, True), (512, 2, 16, False),
+    (128, 2, 32, False), (1, 1, 16, False)])
+def test_the_rule_follows_the_benchmark(batch, q_len, num_heads, prefers):
+    assert backends.prefers_sm90(batch, q_len, num_heads) is prefers
+
+
+def test_auto_offers_sm90_only_without_a_plan(monkeypatch, fake_hopper):
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    fa3 = backends.BY_NAME["fa3"]
+    assert backends.auto_alternative("auto", fa3, None, "gpu") is backends.BY_NAME[SM90]
+    assert backends.auto_alternative("auto", fa3, "device", "gpu") is None
+    assert backends.auto_alternative("fa3", fa3, None, "gpu") is None
+    assert backends.auto_alternative("auto", backends.BY_NAME["xla"], None, "gpu") is None
+    assert backends.auto_alternative("auto", fa3, None, "gpu", jnp.float32) is None
+    assert backends.auto_alternative("auto", fa3, None, "gpu", jnp.bfloat16, backends.FP8_CACHE) is None
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: "built without the sm90 handler")
+    assert backends.auto_alternative("auto", fa3, None, "gpu") is None
+
+
+def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatch):
+    """With "auto" resolving to fa3 and no plan, the kernel that runs follows the shard's shape:
+    sm90 for 32 requests of 16 heads, fa3 for 128 heads, for 8 requests and for a page size sm90
+    does not take (stand-in kernels record which one ran)."""
+    ran = []
+
+    def recording(name):
+        def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+                   kv_lora_rank, plan):
+            ran.append(name)
+            batch, q_len, num_heads, _ = query.shape
+            return (jnp.zeros((batch, q_len, num_heads, kv_lora_rank), query.dtype),
+                    jnp.zeros((batch, q_len, num_heads), jnp.float32))
+        return dataclasses.replace(backends.BY_NAME[name], decode=decode)
+
+    for name in ("fa3", SM90):
+        monkeypatch.setitem(backends.BY_NAME, name, recording(name))
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["fa3", "fa2", SM90, "xla"])
+    for batch, num_heads, page_size, expected in ((32, 16, 64, SM90), (32, 128, 64, "fa3"),
+                                                  (8, 16, 64, "fa3"), (32, 16, 16, "fa3")):
+        problem = make_problem(5, batch=batch, q_len=1, num_heads=num_heads, page_size=page_size,
+                               max_len=100, dtype=jnp.bfloat16)
+        ran.clear()
+        jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
+        assert ran == [expected], (batch, num_heads, page_size)
+
+
 # ---- on an SM90 GPU -----------------------------------------------------------------------------
 
 def sm90_blocker() -> str | None:
@@ -471,3 +520,18 @@ def sanitize_program() -> None:
     error = request_head_error(out, reference(problem)[0])
     print(json.dumps({"output_error": error}))
     assert error < OUT_TOL
+
+
+@on_gpu
+@pytest.mark.parametrize("batch,num_heads,expected", [(32, 16, SM90), (32, 128, "fa3"),
+                                                       (8, 16, "fa3")])
+def test_auto_without_a_plan_is_the_kernel_the_rule_names(batch, num_heads, expected):
+    """Bit for bit the named backend's result (plan=None), under jit."""
+    problem = make_problem(41, batch=batch, q_len=1, num_heads=num_heads, page_size=64,
+                           max_len=2000, dtype=jnp.bfloat16)
+
+    def run(backend):
+        return jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=problem.softmax_scale,
+                                                 backend=backend, return_lse=True))(*problem.arrays)
+
+    assert_identical(run("auto"), run(expected))
