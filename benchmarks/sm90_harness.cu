@@ -5,6 +5,8 @@
 //        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
 //   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
+//   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache (<= 32 query rows)
+//   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
 //   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
@@ -13,7 +15,7 @@
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|transposed|combine|all]
-//                         [--bad] [--iters N] [--check-only] [--ref-requests N]
+//                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
 //   number of M tiles is even.
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
@@ -21,8 +23,9 @@
 //   --plain-scores, --wide-combine, --narrow-combine (checks only): LaunchOptions'
 //   transposed_scores = 0, wide_combine = 1, wide_combine = 0.
 //
-// Inputs: random bf16 query and cache, page ids shuffled, every cache byte not holding a token
-// (unused pages, page tails) NaN, block-table padding garbage (out-of-range ids and ids of
+// Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
+// group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
+// pages, page tails) 0xFF (NaN in bf16, e4m3 and the f32 scales), block-table padding garbage (out-of-range ids and ids of
 // NaN pages). --bad adds out-of-range page ids inside the lengths and lengths of 0, < q_len and
 // over the table's capacity. The reference treats them as the kernel documents: lengths clamped
 // to [0, capacity], tokens of out-of-range pages masked, rows that see nothing give 0 and -inf.
@@ -36,6 +39,8 @@
 #include <random>
 #include <string>
 #include <vector>
+
+#include <cuda_fp8.h>
 
 #include "ffi/sm90/launch.cuh"
 
@@ -77,8 +82,35 @@ __global__ void FillRandom(__nv_bfloat16* x, size_t n, uint64_t seed, float amp)
   }
 }
 
-// Writes random values into the cache rows of every token < the clamped length (valid pages).
-__global__ void FillTokens(__nv_bfloat16* cache, const int* block_tables, const int* seq_lens,
+// Writes the fp8 cache row of random values x: per latent group of 128 channels (magnitude
+// 2^(group - 1)) scale = max|x| / 448 and e4m3(x / scale), then the bf16 rope (one warp per row).
+__device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed) {
+  const int lane = threadIdx.x % 32;
+  for (int g = 0; g < kLatentDim / kFp8GroupSize; ++g) {
+    float x[kFp8GroupSize / 32];
+    float amax = 0.f;
+    for (int i = 0; i < kFp8GroupSize / 32; ++i) {
+      const int c = g * kFp8GroupSize + 32 * i + lane;
+      x[i] = ldexpf(RandUniform(seed, row * kHeadDim + c), g - 1);
+      amax = fmaxf(amax, fabsf(x[i]));
+    }
+    for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const float scale = amax > 0.f ? amax * (1.0f / 448.0f) : 1.f;
+    for (int i = 0; i < kFp8GroupSize / 32; ++i) {
+      row_bytes[g * kFp8GroupSize + 32 * i + lane] =
+          __nv_cvt_float_to_fp8(x[i] / scale, __NV_SATFINITE, __NV_E4M3);
+    }
+    if (lane == 0) memcpy(row_bytes + kFp8ScalesOffset + 4 * g, &scale, 4);
+  }
+  for (int c = lane; c < kRopeDim; c += 32) {
+    const __nv_bfloat16 v = __float2bfloat16(RandUniform(seed, row * kHeadDim + kLatentDim + c));
+    memcpy(row_bytes + kFp8RopeOffset + 2 * c, &v, 2);
+  }
+}
+
+// Writes random values into the cache rows of every token < the clamped length (valid pages):
+// bf16 rows of 576, or fp8 rows of kFp8RowBytes.
+__global__ void FillTokens(void* cache, bool fp8, const int* block_tables, const int* seq_lens,
                            int max_pages, int page_size, int num_pages, uint64_t seed) {
   const int b = blockIdx.y;
   const long long cap = (long long)max_pages * page_size;
@@ -87,16 +119,39 @@ __global__ void FillTokens(__nv_bfloat16* cache, const int* block_tables, const 
     const int page = block_tables[(size_t)b * max_pages + t / page_size];
     if (page < 0 || page >= num_pages) continue;
     const size_t row = (size_t)page * page_size + t % page_size;
+    if (fp8) {
+      if (threadIdx.x < 32) {
+        WriteFp8Row(static_cast<uint8_t*>(cache) + row * kFp8RowBytes, row, seed);
+      }
+      continue;
+    }
+    __nv_bfloat16* rows = static_cast<__nv_bfloat16*>(cache);
     for (int c = threadIdx.x; c < kHeadDim; c += blockDim.x) {
-      cache[row * kHeadDim + c] = __float2bfloat16(RandUniform(seed, row * kHeadDim + c));
+      rows[row * kHeadDim + c] = __float2bfloat16(RandUniform(seed, row * kHeadDim + c));
     }
   }
+}
+
+// Channel c of cache row `row` as float: bf16, or the fp8 cache's e4m3 x scale (latent) and bf16
+// (rope).
+__device__ __forceinline__ float CacheValue(const void* cache, bool fp8, size_t row, int c) {
+  if (!fp8) return __bfloat162float(static_cast<const __nv_bfloat16*>(cache)[row * kHeadDim + c]);
+  const uint8_t* r = static_cast<const uint8_t*>(cache) + row * kFp8RowBytes;
+  if (c >= kLatentDim) {
+    __nv_bfloat16 v;
+    memcpy(&v, r + kFp8RopeOffset + 2 * (c - kLatentDim), 2);
+    return __bfloat162float(v);
+  }
+  float scale;
+  memcpy(&scale, r + kFp8ScalesOffset + 4 * (c / kFp8GroupSize), 4);
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(r[c], __NV_E4M3);
+  return __half2float(__half(h)) * scale;
 }
 
 // fp32 reference: one block per (query row, request).
 constexpr int kRefThreads = 256;
 __global__ void __launch_bounds__(kRefThreads)
-ReferenceKernel(const __nv_bfloat16* q, const __nv_bfloat16* cache, const int* block_tables,
+ReferenceKernel(const __nv_bfloat16* q, const void* cache, bool fp8, const int* block_tables,
                 const int* seq_lens, int q_len, int num_heads, int num_pages, int page_size,
                 int max_pages, float softmax_scale, float output_scale, float* scores,
                 size_t scores_stride, float* out, float* lse) {
@@ -118,9 +173,9 @@ ReferenceKernel(const __nv_bfloat16* q, const __nv_bfloat16* cache, const int* b
     const int page = block_tables[(size_t)b * max_pages + t / page_size];
     float s = -INFINITY;
     if (page >= 0 && page < num_pages) {
-      const __nv_bfloat16* k = cache + ((size_t)page * page_size + t % page_size) * kHeadDim;
+      const size_t kv_row = (size_t)page * page_size + t % page_size;
       float acc = 0.f;
-      for (int c = 0; c < kHeadDim; ++c) acc += qs[c] * __bfloat162float(k[c]);
+      for (int c = 0; c < kHeadDim; ++c) acc += qs[c] * CacheValue(cache, fp8, kv_row, c);
       s = acc * softmax_scale;
     }
     sc[t] = s;
@@ -153,7 +208,7 @@ ReferenceKernel(const __nv_bfloat16* q, const __nv_bfloat16* cache, const int* b
       const float p = sc[t];
       if (p == 0.f) continue;
       const int page = block_tables[(size_t)b * max_pages + t / page_size];
-      acc += p * __bfloat162float(cache[((size_t)page * page_size + t % page_size) * kHeadDim + c]);
+      acc += p * CacheValue(cache, fp8, (size_t)page * page_size + t % page_size, c);
     }
     out[gr * kLatentDim + c] = sum > 0.f ? acc / sum * output_scale : 0.f;
   }
@@ -173,6 +228,7 @@ struct CaseSpec {
   int batch = 1, q_len = 1, heads = 128, page = 64, L = 4096;
   std::string dist = "uniform";  // fixed | uniform (U[L/2, 3L/2]) | skew (1..L) | tiny (1..L)
   bool bad = false;
+  bool fp8 = false;              // the fp8 cache instead of bf16
   int ref_requests = -1;         // requests checked against the reference (-1: all)
   uint64_t seed = 1;
 };
@@ -182,7 +238,8 @@ struct Problem {
   int max_pages = 0, num_pages = 0, copies = 1;
   std::vector<int> lens;
   std::vector<std::vector<int>> tables;  // per copy, batch * max_pages
-  __nv_bfloat16 *q = nullptr, *cache = nullptr, *out = nullptr;
+  __nv_bfloat16 *q = nullptr, *out = nullptr;
+  void* cache = nullptr;
   float* lse = nullptr;
   int *d_lens = nullptr;
   std::vector<int*> d_tables;
@@ -194,6 +251,7 @@ struct Problem {
   size_t cache_bytes = 0;
 
   int rows() const { return spec.q_len * spec.heads; }
+  int row_bytes() const { return spec.fp8 ? kFp8RowBytes : kHeadDim * 2; }
 
   DecodeParams Params(int copy) const {
     DecodeParams p{};
@@ -217,6 +275,7 @@ struct Problem {
     p.output_scale = 1.0f;
     p.num_sms = num_sms;
     p.enable_pdl = true;
+    p.kv_fp8 = spec.fp8;
     return p;
   }
 
@@ -292,7 +351,7 @@ struct Problem {
       }
     }
     size_t q_elems = (size_t)s.batch * rows() * kHeadDim;
-    cache_bytes = (size_t)num_pages * s.page * kHeadDim * 2;
+    cache_bytes = (size_t)num_pages * s.page * row_bytes();
     CHECK_CUDA(cudaMalloc(&q, q_elems * 2));
     CHECK_CUDA(cudaMalloc(&cache, cache_bytes));
     CHECK_CUDA(cudaMalloc(&out, (size_t)s.batch * rows() * kLatentDim * 2));
@@ -312,10 +371,10 @@ struct Problem {
     CHECK_CUDA(cudaMemset(workspace, 0xFF, workspace_bytes));
     FillRandom<<<1024, 256>>>(q, q_elems, s.seed * 7 + 1, 3.0f);
     CHECK_CUDA(cudaGetLastError());
-    CHECK_CUDA(cudaMemset(cache, 0xFF, cache_bytes));  // bf16 0xFFFF is NaN
+    CHECK_CUDA(cudaMemset(cache, 0xFF, cache_bytes));  // NaN in bf16, e4m3 and f32
     for (int c = 0; c < copies; ++c) {
       FillTokens<<<dim3(std::min(max_len + 1, 4096), s.batch), 128>>>(
-          cache, d_tables[c], d_lens, max_pages, s.page, num_pages, s.seed * 13 + c);
+          cache, s.fp8, d_tables[c], d_lens, max_pages, s.page, num_pages, s.seed * 13 + c);
       CHECK_CUDA(cudaGetLastError());
     }
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -396,7 +455,7 @@ static CheckResult Check(Problem& pb, double tol) {
   CHECK_CUDA(cudaMalloc(&d_ref_lse, (size_t)nref * rows * 4));
   DecodeParams p = pb.Params(0);
   ReferenceKernel<<<dim3(rows, nref), kRefThreads>>>(
-      pb.q, pb.cache, pb.d_tables[0], pb.d_lens, s.q_len, s.heads, pb.num_pages, s.page,
+      pb.q, pb.cache, s.fp8, pb.d_tables[0], pb.d_lens, s.q_len, s.heads, pb.num_pages, s.page,
       pb.max_pages, p.softmax_scale, p.output_scale, d_scores, stride, d_ref, d_ref_lse);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -459,11 +518,13 @@ struct Suite {
   std::vector<CaseSpec> cases;
   int seed_base;
 
+  bool fp8 = false;
+
   void add(const char* name, int B, int q, int H, int page, int L, const char* dist,
            bool bad = false) {
     CaseSpec s;
     s.name = name; s.batch = B; s.q_len = q; s.heads = H; s.page = page; s.L = L; s.dist = dist;
-    s.bad = bad; s.seed = seed_base + static_cast<int>(cases.size());
+    s.bad = bad; s.fp8 = fp8; s.seed = seed_base + static_cast<int>(cases.size());
     cases.push_back(s);
   }
 };
@@ -490,6 +551,41 @@ static std::vector<CaseSpec> CheckSuite() {
   v.add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
   v.add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
   v.add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
+  return v.cases;
+}
+
+// The fp8 cache's kernel takes q_len * num_heads <= kFp8MaxRows.
+static std::vector<CaseSpec> CheckSuiteFp8() {
+  Suite v{{}, 3000, true};
+  v.add("b1-4k-h16", 1, 1, 16, 64, 4096, "fixed");
+  v.add("b1-4k-h16-p32", 1, 1, 16, 32, 4096, "fixed");
+  v.add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
+  v.add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
+  v.add("q2-h16", 4, 2, 16, 64, 4096, "uniform");
+  v.add("q2-h16-p32", 4, 2, 16, 32, 4096, "uniform");
+  v.add("h8", 3, 1, 8, 64, 3000, "uniform");
+  v.add("h8-p32", 3, 1, 8, 32, 3000, "uniform");
+  v.add("b32-4k-h16", 32, 1, 16, 64, 4096, "uniform");
+  v.add("h32", 5, 1, 32, 64, 2000, "uniform");
+  v.add("h8-q4-p32", 3, 4, 8, 32, 2500, "uniform");
+  v.add("h8-q3", 4, 3, 8, 64, 700, "uniform");
+  v.add("h4-q4", 4, 4, 4, 64, 900, "uniform");
+  v.add("tiny-q2-h16", 16, 2, 16, 32, 9, "tiny");
+  v.add("many-short-h16", 300, 1, 16, 64, 600, "tiny");
+  v.add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
+  v.add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
+  v.add("bad-h8-p64", 6, 1, 8, 64, 2000, "uniform", true);
+  return v.cases;
+}
+
+static std::vector<CaseSpec> SanitizeSuiteFp8() {
+  Suite v{{}, 4000, true};
+  v.add("b1-h16", 1, 1, 16, 64, 1000, "fixed");
+  v.add("skew-h16", 6, 1, 16, 64, 1500, "skew");
+  v.add("q2-h16-p32", 3, 2, 16, 32, 700, "uniform");
+  v.add("h8", 3, 1, 8, 64, 500, "uniform");
+  v.add("h32-b8", 8, 1, 32, 64, 600, "uniform");
+  v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   return v.cases;
 }
 
@@ -585,12 +681,13 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
   // Rotate among enough copies that the bytes touched per round exceed 4x the L2.
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
-  const double one_copy = (double)s.batch * s.L * kHeadDim * 2;
+  const int row_bytes = s.fp8 ? kFp8RowBytes : kHeadDim * 2;
+  const double one_copy = (double)s.batch * s.L * row_bytes;
   int copies = (int)std::min(32.0, std::max(1.0, std::ceil(4.0 * prop.l2CacheSize / one_copy)));
   pb.Build(s, copies);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const double bytes = (double)pb.sum_len * kHeadDim * 2;
+  const double bytes = (double)pb.sum_len * row_bytes;
   const double flops = 2.0 * (kHeadDim + kLatentDim) * s.heads * s.q_len * (double)pb.sum_len;
   const double floor_us = std::max(bytes / 4.3e12, flops / 790e12) * 1e6;
   const int rows = pb.rows();
@@ -636,8 +733,8 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     CHECK_CUDA(cudaMemcpy(out.data(), pb.out, out.size() * 2, cudaMemcpyDeviceToHost));
     bool nan = false;
     for (auto v : out) if (std::isnan(Bf16ToFloat(v))) { nan = true; break; }
-    printf("| %d | %d | %d | %d | %d | %s | %.1f | %.1f | %.2f | %.0f | %.0f%% | %.1f..%.1f | %d | %s |\n",
-           s.heads, s.batch, s.L, s.q_len, s.page, var.name, us, floor_us, bytes / us / 1e6,
+    printf("| %d | %d | %d | %d | %d | %s%s | %.1f | %.1f | %.2f | %.0f | %.0f%% | %.1f..%.1f | %d | %s |\n",
+           s.heads, s.batch, s.L, s.q_len, s.page, s.fp8 ? "fp8 " : "", var.name, us, floor_us, bytes / us / 1e6,
            flops / us / 1e6, 100.0 * floor_us / us, times.front(), times.back(), pb.copies,
            nan ? "NaN!" : "ok");
     fflush(stdout);
@@ -665,7 +762,8 @@ static void PrintDevice() {
   printf("device: %s, %d SMs, L2 %d MB, smem/block optin %zu, driver %d, runtime %d\n", prop.name,
          prop.multiProcessorCount, prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin, driver,
          runtime);
-  printf("kernel: %d threads, %d B dynamic smem, parts(H=128,q=1)=%d\n", kThreads, kSmemBytes,
+  printf("kernel: %d threads, %d B dynamic smem (fp8 cache: %d B), parts(H=128,q=1)=%d\n",
+         kThreads, SmemLayout<false>::kBytes, SmemLayout<true>::kBytes,
          NumParts(prop.multiProcessorCount, 1, 128));
 }
 
@@ -698,6 +796,27 @@ int main(int argc, char** argv) {
   PrintDevice();
   if (mode == "check") return RunSuite(CheckSuite(), "check");
   if (mode == "sanitize") return RunSuite(SanitizeSuite(), "sanitize suite");
+  if (mode == "check-fp8") return RunSuite(CheckSuiteFp8(), "fp8 check");
+  if (mode == "sanitize-fp8") return RunSuite(SanitizeSuiteFp8(), "fp8 sanitize suite");
+  if (mode == "time-fp8") {
+    // Each problem with the bf16 cache, then the same lengths and tables with the fp8 cache.
+    int iters = argc > 2 ? atoi(argv[2]) : 50;
+    PrintTimeHeader();
+    const std::vector<std::tuple<int, int, int, int>> grid = {
+        {16, 32, 4096, 1}, {16, 32, 16384, 1}, {16, 128, 4096, 1}, {16, 128, 16384, 1},
+        {8, 128, 4096, 1}, {32, 128, 4096, 1}, {16, 64, 4096, 2}, {16, 1, 4096, 1}};
+    for (auto [H, B, L, q_len] : grid) {
+      for (bool fp8 : {false, true}) {
+        CaseSpec s;
+        s.name = "time"; s.batch = B; s.heads = H; s.L = L; s.q_len = q_len; s.page = 64;
+        s.dist = B == 1 ? "fixed" : "uniform";
+        s.seed = 77 + B + L + H;
+        s.fp8 = fp8;
+        RunTime(s, iters, AllVariants("default"));
+      }
+    }
+    return 0;
+  }
   if (mode == "time") {
     int iters = argc > 2 ? atoi(argv[2]) : 50;
     const auto variants = AllVariants(argc > 3 ? argv[3] : "default");
@@ -757,6 +876,7 @@ int main(int argc, char** argv) {
       else if (a == "--page") s.page = atoi(next());
       else if (a == "--dist") s.dist = next();
       else if (a == "--bad") s.bad = true;
+      else if (a == "--fp8") s.fp8 = true;
       else if (a == "--iters") iters = atoi(next());
       else if (a == "--check-only" || a == "--sanitize") check_only = true;
       else if (a == "--ref-requests") s.ref_requests = atoi(next());
@@ -771,7 +891,8 @@ int main(int argc, char** argv) {
     }
     return ok ? 0 : 1;
   }
-  printf("usage: %s check | sanitize | time [iters] [variants] | one --B .. --L .. --H .. "
+  printf("usage: %s check | sanitize | check-fp8 | sanitize-fp8 | time [iters] [variants] | "
+         "time-fp8 [iters] | one --B .. --L .. --H .. "
          "[--variants NAME]\n"
          "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
          "--fixed-cost N "

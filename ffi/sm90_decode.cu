@@ -1,14 +1,17 @@
 // XLA FFI handlers of jax_mla's own SM90 (Hopper) MLA decode kernel (ffi/sm90).
 //
 // JaxMlaSm90Schedule builds the step's split-KV schedule from seq_lens; JaxMlaSm90Decode decodes
-// one layer with it: the decode and combine kernels on XLA's stream. The schedule depends only on
+// one layer with it (JaxMlaSm90DecodeFp8 with the fp8 cache): the decode and combine kernels on
+// XLA's stream. The schedule depends only on
 // seq_lens and the block table's shape, so the custom calls of every layer of a step are identical
 // and XLA keeps one of them (common-subexpression elimination): the schedule is built once per
 // step. The tensor maps of the query and the cache are encoded on the host from the buffer
 // pointers of each call (no device work, no sync), so both handlers are command-buffer compatible.
 //
 //   query        bf16 [B, q_len, H, 576]       (kv_lora_rank 512 + rope 64)
-//   kv_cache     bf16 [num_pages, page_size, 576], page_size 32 or 64
+//   kv_cache     bf16 [num_pages, page_size, 576], page_size 32 or 64; JaxMlaSm90DecodeFp8: the
+//                fp8 cache, u8 [num_pages, page_size, 656] (docs/fp8-cache.md), with
+//                q_len * num_heads <= 32
 //   block_tables int32 [B, max_pages]
 //   seq_lens     int32 [B]
 //   schedule     int32 [B + 1]                  (JaxMlaSm90Schedule's result)
@@ -69,8 +72,10 @@ ffi::Error Launched(const std::string& what, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
+// kCacheType: ffi::BF16 for the bf16 cache, ffi::U8 for the fp8 cache.
+template <ffi::DataType kCacheType>
 ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
-                          ffi::Buffer<ffi::BF16> kv_cache, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<kCacheType> kv_cache, ffi::Buffer<ffi::S32> block_tables,
                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> schedule,
                           ffi::Result<ffi::Buffer<ffi::BF16>> out,
                           ffi::Result<ffi::Buffer<ffi::F32>> lse,
@@ -90,9 +95,15 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
                    "] and num_heads in [1, " + std::to_string(kMaxHeads) + "], got query " +
                    Shape(q));
   }
-  if (kv.size() != 3 || kv[2] != kHeadDim || kv[0] < 1) {
-    return Invalid("kv_cache must be [num_pages >= 1, page_size, " + std::to_string(kHeadDim) +
-                   "], got " + Shape(kv));
+  constexpr bool kFp8 = kCacheType == ffi::U8;
+  const int64_t row = kFp8 ? kFp8RowBytes : kHeadDim;
+  if (kv.size() != 3 || kv[2] != row || kv[0] < 1) {
+    return Invalid(std::string(kFp8 ? "the fp8 " : "") + "kv_cache must be [num_pages >= 1, "
+                   "page_size, " + std::to_string(row) + "], got " + Shape(kv));
+  }
+  if (kFp8 && q_len * heads > kFp8MaxRows) {
+    return Invalid("the fp8 cache needs q_len * num_heads <= " + std::to_string(kFp8MaxRows) +
+                   ", got query " + Shape(q));
   }
   const int64_t num_pages = kv[0], page_size = kv[1];
   if (page_size != 32 && page_size != 64) {
@@ -172,6 +183,7 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   p.output_scale = static_cast<float>(output_scale);
   p.num_sms = static_cast<int>(sm_count);
   p.enable_pdl = enable_pdl;
+  p.kv_fp8 = kFp8;
 
   return Launched("decode", LaunchDecode(p, stream));
 }
@@ -221,21 +233,36 @@ extern "C" size_t JaxMlaSm90WorkspaceBytes(int64_t batch, int64_t q_len, int64_t
                                        static_cast<int>(num_heads), static_cast<int>(sm_count));
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90Decode, jax_mla::Sm90DecodeImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // query
-                                  .Arg<ffi::Buffer<ffi::BF16>>()   // kv_cache
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // block_tables
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // seq_lens
-                                  .Arg<ffi::Buffer<ffi::S32>>()    // schedule
-                                  .Ret<ffi::Buffer<ffi::BF16>>()   // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()    // lse
-                                  .Ret<ffi::Buffer<ffi::U8>>()     // workspace
-                                  .Attr<double>("softmax_scale")
-                                  .Attr<double>("output_scale")
-                                  .Attr<int64_t>("sm_count")
-                                  .Attr<bool>("enable_pdl"),
+namespace jax_mla {
+namespace {
+
+template <ffi::DataType kCacheType>
+auto DecodeBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()                // query
+      .Arg<ffi::Buffer<kCacheType>>()               // kv_cache
+      .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables
+      .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()        // schedule
+      .template Ret<ffi::Buffer<ffi::BF16>>()       // out
+      .template Ret<ffi::Buffer<ffi::F32>>()        // lse
+      .template Ret<ffi::Buffer<ffi::U8>>()         // workspace
+      .template Attr<double>("softmax_scale")
+      .template Attr<double>("output_scale")
+      .template Attr<int64_t>("sm_count")
+      .template Attr<bool>("enable_pdl");
+}
+
+}  // namespace
+}  // namespace jax_mla
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90Decode, jax_mla::Sm90DecodeImpl<ffi::BF16>,
+                              jax_mla::DecodeBinding<ffi::BF16>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90DecodeFp8, jax_mla::Sm90DecodeImpl<ffi::U8>,
+                              jax_mla::DecodeBinding<ffi::U8>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90Schedule, jax_mla::Sm90ScheduleImpl,

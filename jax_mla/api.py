@@ -24,7 +24,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim], same dtype as ``query``. The first
         ``kv_lora_rank`` channels of a token are both its latent key part and its value. Or the fp8
         cache: uint8 [num_pages, page_size, row_bytes] from ``allocate_cache(..., dtype="fp8")``
-        (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend.
+        (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend and,
+        for up to 32 query rows (q_len x heads) per device, by sm90.
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.
@@ -32,10 +33,12 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       output_scale: multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
-        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format;
-        on Hopper, with ``plan=None``, a device whose shard has a batch of 32 or more with up to 64
-        heads at q_len 1 (or up to 32 query rows below a batch of 512) takes sm90 instead of fa3
-        (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it faster).
+        of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format
+        (sm90 aside); on Hopper, with ``plan=None``, a device whose shard has a batch of 32 or more
+        with up to 64 heads at q_len 1 (or up to 32 query rows below a batch of 512) takes sm90
+        instead of fa3 (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it
+        faster), and with the fp8 cache a device whose shard has up to 32 query rows takes sm90
+        instead of xla.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
@@ -103,10 +106,10 @@ def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_le
                 fail_closed: bool = True, plan: planning.Plan | None = None,
                 alternative: backends.Backend | None = None):
     """One device's decode: (out, lse) for its shard of the arrays. ``alternative`` (sm90, from
-    ``backends.auto_alternative``) replaces ``backend`` where this shard's shape is one sm90 runs
-    and ``backends.prefers_sm90`` holds."""
+    ``backends.auto_alternative``) replaces ``backend`` where ``backends.prefers_sm90`` holds for
+    this shard's shape and sm90 runs it (``gpu.check_sm90_shapes``)."""
     batch, q_len, num_heads, _ = query.shape
-    if alternative is not None and backends.prefers_sm90(batch, q_len, num_heads):
+    if alternative is not None and backends.prefers_sm90(batch, q_len, num_heads, backend.name):
         try:
             gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
             backend = alternative

@@ -8,8 +8,9 @@ Every backend's ``decode`` has one signature::
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE`` or ``FP8_CACHE``). That
 order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2 on other CUDA GPUs
-from SM80, and xla everywhere else and for the fp8 cache. On Hopper without a plan, each device
-then takes sm90 instead of fa3 where its shard's shape is one sm90 is faster at
+from SM80, and xla everywhere else and for the fp8 cache. sm90 is never that first pick, because
+what it takes depends on the shape of each device's shard: on Hopper without a plan each device
+takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs and is faster at
 (``auto_alternative``, ``prefers_sm90``).
 """
 
@@ -54,6 +55,8 @@ class Backend:
       decode: the implementation, with the signature in the module docstring.
       missing: for a backend that needs more than its GPU and jax_mla's GPU runtime, a function
         saying why it cannot run here (None when it can).
+      first_pick: whether "auto" may take it before the arrays are split over devices; a backend
+        whose shape limits depend on the shard is taken per device instead (``auto_alternative``).
     """
 
     name: str
@@ -65,6 +68,7 @@ class Backend:
     applies_output_scale: bool
     decode: Callable
     missing: Callable[[], str | None] = lambda: None
+    first_pick: bool = True
 
     def takes_dtype(self, dtype) -> bool:
         return not self.dtypes or jnp.dtype(dtype) in self.dtypes
@@ -119,11 +123,10 @@ TABLE: tuple[Backend, ...] = (
             BF16, FLOAT_ONLY, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA3)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
             BF16, FLOAT_ONLY, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA2)),
-    # jax_mla's own Hopper kernel (ffi/sm90), after fa3/fa2 so that "auto" keeps fa3 until the
-    # committed benchmark shows sm90 faster.
+    # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative).
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_sm90_decode,
-            missing=lambda: gpu.sm90_missing()),
+            BF16, (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
+            decode=_sm90_decode, missing=lambda: gpu.sm90_missing(), first_pick=False),
     Backend(XLA, "any JAX platform", None,
             (), (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
             decode=_xla_decode),
@@ -176,7 +179,8 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
                         f"{type(backend).__name__}")
     available = available_backends(platform)
     if backend == AUTO:
-        return next(name for name in available if BY_NAME[name].takes(dtype, cache_format))
+        return next(name for name in available
+                    if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format))
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")
@@ -195,11 +199,14 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     return backend
 
 
-def prefers_sm90(batch: int, q_len: int, num_heads: int) -> bool:
+def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) -> bool:
     """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
-    heads is a shape where the committed benchmark (benchmarks/results/h200-sm90.md) has sm90
-    faster than fa3: a batch of 32 or more with up to 64 heads at q_len 1, or with up to 32 query
-    rows (q_len x heads) below a batch of 512."""
+    heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
+    fa3 where the committed benchmark (benchmarks/results/h200-sm90.md) has it faster, a batch of
+    32 or more with up to 64 heads at q_len 1, or with up to 32 query rows (q_len x heads) below a
+    batch of 512."""
+    if instead_of == XLA:
+        return True
     if batch < 32:
         return False
     if q_len == 1:
@@ -210,10 +217,11 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int) -> bool:
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,
                      cache_format: str = FLOAT_CACHE) -> Backend | None:
     """The backend each device may take instead of ``chosen`` for ``backend=requested``: sm90 when
-    "auto" resolved to fa3 without a plan (a plan is fa3's) and sm90 runs here and takes the query
-    and cache; None otherwise. The choice is made per device, on its shard's shape
-    (``prefers_sm90``), because "auto" is resolved before the arrays are split."""
-    if requested != AUTO or plan is not None or chosen.name != FA3:
+    "auto" resolved to fa3 or xla without a plan (a plan is fa3's) and sm90 runs here and takes the
+    query and cache; None otherwise. The choice is made per device, on its shard's shape
+    (``prefers_sm90``, then the shapes sm90 runs: with the fp8 cache up to 32 query rows), because
+    "auto" is resolved before the arrays are split."""
+    if requested != AUTO or plan is not None or chosen.name not in (FA3, XLA):
         return None
     sm90 = BY_NAME[SM90]
     if SM90 not in available_backends(platform) or not sm90.takes(dtype, cache_format):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla import planning
+from jax_mla import fp8_cache, planning
 
 LIBRARY_NAME = "libjax_mla_ffi.so"
 # XLA custom-call target name -> exported handler symbol of each stage.
@@ -32,10 +32,11 @@ TARGETS = {
     "jax_mla_device_plan": {"execute": "JaxMlaDevicePlan"},
     "jax_mla_sm90_schedule": {"execute": "JaxMlaSm90Schedule"},
     "jax_mla_sm90_decode": {"execute": "JaxMlaSm90Decode"},
+    "jax_mla_sm90_decode_fp8": {"execute": "JaxMlaSm90DecodeFp8"},
 }
 # Targets a library may have been built without (ffi/CMakeLists.txt skips the sm90 handler when it
 # finds no CUTLASS headers): register_targets skips them, sm90_missing() says why.
-OPTIONAL_TARGETS = ("jax_mla_sm90_schedule", "jax_mla_sm90_decode")
+OPTIONAL_TARGETS = ("jax_mla_sm90_schedule", "jax_mla_sm90_decode", "jax_mla_sm90_decode_fp8")
 # ffi::State types of the handlers: name -> symbols returning its type id and type info.
 STATE_TYPES = {
     "jax_mla_plan_staging": ("JaxMlaPlanStagingTypeId", "JaxMlaPlanStagingTypeInfo"),
@@ -305,6 +306,7 @@ SM90_PAGE_SIZES = (32, 64)
 SM90_DIMS = (512, 64)  # (kv_lora_rank, rope_dim)
 SM90_MAX_Q_LEN = 4
 SM90_MAX_HEADS = 128
+SM90_FP8_MAX_ROWS = 32  # q_len * num_heads per device with the fp8 cache (ffi/sm90 kFp8MaxRows)
 SM90_SYMBOL = "JaxMlaSm90Decode"
 
 
@@ -361,6 +363,10 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int, softmax_
     if not 1 <= num_heads <= SM90_MAX_HEADS:
         raise ValueError(f"sm90 supports query num_heads (dim 2) in [1, {SM90_MAX_HEADS}], got "
                          f"{num_heads}")
+    if fp8_cache.is_fp8_cache(kv_cache) and q_len * num_heads > SM90_FP8_MAX_ROWS:
+        raise ValueError(f"sm90 takes the fp8 cache for up to {SM90_FP8_MAX_ROWS} query rows "
+                         f"(q_len x num_heads) per device, got query q_len {q_len} x num_heads "
+                         f"{num_heads} = {q_len * num_heads}; backend='xla' takes any")
     if num_pages < 1:
         raise ValueError(f"sm90 needs kv_cache with at least one page, got shape {tuple(kv_cache.shape)}")
     if num_pages * page_size >= 2**31:
@@ -388,7 +394,8 @@ def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):
 
 def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
                 output_scale: float, kv_lora_rank: int):
-    """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``.
+    """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``, or the fp8 cache (uint8
+    [num_pages, page_size, 656], docs/fp8-cache.md) for up to 32 query rows (q_len x num_heads).
 
     Builds its split-KV schedule from ``seq_lens`` on the GPU (``sm90_schedule``, once per step
     after XLA merges the layers' identical calls), then decodes; no host work.
@@ -405,7 +412,8 @@ def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float
         jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),
         jax.ShapeDtypeStruct((sm90_workspace_bytes(batch, q_len, num_heads, num_sms),), jnp.uint8),
     )
-    out, lse, _ = jax.ffi.ffi_call("jax_mla_sm90_decode", results)(
+    target = "jax_mla_sm90_decode_fp8" if fp8_cache.is_fp8_cache(kv_cache) else "jax_mla_sm90_decode"
+    out, lse, _ = jax.ffi.ffi_call(target, results)(
         query, kv_cache, block_tables, seq_lens, schedule, softmax_scale=np.float64(softmax_scale),
         output_scale=np.float64(output_scale), sm_count=np.int64(num_sms), enable_pdl=True)
     return out, lse

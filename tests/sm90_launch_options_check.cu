@@ -82,5 +82,18 @@ int main() {
   Run("query_misaligned", [](DecodeParams& p, LaunchOptions&) { p.query = placeholder + 8; });
   Run("no_schedule", [](DecodeParams& p, LaunchOptions&) { p.schedule = nullptr; });
   Run("min_blocks_per_part=0", [](DecodeParams& p, LaunchOptions&) { p.min_blocks_per_part = 0; });
+  Run("fp8,33_rows", [](DecodeParams& p, LaunchOptions&) {
+    p.kv_fp8 = true;
+    p.q_len = 3;
+    p.num_heads = 11;
+  });
+  Run("fp8,scores_not_transposed", [](DecodeParams& p, LaunchOptions& o) {
+    p.kv_fp8 = true;
+    o.transposed_scores = 0;
+  });
+  Run("fp8,experiment=1", [](DecodeParams& p, LaunchOptions& o) {
+    p.kv_fp8 = true;
+    o.experiment = 1;
+  });
   return 0;
 }

@@ -283,13 +283,14 @@ def test_decode_rejects(overrides, error, message):
 
 # ---- backends ---------------------------------------------------------------------------------------
 
-def test_only_xla_takes_the_fp8_cache():
-    assert [b.name for b in backends.TABLE if backends.FP8_CACHE in b.cache_formats] == ["xla"]
+def test_xla_and_sm90_take_the_fp8_cache():
+    assert [b.name for b in backends.TABLE if backends.FP8_CACHE in b.cache_formats] == ["sm90", "xla"]
     assert all(backends.FLOAT_CACHE in b.cache_formats for b in backends.TABLE)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0)])
 def test_auto_picks_xla_for_the_fp8_cache(monkeypatch, capability):
+    """Before the arrays are split; on Hopper each device may then take sm90 (tests/test_sm90.py)."""
     monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
     monkeypatch.setattr(gpu, "capability", lambda device=None: capability)
     assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.FP8_CACHE) == "xla"
@@ -302,12 +303,12 @@ def test_auto_on_cpu_runs_xla_on_the_fp8_cache():
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
 
 
-@pytest.mark.parametrize("backend", ["trtllm-gen", "fa3", "fa2", "sm90"])
-def test_gpu_backends_refuse_the_fp8_cache(monkeypatch, backend):
+@pytest.mark.parametrize("backend", ["trtllm-gen", "fa3", "fa2"])
+def test_flashinfer_backends_refuse_the_fp8_cache(monkeypatch, backend):
     monkeypatch.setattr(backends, "available_backends",
                         lambda platform=None: ["trtllm-gen", "fa3", "fa2", "sm90", "xla"])
     message = (rf"backend '{backend}' takes bfloat16 caches only, got an fp8 cache "
-               r"\(docs/fp8-cache.md\); backends that take it: \['xla'\]")
+               r"\(docs/fp8-cache.md\); backends that take it: \['sm90', 'xla'\]")
     with pytest.raises(TypeError, match=message):
         backends.resolve(backend, "gpu", jnp.bfloat16, backends.FP8_CACHE)
     query = FP8.query.astype(jnp.bfloat16)

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (HAS_TVM_FFI, assert_custom_calls_in_command_buffers, check_accuracy, lse_error,
-                      make_problem, request_head_error, tolerances)
+from conftest import (HAS_TVM_FFI, assert_custom_calls_in_command_buffers, check_accuracy,
+                      fp8_problem, lse_error, make_problem, request_head_error, tolerances)
 
 import jax_mla
 from jax_mla import api, backends, gpu, xla_backend
@@ -136,6 +136,29 @@ def test_unsupported_shapes_are_named(lowering_stubs, change, message):
         lower(*shapes(**change), kv_lora_rank=change.get("head_dim", 576) - 64)
 
 
+def fp8_shapes(batch=4, q_len=2, num_heads=16, num_pages=64, page_size=64, max_pages=8):
+    query, _, tables, lens = shapes(batch, q_len, num_heads, num_pages, page_size, max_pages)
+    return query, jax.ShapeDtypeStruct((num_pages, page_size, 656), jnp.uint8), tables, lens
+
+
+@pytest.mark.parametrize("q_len,num_heads", [(1, 16), (2, 16), (4, 8), (1, 32)])
+def test_the_fp8_cache_lowers_to_its_own_target(lowering_stubs, q_len, num_heads):
+    text = lower(*fp8_shapes(q_len=q_len, num_heads=num_heads))
+    call = next(line for line in text.splitlines() if "@jax_mla_sm90_decode_fp8(" in line)
+    inputs = call.rsplit(" : ", 1)[1].split(" -> ")[0]
+    assert re.findall(r"tensor<[^>]+>", inputs)[1] == "tensor<64x64x656xui8>"
+    assert "@jax_mla_sm90_decode(" not in text
+
+
+@pytest.mark.parametrize("q_len,num_heads", [(1, 33), (1, 64), (3, 11), (4, 16)])
+def test_the_fp8_cache_takes_at_most_32_query_rows(lowering_stubs, q_len, num_heads):
+    with pytest.raises(ValueError, match=rf"sm90 takes the fp8 cache for up to 32 query rows "
+                                         rf"\(q_len x num_heads\) per device, got query q_len {q_len} "
+                                         rf"x num_heads {num_heads} = {q_len * num_heads}; "
+                                         r"backend='xla' takes any"):
+        lower(*fp8_shapes(q_len=q_len, num_heads=num_heads))
+
+
 def test_kv_lora_rank_other_than_512_is_refused(lowering_stubs):
     with pytest.raises(ValueError, match=r"\(kv_lora_rank, rope_dim\) = \(512, 64\), got \(448, 128\)"):
         lower(*shapes(), kv_lora_rank=448)
@@ -157,10 +180,12 @@ def test_unsupported_shapes_are_named_through_decode(monkeypatch, lowering_stubs
         jax_mla.decode(*shapes(), softmax_scale=0.1, backend=SM90, plan="device")
 
 
-def test_sm90_is_listed_after_fa3_and_fa2():
+def test_sm90_is_listed_after_fa3_and_fa2_and_never_the_first_pick():
     names = [b.name for b in backends.TABLE]
     assert names.index(SM90) > names.index(backends.FA2) > names.index(backends.FA3)
     sm90 = backends.BY_NAME[SM90]
+    assert not sm90.first_pick and all(b.first_pick for b in backends.TABLE if b is not sm90)
+    assert sm90.cache_formats == (backends.FLOAT_CACHE, backends.FP8_CACHE)
     assert sm90.runs_on_gpu((9, 0)) and not sm90.runs_on_gpu((10, 0)) and not sm90.runs_on_gpu((8, 0))
     assert not sm90.takes_plan and sm90.applies_output_scale
 
@@ -227,17 +252,21 @@ def test_output_scale_is_applied_once(monkeypatch):
     (128, 2, 32, False), (1, 1, 16, False)])
 def test_the_rule_follows_the_benchmark(batch, q_len, num_heads, prefers):
     assert backends.prefers_sm90(batch, q_len, num_heads) is prefers
+    assert backends.prefers_sm90(batch, q_len, num_heads, instead_of="xla")
 
 
 def test_auto_offers_sm90_only_without_a_plan(monkeypatch, fake_hopper):
     monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
-    fa3 = backends.BY_NAME["fa3"]
-    assert backends.auto_alternative("auto", fa3, None, "gpu") is backends.BY_NAME[SM90]
+    fa3, xla, sm90 = (backends.BY_NAME[name] for name in ("fa3", "xla", SM90))
+    fp8 = backends.FP8_CACHE
+    assert backends.auto_alternative("auto", fa3, None, "gpu") is sm90
+    assert backends.auto_alternative("auto", xla, None, "gpu") is sm90  # Hopper without FlashInfer
+    assert backends.auto_alternative("auto", xla, None, "gpu", jnp.bfloat16, fp8) is sm90
     assert backends.auto_alternative("auto", fa3, "device", "gpu") is None
     assert backends.auto_alternative("fa3", fa3, None, "gpu") is None
-    assert backends.auto_alternative("auto", backends.BY_NAME["xla"], None, "gpu") is None
+    assert backends.auto_alternative("xla", xla, None, "gpu", jnp.bfloat16, fp8) is None
     assert backends.auto_alternative("auto", fa3, None, "gpu", jnp.float32) is None
-    assert backends.auto_alternative("auto", fa3, None, "gpu", jnp.bfloat16, backends.FP8_CACHE) is None
+    assert backends.auto_alternative("auto", xla, None, "gpu", jnp.float32, fp8) is None
     monkeypatch.setattr(gpu, "sm90_missing", lambda: "built without the sm90 handler")
     assert backends.auto_alternative("auto", fa3, None, "gpu") is None
 
@@ -257,7 +286,7 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
                     jnp.zeros((batch, q_len, num_heads), jnp.float32))
         return dataclasses.replace(backends.BY_NAME[name], decode=decode)
 
-    for name in ("fa3", SM90):
+    for name in ("fa3", SM90, "xla"):
         monkeypatch.setitem(backends.BY_NAME, name, recording(name))
     monkeypatch.setattr(backends, "available_backends",
                         lambda platform=None: ["fa3", "fa2", SM90, "xla"])
@@ -268,6 +297,16 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
         ran.clear()
         jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
         assert ran == [expected], (batch, num_heads, page_size)
+    # The fp8 cache: "auto" resolves to xla; sm90 where the shard has at most 32 query rows.
+    for batch, q_len, num_heads, page_size, expected in ((1, 1, 16, 64, SM90), (3, 2, 16, 32, SM90),
+                                                         (3, 1, 64, 64, "xla"),
+                                                         (3, 1, 16, 16, "xla")):
+        problem, _ = fp8_problem(make_problem(6, batch=batch, q_len=q_len, num_heads=num_heads,
+                                              page_size=page_size, max_len=100,
+                                              dtype=jnp.bfloat16), 6)
+        ran.clear()
+        jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
+        assert ran == [expected], (batch, q_len, num_heads, page_size)
 
 
 # ---- on an SM90 GPU -----------------------------------------------------------------------------

@@ -21,6 +21,7 @@
 
 #include <cuda.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <utility>
@@ -113,9 +114,10 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
 // are beyond the length or their page id is out of range.
 __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, int len) {
   if (token0 >= len) return -1;
-  int page = p.block_tables[static_cast<long long>(b) * p.max_pages + token0 / p.page_size];
+  const int page_shift = p.page_size == 64 ? 6 : 5;  // page_size is 32 or 64 (ValidShape)
+  int page = p.block_tables[static_cast<long long>(b) * p.max_pages + (token0 >> page_shift)];
   if (page < 0 || page >= p.num_pages) return -1;
-  return page * p.page_size + token0 % p.page_size;
+  return page * p.page_size + (token0 & (p.page_size - 1));
 }
 
 constexpr float kNegInf = -__builtin_huge_valf();
@@ -141,27 +143,37 @@ constexpr int kQkSteps = kNumChunks * kQkStepsPerChunk;
 constexpr int kQkStepsPerWarpgroup = kQkSteps / kConsumerWarpgroups;
 static_assert(kQkSteps % kConsumerWarpgroups == 0, "QK^T steps split evenly");
 
-// Byte offset of QK^T k step g inside a 576-wide tile (its chunk, then 32 bytes per step).
+// Byte offset of QK^T k step g inside a 576-wide tile of kTileChunkBytes chunks (its chunk, then 32
+// bytes per step).
+template <int kTileChunkBytes = kChunkBytes>
 __device__ __forceinline__ uint32_t QkStepOffset(int g) {
-  return (g / kQkStepsPerChunk) * kChunkBytes + (g % kQkStepsPerChunk) * 32;
+  return (g / kQkStepsPerChunk) * kTileChunkBytes + (g % kQkStepsPerChunk) * 32;
 }
 
 // Transposed scores: slot v (four floats per thread) of warpgroup wg's partial S^T, which the
-// other warpgroup adds. The slots live in the query tile's rows kScoreN..63, which the scores never
-// read (the bulk copy writes at most kScoreN rows); each slot is 128 threads x 16 bytes, thread-
-// contiguous (conflict-free float4 accesses).
-template <int kScoreN>
+// other warpgroup adds. With the bf16 cache the slots live in the query tile's rows kScoreN..63,
+// which the scores never read (the bulk copy writes at most kScoreN rows); with the fp8 cache in
+// their own area. Each slot is 128 threads x 16 bytes, thread-contiguous (conflict-free float4
+// accesses).
+template <int kScoreN, bool kFp8>
 __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int v, int wg_tid) {
+  using Layout = SmemLayout<kFp8>;
   constexpr int kSlotBytes = 128 * 16;
-  constexpr int kSlotsPerChunk = (kBlockM - kScoreN) * kRowBytes / kSlotBytes;
   constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
-  static_assert(kSlotsPerChunk >= 1 &&
-                    kConsumerWarpgroups * kSlotsPerWarpgroup <= kSlotsPerChunk * kNumChunks,
-                "the exchange slots fit in the query tile's unused rows");
   const int slot = wg * kSlotsPerWarpgroup + v;
-  return reinterpret_cast<float4*>(smem + kSmemQ + (slot / kSlotsPerChunk) * kChunkBytes +
-                                   kScoreN * kRowBytes + (slot % kSlotsPerChunk) * kSlotBytes +
-                                   wg_tid * 16);
+  if constexpr (kFp8) {
+    static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <= kFp8ExchangeBytes,
+                  "the exchange slots fit in their area");
+    return reinterpret_cast<float4*>(smem + Layout::kExchange + slot * kSlotBytes + wg_tid * 16);
+  } else {
+    constexpr int kSlotsPerChunk = (kBlockM - kScoreN) * kRowBytes / kSlotBytes;
+    static_assert(kSlotsPerChunk >= 1 &&
+                      kConsumerWarpgroups * kSlotsPerWarpgroup <= kSlotsPerChunk * kNumChunks,
+                  "the exchange slots fit in the query tile's unused rows");
+    return reinterpret_cast<float4*>(smem + Layout::kQ + (slot / kSlotsPerChunk) * kChunkBytes +
+                                     kScoreN * kRowBytes + (slot % kSlotsPerChunk) * kSlotBytes +
+                                     wg_tid * 16);
+  }
 }
 
 __device__ __forceinline__ void ConsumerSync() {
@@ -233,8 +245,9 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
 struct Pipeline {
   uint64_t* base;
 
+  template <bool kFp8>
   __device__ __forceinline__ static Pipeline At(uint8_t* smem) {
-    return {reinterpret_cast<uint64_t*>(smem + kSmemBarriers)};
+    return {reinterpret_cast<uint64_t*>(smem + SmemLayout<kFp8>::kBarriers)};
   }
   __device__ __forceinline__ uint64_t* Full(int stage) const { return base + stage; }
   __device__ __forceinline__ uint64_t* Empty(int stage) const { return base + kStages + stage; }
@@ -300,22 +313,156 @@ __device__ __forceinline__ void ZeroUnloadedRows(uint8_t* stage_base, const Bloc
   }
 }
 
+// Two e4m3 values (the low byte first) as two bf16 (the first in the low half); exact, since every
+// e4m3 value is a bf16 value.
+__device__ __forceinline__ uint32_t E4m3x2ToBf16x2(uint32_t pair) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair),
+                                                   __NV_E4M3);
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+  return PackBf16x2(f.x, f.y);
+}
+
+// Sixteen e4m3 values as sixteen bf16: the first eight in lo, the last eight in hi.
+__device__ __forceinline__ void E4m3x16ToBf16(const uint4& raw, uint4& lo, uint4& hi) {
+  lo = make_uint4(E4m3x2ToBf16x2(raw.x), E4m3x2ToBf16x2(raw.x >> 16), E4m3x2ToBf16x2(raw.y),
+                  E4m3x2ToBf16x2(raw.y >> 16));
+  hi = make_uint4(E4m3x2ToBf16x2(raw.z), E4m3x2ToBf16x2(raw.z >> 16), E4m3x2ToBf16x2(raw.w),
+                  E4m3x2ToBf16x2(raw.w >> 16));
+}
+
+// fp8 cache. Warpgroup wg reads latent groups 2 wg and 2 wg + 1 (columns [256 wg, 256 wg + 256))
+// and rope columns [32 wg, 32 wg + 32) of the KV tile, in QK^T and in PV alike, so it writes exactly
+// those from the staged raw rows of a 64-token block (docs/fp8-cache.md): the e4m3 latent values
+// as bf16 without their scale (exact; the scales are applied to the scores and to P instead), the
+// rope copied, and rows that were not loaded (or hold tokens past the length) zero. Thread wg_tid
+// converts group 2 wg + wg_tid / 64 and two 16-byte rope units of row wg_tid % 64, so the eight
+// threads of a 16-byte access phase touch eight consecutive rows (conflict-free: the staged rows
+// are 656 bytes apart, four banks, and the tile's rows are swizzled). The caller fences and
+// synchronises the warpgroup afterwards.
+__device__ __forceinline__ void DequantiseBlock(const uint8_t* staged, uint8_t* tile,
+                                                const BlockLoad& load, int wg, int wg_tid) {
+  constexpr int kUnits = kFp8GroupSize / 16;  // 16-channel units of a group
+  // Each row's 16-byte rope units are split over the 2 x kConsumerWarpgroups threads of the row.
+  constexpr int kRopeUnits = kRopeDim * 2 / 16 / (2 * kConsumerWarpgroups);
+  static_assert(kConsumerWarpgroups * 2 * kFp8GroupSize == kLatentDim && kRopeUnits == 2,
+                "two latent groups and two rope units per thread");
+  const int row = wg_tid % kBlockN;
+  const int half = wg_tid / kBlockN;
+  const int group = 2 * wg + half;
+  const int rope_unit0 = (2 * wg + half) * kRopeUnits;
+  // The group's columns start a chunk: unit u is chunk u / 4, column 16 (u % 4) of it.
+  uint8_t* group_chunk = tile + group * (kFp8GroupSize / kChunkCols) * kChunkBytes;
+  uint8_t* rope_chunk = tile + kNumVChunks * kChunkBytes;
+  uint4 lo[kUnits], hi[kUnits], rope[kRopeUnits];
+  if (load.RowLoaded(row)) {
+    const uint8_t* src = staged + row * kFp8RowBytes;
+    uint4 raw[kUnits];
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) {
+      raw[u] = *reinterpret_cast<const uint4*>(src + group * kFp8GroupSize + 16 * u);
+    }
+#pragma unroll
+    for (int r = 0; r < kRopeUnits; ++r) {
+      rope[r] = *reinterpret_cast<const uint4*>(src + kFp8RopeOffset + 16 * (rope_unit0 + r));
+    }
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) E4m3x16ToBf16(raw[u], lo[u], hi[u]);
+  } else {
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) lo[u] = hi[u] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int r = 0; r < kRopeUnits; ++r) rope[r] = make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int u = 0; u < kUnits; ++u) {
+    uint8_t* dst = group_chunk + (u / 4) * kChunkBytes;
+    *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4))) = lo[u];
+    *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4) + 8)) = hi[u];
+  }
+#pragma unroll
+  for (int r = 0; r < kRopeUnits; ++r) {
+    *reinterpret_cast<uint4*>(rope_chunk + SwizzledOffset(row, 8 * (rope_unit0 + r))) = rope[r];
+  }
+}
+
+// fp8 cache: the latent groups' scales of a staged token, or 0 for a row that was not loaded (its
+// probabilities are 0, and 0 x a stale scale could be NaN).
+struct TokenScales {
+  float group[kLatentDim / kFp8GroupSize];
+
+  __device__ __forceinline__ static TokenScales Of(const uint8_t* staged, const BlockLoad& load,
+                                                   int row) {
+    static_assert(kLatentDim / kFp8GroupSize == 4, "one 16-byte load of four scales");
+    TokenScales t;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (load.RowLoaded(row)) {
+      v = *reinterpret_cast<const float4*>(staged + row * kFp8RowBytes + kFp8ScalesOffset);
+    }
+    t.group[0] = v.x;
+    t.group[1] = v.y;
+    t.group[2] = v.z;
+    t.group[3] = v.w;
+    return t;
+  }
+};
+
+// fp8 cache: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN values per thread) over
+// the columns DequantiseBlock wrote for it. Each latent group's product is accumulated apart and
+// multiplied by the tokens' scales of that group (own_scales[h][a]: group 2 wg + a of the thread's
+// token h, whose values are those of fragment half h); the rope needs none.
+template <class QkT, int kQChunkBytes, int kStN>
+__device__ __forceinline__ void ScaledScoresFp8(uint32_t kv_addr, uint32_t q_addr, int wg,
+                                                const float (&own_scales)[2][2],
+                                                float (&st)[kStN]) {
+  constexpr int kStepsPerGroup = kFp8GroupSize / 16;
+  constexpr int kRopeCols = kRopeDim / kConsumerWarpgroups;
+  float acc[3][kStN];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int a = 0; a < 2; ++a) {
+#pragma unroll
+    for (int j = 0; j < kStepsPerGroup; ++j) {
+      const int g = (2 * wg + a) * kStepsPerGroup + j;
+      Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
+                KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[a], j != 0);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kRopeCols / 16; ++j) {
+    const int g = (kLatentDim + wg * kRopeCols) / 16 + j;
+    Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
+              KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[2], j != 0);
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+#pragma unroll
+  for (int e = 0; e < kStN; ++e) {
+    const int h = (e / 2) % 2;  // TransposedScores::Element(i, h) = 4 (i / 2) + 2 h + i % 2
+    st[e] = fmaf(acc[0][e], own_scales[h][0], fmaf(acc[1][e], own_scales[h][1], acc[2][e]));
+  }
+}
+
 // Zeroes the query tile's rows that the bulk copy never writes (q_len * num_heads < 64; they stay
 // zero for the whole kernel), initialises the pipeline barriers and synchronises the CTA (the
 // cluster when kCluster > 1: the peer multicasts into this CTA's stages and arrives on its
 // barriers).
-template <int kCluster>
+template <int kCluster, bool kFp8>
 __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  const Pipeline pipe = Pipeline::At(smem);
-  if (tid < kConsumerThreads && q_box_rows < kBlockM) {
-    const int units = (kBlockM - q_box_rows) * kNumChunks * (kRowBytes / 16);
+  using Layout = SmemLayout<kFp8>;
+  const Pipeline pipe = Pipeline::At<kFp8>(smem);
+  if (tid < kConsumerThreads && q_box_rows < Layout::kQChunkRows) {
+    const int units = (Layout::kQChunkRows - q_box_rows) * kNumChunks * (kRowBytes / 16);
     for (int i = tid; i < units; i += kConsumerThreads) {
       const int row = q_box_rows + i / (kNumChunks * 8);
       const int chunk = (i / 8) % kNumChunks;
       const int unit = i % 8;
-      *reinterpret_cast<uint4*>(smem + kSmemQ + chunk * kChunkBytes + row * kRowBytes +
-                                unit * 16) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(smem + Layout::kQ + chunk * Layout::kQChunkBytes +
+                                row * kRowBytes + unit * 16) = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();
   }
@@ -335,19 +482,33 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
   }
 }
 
+// Bulk copy (not a tensor copy) of `bytes` contiguous bytes from global to this CTA's shared
+// memory, completing on `full`, with an L2 cache hint.
+__device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t bytes,
+                                            uint64_t* full, uint64_t cache_hint) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;"
+      :
+      : "r"(SmemAddr(dst)), "l"(src), "r"(bytes), "r"(SmemAddr(full)), "l"(cache_hint)
+      : "memory");
+}
+
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
-// consumers released it), as 32-token x 64-column bulk-tensor pieces; pieces of halves that are
-// past the length or whose page id is out of range are not loaded and not counted. With
-// kCluster == 2 this CTA issues every other piece, multicast into both CTAs of the cluster.
-template <int kCluster>
+// consumers released it), as 32-token x 64-column bulk-tensor pieces, or with the fp8 cache as
+// one bulk copy of each half's 32 contiguous cache rows; halves that are past the length or whose
+// page id is out of range are not loaded and not counted. With kCluster == 2 this CTA issues every
+// other piece, multicast into both CTAs of the cluster.
+template <int kCluster, bool kFp8>
 __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
                                              const DecodeKernelArgs& args, uint8_t* smem,
                                              SegmentWalker& walker, int mtile, uint32_t cta_rank) {
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
+  using Layout = SmemLayout<kFp8>;
   const DecodeParams& p = args.p;
-  const Pipeline pipe = Pipeline::At(smem);
+  const Pipeline pipe = Pipeline::At<kFp8>(smem);
   uint64_t* q_full = pipe.QFull();
   const int rows = p.q_len * p.num_heads;
   const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
@@ -361,12 +522,12 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
     for (int c = 0; c < kNumChunks; ++c) {
       cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
                                    static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-                                   smem + kSmemQ + c * kChunkBytes, c * kChunkCols, q_row);
+                                   smem + Layout::kQ + c * Layout::kQChunkBytes, c * kChunkCols,
+                                   q_row);
     }
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % kStages;
       const int round = it / kStages;
-      uint8_t* stage_base = smem + kSmemKv + stage * kTileBytes;
       uint64_t* full = pipe.Full(stage);
       // The block table is read before waiting for the stage, so the read overlaps the wait.
       int kv_rows[2];
@@ -374,10 +535,23 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
-        if (kv_rows[h] >= 0) bytes += kHalfTileBytes;
+        if (kv_rows[h] >= 0) bytes += kFp8 ? kFp8HalfStageBytes : kHalfTileBytes;
       }
       if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
       TxBarrier::arrive_and_expect_tx(full, bytes);
+      if constexpr (kFp8) {
+        uint8_t* stage_base = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
+        const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (kv_rows[h] < 0) continue;
+          BulkCopyG2S(stage_base + h * kFp8HalfStageBytes,
+                      cache + static_cast<size_t>(kv_rows[h]) * kFp8RowBytes, kFp8HalfStageBytes,
+                      full, args.kv_cache_hint);
+        }
+        continue;
+      }
+      uint8_t* stage_base = smem + Layout::kKv + stage * kTileBytes;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int kv_row = kv_rows[h];
@@ -488,12 +662,18 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
-template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0>
+// kFp8 (with kScoreN only): the cache is the fp8 cache. The producer stages raw cache rows; at each
+// block the consumers dequantise the staged rows into the one bf16 KV tile (DequantiseBlock), hand
+// the stage back, and run the transposed scores on the tile as for a bf16 cache.
+template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
   static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
                 "transposed scores need early release, no experiment and no cluster");
+  static_assert(!kFp8 || (kScoreN > 0 && kScoreN <= kFp8MaxRows),
+                "the fp8 cache runs the transposed scores only");
+  using Layout = SmemLayout<kFp8>;
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -502,7 +682,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
   uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  const Pipeline pipe = Pipeline::At(smem);
+  const Pipeline pipe = Pipeline::At<kFp8>(smem);
 
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
@@ -512,7 +692,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int mtile = blockIdx.y;
   const int part = blockIdx.x;
 
-  SetUpCta<kCluster>(smem, args.q_box_rows, tid);
+  SetUpCta<kCluster, kFp8>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
 
   // Everything below reads inputs that earlier kernels in the stream may write.
@@ -527,7 +707,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      ProduceTiles<kCluster>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
+      ProduceTiles<kCluster, kFp8>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
@@ -539,11 +719,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int gr0 = mtile * kBlockM + r0;
   const int gr1 = mtile * kBlockM + r1;
   const int quad_col = Fragment::Col(lane, 0, 0);
-  float* row_max = reinterpret_cast<float*>(smem + kSmemRowMax);
-  float* row_sum = reinterpret_cast<float*>(smem + kSmemRowSum);
-  uint8_t* p_tile = smem + kSmemP;
-  const uint32_t q_addr = SmemAddr(smem + kSmemQ);
-  const uint32_t kv_addr0 = SmemAddr(smem + kSmemKv);
+  float* row_max = reinterpret_cast<float*>(smem + Layout::kRowMax);
+  float* row_sum = reinterpret_cast<float*>(smem + Layout::kRowSum);
+  uint8_t* p_tile = smem + Layout::kP;
+  const uint32_t q_addr = SmemAddr(smem + Layout::kQ);
+  const uint32_t kv_addr0 = SmemAddr(smem + Layout::kKv);
   const uint32_t p_addr = SmemAddr(p_tile);
   const float sl2 = args.scale_log2;
 
@@ -569,7 +749,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   float st[kStN], m_t[kRowsT], l_t[kRowsT];
   int limit_t[kRowsT];
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
-  float* wg_exchange = reinterpret_cast<float*>(smem + (wg == 0 ? kSmemRowMax : kSmemRowSum));
+  float* wg_exchange =
+      reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
 
   while (walker.Next(seg_info)) {
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -595,12 +776,31 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const int stage = it % kStages;
       const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
       Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
-      const uint32_t kv_addr = kv_addr0 + stage * kTileBytes;
+      const uint32_t kv_addr = kv_addr0 + (kFp8 ? 0 : stage * kTileBytes);
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
-      if (!load.Complete()) {
-        ZeroUnloadedRows(smem + kSmemKv + stage * kTileBytes, load, tid);
+      // fp8 cache: the scales of the thread's tokens tok_a and tok_b, all groups, and of its
+      // warpgroup's two groups.
+      TokenScales scales[2];
+      float own_scales[2][2];
+      if constexpr (kFp8) {
+        // The warpgroup's PV of the previous block is done with its columns of the bf16 tile.
+        const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
+        WarpgroupSync(wg);
+        DequantiseBlock(staged, smem + Layout::kKv, load, wg, wg_tid);
+        scales[0] = TokenScales::Of(staged, load, tok_a);
+        scales[1] = TokenScales::Of(staged, load, tok_b);
+        cutlass::arch::fence_view_async_shared();
+        WarpgroupSync(wg);
+        if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          own_scales[h][0] = wg == 0 ? scales[h].group[0] : scales[h].group[2];
+          own_scales[h][1] = wg == 0 ? scales[h].group[1] : scales[h].group[3];
+        }
+      } else if (!load.Complete()) {
+        ZeroUnloadedRows(smem + Layout::kKv + stage * kTileBytes, load, tid);
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
@@ -609,26 +809,31 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
         // columns, then each adds the other's partial sums (shared memory); fp32 addition of two
         // terms is commutative, so both warpgroups hold the same S^T.
-        FenceRegisters(st);
-        cute::warpgroup_arrive();
+        if constexpr (kFp8) {
+          ScaledScoresFp8<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, own_scales, st);
+        } else {
+          FenceRegisters(st);
+          cute::warpgroup_arrive();
 #pragma unroll
-        for (int s = 0; s < kQkStepsPerWarpgroup; ++s) {
-          const uint32_t offset = QkStepOffset(wg * kQkStepsPerWarpgroup + s);
-          Gmma<QkT>(KMajorDesc(kv_addr + offset), KMajorDesc(q_addr + offset), st, s != 0);
+          for (int s = 0; s < kQkStepsPerWarpgroup; ++s) {
+            const int g = wg * kQkStepsPerWarpgroup + s;
+            Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
+                      KMajorDesc(q_addr + QkStepOffset<Layout::kQChunkBytes>(g)), st, s != 0);
+          }
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          FenceRegisters(st);
         }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        FenceRegisters(st);
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 #pragma unroll
         for (int v = 0; v < kStN / 4; ++v) {
-          *ScoreExchangeSlot<kScoreN>(smem, wg, v, wg_tid) =
+          *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
               make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
         }
         ConsumerSync();
 #pragma unroll
         for (int v = 0; v < kStN / 4; ++v) {
-          const float4 other = *ScoreExchangeSlot<kScoreN>(smem, wg ^ 1, v, wg_tid);
+          const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
           st[4 * v] += other.x;
           st[4 * v + 1] += other.y;
           st[4 * v + 2] += other.z;
@@ -687,14 +892,22 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
+        // With the fp8 cache each latent group has its P tile, P times that group's scale of
+        // each token, so that PV reads the unscaled values of the tile.
         if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
             const int row = RowT(i);
-            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
-                __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
-            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
-                __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
+            const float pa = st[TransposedScores::Element(i, 0)];
+            const float pb = st[TransposedScores::Element(i, 1)];
+#pragma unroll
+            for (int g = 0; g < Layout::kPTiles; ++g) {
+              uint8_t* tile = p_tile + g * Layout::kPTileBytes;
+              *reinterpret_cast<__nv_bfloat16*>(tile + SwizzledOffset(row, tok_a)) =
+                  __float2bfloat16_rn(kFp8 ? pa * scales[0].group[g] : pa);
+              *reinterpret_cast<__nv_bfloat16*>(tile + SwizzledOffset(row, tok_b)) =
+                  __float2bfloat16_rn(kFp8 ? pb * scales[1].group[g] : pb);
+            }
           }
         }
       } else {
@@ -810,7 +1023,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           for (int t = 0; t < kOTiles; ++t) {
             const uint64_t da = MNMajorDesc(kv_addr + (wg * kOTiles + t) * kChunkBytes +
                                             kk * 16 * kRowBytes);
-            Gmma<PvT>(da, KMajorDesc(p_addr + kk * 32), o_tiles[t], true);
+            // The P tile of the tile's latent group (fp8 cache), else the one P tile.
+            const int p_tile_index = kFp8 ? (wg * kOTiles + t) * kChunkCols / kFp8GroupSize : 0;
+            Gmma<PvT>(da, KMajorDesc(p_addr + p_tile_index * Layout::kPTileBytes + kk * 32),
+                      o_tiles[t], true);
           }
         }
       } else {
@@ -828,7 +1044,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       cute::warpgroup_commit_batch();
       if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
-        if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
+        if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
     }
     cute::warpgroup_wait<0>();

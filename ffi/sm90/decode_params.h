@@ -15,6 +15,15 @@ constexpr int kLatentDim = 512;
 constexpr int kRopeDim = 64;
 constexpr int kHeadDim = kLatentDim + kRopeDim;  // 576
 
+// The fp8 cache's row of one token (docs/fp8-cache.md): kLatentDim e4m3 channels, one f32 scale per
+// kFp8GroupSize of them, then the bf16 rope.
+constexpr int kFp8GroupSize = 128;
+constexpr int kFp8ScalesOffset = kLatentDim;
+constexpr int kFp8RopeOffset = kFp8ScalesOffset + 4 * (kLatentDim / kFp8GroupSize);  // 528
+constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRopeDim;                        // 656
+// The fp8 cache runs the transposed-score kernel only: q_len * num_heads <= kFp8MaxRows.
+constexpr int kFp8MaxRows = 32;
+
 // Tiling.
 constexpr int kBlockM = 64;                       // query rows (q_len * heads, packed) per CTA tile
 constexpr int kBlockN = 64;                       // KV tokens per pipeline stage
@@ -52,7 +61,8 @@ constexpr int kCombineWideRowsPerBlock = 2;
 struct DecodeParams {
   // Inputs.
   const void* query;         // bf16 [batch, q_len, num_heads, 576]
-  const void* kv_cache;      // bf16 [num_pages, page_size, 576]
+  const void* kv_cache;      // bf16 [num_pages, page_size, 576], or with kv_fp8 the fp8 cache,
+                             // uint8 [num_pages, page_size, kFp8RowBytes]
   const int32_t* block_tables;  // [batch, max_pages]
   const int32_t* seq_lens;      // [batch]
   // Outputs.
@@ -74,6 +84,7 @@ struct DecodeParams {
   float output_scale;
   int num_sms;               // multiprocessors to spread the persistent grid over
   bool enable_pdl;           // programmatic dependent launch for the decode and combine kernels
+  bool kv_fp8 = false;       // kv_cache is the fp8 cache (needs q_len * num_heads <= kFp8MaxRows)
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1

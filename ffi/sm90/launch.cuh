@@ -146,7 +146,7 @@ struct KernelInfo {
 // Raises the shared-memory limit once per instantiation and device (function attributes are per
 // device) and, for cluster launches, reads how many clusters fit on the device at once (before any
 // graph capture uses the kernel).
-inline cudaError_t Prepare(const void* kernel, int cluster, KernelInfo* info) {
+inline cudaError_t Prepare(const void* kernel, int cluster, int smem_bytes, KernelInfo* info) {
   static std::mutex mutex;
   static KernelInfo cache[64];
   int device = 0;
@@ -159,7 +159,7 @@ inline cudaError_t Prepare(const void* kernel, int cluster, KernelInfo* info) {
       return cudaSuccess;
     }
   }
-  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (status != cudaSuccess) return status;
   KernelInfo k;
   k.kernel = kernel;
@@ -169,7 +169,7 @@ inline cudaError_t Prepare(const void* kernel, int cluster, KernelInfo* info) {
     cudaLaunchConfig_t config = {};
     config.gridDim = dim3(1, cluster);
     config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = kSmemBytes;
+    config.dynamicSmemBytes = smem_bytes;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
     attr[0].val.clusterDim.x = 1;
@@ -208,7 +208,21 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
 }
 
-inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows) {
+// Dynamic shared memory of the kernel SelectKernel picks.
+inline int KernelSmemBytes(bool fp8) {
+  return fp8 ? SmemLayout<true>::kBytes : SmemLayout<false>::kBytes;
+}
+
+// The decode kernel for these options, rows and cache format; nullptr for a combination that has
+// none (the fp8 cache runs the transposed scores only).
+inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8) {
+  if (fp8) {
+    switch (TransposedScoreRows(options, cluster, rows)) {
+      case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
+      case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32, true>);
+      default: return nullptr;
+    }
+  }
   switch (TransposedScoreRows(options, cluster, rows)) {
     case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16>);
     case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32>);
@@ -248,10 +262,11 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.wide_combine < -1 || options.wide_combine > 1) {
     return cudaErrorInvalidValue;
   }
-  const void* kernel = detail::SelectKernel(options, cluster, rows);
+  const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8);
   if (kernel == nullptr) return cudaErrorInvalidValue;
+  const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8);
   detail::KernelInfo info;
-  cudaError_t err = detail::Prepare(kernel, cluster, &info);
+  cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;
 
   int parts = NumParts(p.num_sms, p.q_len, p.num_heads);
@@ -269,16 +284,17 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                                                          : cute::TMA::CacheHintSm90::EVICT_NORMAL);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
-  CUtensorMap q_map, kv_map;
+  // The fp8 cache's rows are staged by plain bulk copies: its kernel reads no cache tensor map.
+  CUtensorMap q_map, kv_map = {};
   if (!detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
                             args.q_box_rows) ||
-      !detail::EncodeRowMap(&kv_map, p.kv_cache,
-                            static_cast<uint64_t>(p.num_pages) * p.page_size, kHalfN,
-                            options.kv_l2_promotion)) {
+      (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
+                                          static_cast<uint64_t>(p.num_pages) * p.page_size,
+                                          kHalfN, options.kv_l2_promotion))) {
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
-  err = detail::LaunchEx(kernel, dim3(parts, m_tiles), dim3(kThreads), kSmemBytes, p.enable_pdl,
+  err = detail::LaunchEx(kernel, dim3(parts, m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
                          stream, decode_args, cluster);
   if (err != cudaSuccess) return err;
 
