@@ -1,5 +1,6 @@
-// The lengths the fa3/fa2 planners take, and the host-side clamping before FlashInfer's host
-// planner (MLAPlan) sees them.
+// The lengths the fa3/fa2 planners take, the host-side clamping before FlashInfer's host planner
+// (MLAPlan) sees them, and the clamp to a block table's capacity that every schedule applies
+// (ffi/schedule.cuh, ffi/sm90/schedule.cuh).
 #pragma once
 
 #include <cstdint>

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "../lengths.h"
 #include "decode_params.h"
 
 namespace jax_mla {
@@ -25,9 +26,7 @@ __device__ __forceinline__ void GridDependencyLaunchDependents() {
 
 // Sequence length clamped to what the block table can address; negative lengths become 0.
 __host__ __device__ __forceinline__ int EffectiveLength(int seq_len, int max_pages, int page_size) {
-  long long capacity = static_cast<long long>(max_pages) * page_size;
-  long long len = seq_len < 0 ? 0 : seq_len;
-  return static_cast<int>(len < capacity ? len : capacity);
+  return ClampLength(seq_len, static_cast<int64_t>(max_pages) * page_size);
 }
 
 __host__ __device__ __forceinline__ int NumKvBlocks(int len) { return (len + kBlockN - 1) / kBlockN; }
