@@ -13,8 +13,8 @@ import numpy as np
 
 from benchmarks import methods as m
 from benchmarks.peers import FlashInferTimer, compare_bitwise
-from benchmarks.problem import (GIB, HEAD_DIM, SOFTMAX_SCALE, Layout, cache_count,
-                                naive_temp_bytes, random_cache, relative_error, work)
+from benchmarks.problem import (FP8_ROW_BYTES, GIB, HEAD_DIM, KV_LORA_RANK, SOFTMAX_SCALE, Layout,
+                                cache_count, naive_temp_bytes, random_cache, relative_error, work)
 from benchmarks.progress import Progress
 from benchmarks.results import name_plan_comparison
 from benchmarks.timing import (host_time_us, interleaved_ratios, median, profiled_kernel_us,
@@ -213,6 +213,8 @@ class Bench:
             return self.time_model_step(run)
         if method == "jax_mla_device_plan":
             return self.time_device_planned(run)
+        if method == "jax_mla_sm90_fp8":
+            return self.time_sm90_fp8(run)
         layers = self.args.layers if method in m.JAX_MLA_PLANNED else self.args.xla_layers
         if self.skip_slow(run, method, layers):
             return
@@ -286,6 +288,20 @@ class Bench:
         fn = m.device_planned(m.decode_with_plan, layers, pt, run.layout.max_pages,
                               m.GRAPH_COMPILER_OPTIONS if in_graph else None)
         self.time_layers(run, "jax_mla_device_plan", fn, None, layers)
+
+    def time_sm90_fp8(self, run: PointRun) -> None:
+        """sm90 on fp8 caches quantised from the point's bf16 caches (``write_kv``'s rule), checked
+        against the float32 reference on the first of them (the dequantised cache) and timed like
+        jax_mla_sm90; records the fp8 cache's floor as ``fp8_floor_us``."""
+        fp8_run = dataclasses.replace(run, caches=[quantized_cache(c) for c in run.caches],
+                                      ref=None, outputs={})
+        try:
+            fp8_run.ref, run.record["check_ref_fp8"] = reference(fp8_run)
+            run.record["fp8_floor_us"] = work(run.layout, FP8_ROW_BYTES)["floor_us"]
+            self.time_layers(fp8_run, "jax_mla_sm90_fp8", m.layered(_sm90_backend_layer, self.args.layers),
+                             None, self.args.layers)
+        finally:
+            fp8_run.caches.clear()
 
     def time_model_step(self, run: PointRun) -> None:
         """A whole model step of --step-layers decode calls, end to end, planned two ways, each
@@ -392,6 +408,29 @@ def _xla_backend_layer(query, cache, tables, lens, plan_):
     import jax_mla
 
     return jax_mla.decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE, backend="xla")
+
+
+@functools.cache
+def _quantize_pages():
+    import jax
+    from jax_mla import fp8_cache
+
+    def quantize(pages):
+        rows = pages.reshape(-1, HEAD_DIM)
+        return fp8_cache.quantize_rows(rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:]).reshape(
+            pages.shape[0], pages.shape[1], FP8_ROW_BYTES)
+
+    return jax.jit(quantize)
+
+
+def quantized_cache(cache, pages_per_chunk: int = 4096):
+    """The fp8 cache (uint8 [num_pages, page_size, FP8_ROW_BYTES]) of a bf16 cache, quantised as
+    ``jax_mla.write_kv`` does, a chunk of pages at a time (bounded temporaries)."""
+    import jax.numpy as jnp
+
+    chunks = [_quantize_pages()(cache[start:start + pages_per_chunk])
+              for start in range(0, cache.shape[0], pages_per_chunk)]
+    return jnp.concatenate(chunks) if len(chunks) > 1 else chunks[0]
 
 
 def _sm90_backend_layer(query, cache, tables, lens, plan_):

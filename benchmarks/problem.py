@@ -24,6 +24,7 @@ L2_BYTES = 60e6
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
+FP8_ROW_BYTES = KV_LORA_RANK + 4 * KV_LORA_RANK // 128 + 2 * ROPE_DIM  # the fp8 cache (656)
 SOFTMAX_SCALE = 0.135234  # DeepSeek-V3: 192**-0.5 * mscale**2
 GIB = 1 << 30
 
@@ -104,12 +105,13 @@ def make_layout(pt: Point, base_seed: int) -> Layout:
     return Layout(pt, seed, lengths, pages.astype(np.int32), tables, int(pages.sum()))
 
 
-def work(layout: Layout) -> dict:
-    """FLOPs, bytes and the floor of one decode call (one layer)."""
+def work(layout: Layout, cache_row_bytes: int = HEAD_DIM * 2) -> dict:
+    """FLOPs, bytes and the floor of one decode call (one layer) on a cache of ``cache_row_bytes``
+    a token (bf16 by default; FP8_ROW_BYTES for the fp8 cache)."""
     pt = layout.point
     tokens = int(layout.lengths.astype(np.int64).sum())
     flops = 2 * (HEAD_DIM + KV_LORA_RANK) * pt.H * pt.q_len * tokens
-    nbytes = tokens * HEAD_DIM * 2 + pt.B * pt.q_len * pt.H * (HEAD_DIM + KV_LORA_RANK) * 2
+    nbytes = tokens * cache_row_bytes + pt.B * pt.q_len * pt.H * (HEAD_DIM + KV_LORA_RANK) * 2
     floor_s = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES)
     return {"sum_len": tokens, "mean_len": tokens / pt.B, "max_len": int(layout.lengths.max()),
             "flops": flops, "bytes": nbytes, "intensity": flops / nbytes,

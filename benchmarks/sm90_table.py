@@ -5,8 +5,10 @@
 Per point: the floor, fa3 from torch replayed as one CUDA graph per step (FlashInfer's own wrapper,
 the fairest fa3 number), fa3 called eagerly from torch, sm90 through ``jax_mla.decode`` in a
 jitted multi-layer step, their ratio (bold), both shares of the floor and sm90's error against the
-float32 reference. Points are sorted by heads, query tokens, page size, batch and length; the last
-line counts the points where sm90 is faster than fa3.
+float32 reference; where sm90 also ran on the fp8 cache (jax_mla_sm90_fp8, up to 32 query rows),
+its time, its ratio to sm90 on the bf16 cache and its share of the fp8 cache's floor. Points are
+sorted by heads, query tokens, page size, batch and length; the last line counts the points where
+sm90 is faster than fa3.
 """
 
 from __future__ import annotations
@@ -18,10 +20,21 @@ from benchmarks.grid import fmt_len
 
 COLUMNS = ["H", "q_len", "page", "B", "L", "floor µs", "fa3 graph µs", "fa3 eager µs", "sm90 µs",
            "sm90 / fa3 graph", "fa3 % of floor", "sm90 % of floor", "sm90 error"]
+FP8_COLUMNS = ["sm90 fp8 µs", "fp8 / bf16", "fp8 % of fp8 floor"]
 
 
-def rows(records: list[dict]) -> list[list[str]]:
-    """One row per record with both an sm90 and an fa3 graph time, sorted."""
+def fp8_cells(r: dict) -> list[str]:
+    """The fp8 columns of a record ("-" where sm90 did not run on the fp8 cache)."""
+    fp8 = r.get("jax_mla_sm90_fp8_us")
+    if fp8 is None:
+        return ["-"] * len(FP8_COLUMNS)
+    return [f"{fp8:,.1f}", f"**{fp8 / r['jax_mla_sm90_us']:.2f}**",
+            f"{100 * r['fp8_floor_us'] / fp8:.0f}%"]
+
+
+def rows(records: list[dict], with_fp8: bool = False) -> list[list[str]]:
+    """One row per record with both an sm90 and an fa3 graph time, sorted; ``with_fp8`` adds the
+    fp8 columns."""
     out = []
     for r in sorted(records, key=lambda r: (r["H"], r["q_len"], r["page_size"], r["B"], r["L"])):
         sm90, fa3 = r.get("jax_mla_sm90_us"), r.get("flashinfer_fa3_graph_us")
@@ -31,14 +44,16 @@ def rows(records: list[dict]) -> list[list[str]]:
         out.append([str(r["H"]), str(r["q_len"]), str(r["page_size"]), str(r["B"]), fmt_len(r["L"]),
                     f"{floor:.1f}", f"{fa3:,.1f}", f"{r['flashinfer_fa3_us']:,.1f}", f"{sm90:,.1f}",
                     f"**{sm90 / fa3:.2f}**", f"{100 * floor / fa3:.0f}%", f"{100 * floor / sm90:.0f}%",
-                    f"{r['jax_mla_sm90_rel_err']:.1e}"])
+                    f"{r['jax_mla_sm90_rel_err']:.1e}"] + (fp8_cells(r) if with_fp8 else []))
     return out
 
 
 def table(records: list[dict]) -> str:
-    body = rows(records)
+    with_fp8 = any("jax_mla_sm90_fp8_us" in r for r in records)
+    body = rows(records, with_fp8)
     faster = sum(float(row[9].strip("*")) < 1.0 for row in body)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    columns = COLUMNS + (FP8_COLUMNS if with_fp8 else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(row) + " |" for row in body]
     lines += ["", f"sm90 is faster than fa3 (graph) at {faster} of these {len(body)} points."]
     return "\n".join(lines)

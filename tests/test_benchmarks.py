@@ -393,3 +393,34 @@ def test_interleaved_ratios_order_a_heavy_and_a_light_step():
     assert low <= median(heavy_over_light) <= high
     assert median(interleaved_ratios(light, heavy, [(x,)], args, pairs=5)) < 0.5
 
+
+
+def test_the_sm90_table_shows_fp8_columns_where_measured():
+    from benchmarks import sm90_table
+
+    base = dict(H=16, q_len=1, page_size=64, B=32, L=4096, floor_us=100.0, flashinfer_fa3_us=210.0,
+                flashinfer_fa3_graph_us=200.0, jax_mla_sm90_us=150.0, jax_mla_sm90_rel_err=1e-3)
+    text = sm90_table.table([dict(base, jax_mla_sm90_fp8_us=120.0, fp8_floor_us=60.0),
+                             dict(base, H=128)])
+    assert "| sm90 error | sm90 fp8 µs | fp8 / bf16 | fp8 % of fp8 floor |" in text
+    assert "| 1.0e-03 | 120.0 | **0.80** | 50% |" in text
+    assert "| 1.0e-03 | - | - | - |" in text
+    assert "sm90 fp8" not in sm90_table.table([base])
+
+
+def test_the_fp8_method_runs_up_to_32_query_rows_on_caches_quantised_like_write_kv():
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench import quantized_cache
+    from jax_mla import fp8_cache
+
+    applies = [methods.method_applies("jax_mla_sm90_fp8", grid.Point(32, 4096, h, q, 64), None)
+               for h, q in ((16, 1), (32, 1), (16, 2), (64, 1), (16, 3), (128, 1))]
+    assert applies == [True, True, True, False, False, False]
+    cache = jax.random.normal(jax.random.PRNGKey(0), (5, 16, 576)).astype(jnp.bfloat16)
+    rows = cache.reshape(-1, 576)
+    written = fp8_cache.quantize_rows(rows[:, :512], rows[:, 512:]).reshape(5, 16, 656)
+    np.testing.assert_array_equal(np.asarray(quantized_cache(cache, pages_per_chunk=2)),
+                                  np.asarray(written))
+    assert problem.FP8_ROW_BYTES == 656
