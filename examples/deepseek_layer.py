@@ -16,8 +16,8 @@ cache's). Needs no torch and downloads nothing.
 
 With ``--kv-dtype fp8`` the paged caches are jax_mla's fp8 cache (docs/fp8-cache.md): ``write_kv``
 quantises every latent row to e4m3 with one scale per 128 channels (the rope part stays bf16), and
-``--backend auto`` resolves to a backend that takes it (xla today; the GPU backends take bf16 caches
-only). The check's reference keeps the unquantised bf16 latents, so its error includes the
+``--backend auto`` runs it on a backend that takes it: xla, or on Hopper jax_mla's sm90 kernel where
+each device has at most 32 query rows (q_len x its heads) and pages of 32 or 64 tokens. The check's reference keeps the unquantised bf16 latents, so its error includes the
 quantisation's, held to its own tolerance.
 """
 
@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepseek_mla as model  # noqa: E402
 
 import jax_mla  # noqa: E402
-from jax_mla import backends, fp8_cache  # noqa: E402
+from jax_mla import api, backends, fp8_cache  # noqa: E402
 
 # Max |absorbed - reference| over max |reference|, per layer and step: bf16 tolerance.
 TOLERANCE = 2e-2
@@ -144,7 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="the paged latent cache: bf16, or fp8 (e4m3 latent with a float32 scale "
                              "per 128 channels and a bf16 rope part, 656 instead of 1152 bytes a token "
                              "for kv_lora_rank 512; docs/fp8-cache.md), which write_kv quantises and "
-                             "backend auto decodes on xla. The check's reference uses the unquantised "
+                             "backend auto decodes on xla, or on Hopper on sm90 where it takes the "
+                             "shapes. The check's reference uses the unquantised "
                              f"latents; its tolerance is {_format_tolerance(TOLERANCE)} for bf16 "
                              f"and {_format_tolerance(FP8_TOLERANCE)} for fp8")
     args = parser.parse_args(argv)
@@ -235,12 +236,35 @@ def cache_format(kv_dtype: str) -> str:
     return backends.FP8_CACHE if kv_dtype == fp8_cache.FP8 else backends.FLOAT_CACHE
 
 
-def concrete_backend(requested: str, kv_dtype: str = "bf16") -> str:
+def concrete_backend(requested: str, kv_dtype: str = "bf16", shard=None, *,
+                     kv_lora_rank: int = 512, softmax_scale: float = 0.1) -> str:
     """The backend ``jax_mla.decode(backend=requested)`` runs for this example's bf16 queries on a
-    cache of ``kv_dtype``; "auto" on the fp8 cache resolves to xla. TypeError when ``requested``
-    does not take that cache."""
-    return backends.resolve(requested, jax.default_backend(), jnp.bfloat16,
-                            cache_format(kv_dtype))
+    cache of ``kv_dtype``: what ``requested`` resolves to, or, given one device's ``shard`` (shapes
+    of its query, cache and block table), the backend that device takes (``jax_mla.api.
+    device_backend``: on Hopper sm90 in place of xla for the fp8 cache; the planned backends keep
+    their plan). TypeError when ``requested`` does not take that cache."""
+    platform, fmt = jax.default_backend(), cache_format(kv_dtype)
+    name = backends.resolve(requested, platform, jnp.bfloat16, fmt)
+    planned = "host" if name in PLANNED_BACKENDS else None  # step_plan gives these a plan
+    alternative = backends.auto_alternative(requested, backends.BY_NAME[name], planned, platform,
+                                            jnp.bfloat16, fmt)
+    if shard is None or alternative is None:
+        return name
+    return api.device_backend(backends.BY_NAME[name], alternative, *shard,
+                              kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale).name
+
+
+def shard_shapes(cfg: model.MLAConfig, args: argparse.Namespace, num_pages: int, max_pages: int):
+    """Shape-dtype structs of one device's decode arguments: query [B, 1, heads / tp, head dim],
+    cache [num_pages, page_size, row] and block table [B, max_pages]."""
+    head_dim = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    if args.kv_dtype == fp8_cache.FP8:
+        row = fp8_cache.layout(cfg.kv_lora_rank, cfg.qk_rope_head_dim).row_bytes
+        cache = jax.ShapeDtypeStruct((num_pages, args.page_size, row), fp8_cache.STORAGE_DTYPE)
+    else:
+        cache = jax.ShapeDtypeStruct((num_pages, args.page_size, head_dim), jnp.bfloat16)
+    return (jax.ShapeDtypeStruct((args.batch, 1, cfg.n_heads // args.tp, head_dim), jnp.bfloat16),
+            cache, jax.ShapeDtypeStruct((args.batch, max_pages), jnp.int32))
 
 
 def describe(cfg: model.MLAConfig, args: argparse.Namespace, backend: str) -> str:
@@ -253,7 +277,7 @@ def describe(cfg: model.MLAConfig, args: argparse.Namespace, backend: str) -> st
         row = fp8_cache.layout(cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         takers = [b.name for b in backends.TABLE if backends.FP8_CACHE in b.cache_formats]
         line += (f", fp8 cache ({row.row_bytes} B/token vs bf16's {2 * row.head_dim}; "
-                 f"{'auto resolves it to ' + backend if args.backend == 'auto' else 'backend ' + backend}"
+                 f"{'auto runs it on ' + backend if args.backend == 'auto' else 'backend ' + backend}"
                  f"; backends that take it: {', '.join(takers)})")
     return line
 
@@ -342,7 +366,9 @@ def run(args: argparse.Namespace) -> dict:
     cfg = args.config
     rng = np.random.default_rng(args.seed)
     lens, tokens, tables, num_pages = make_requests(rng, cfg, args)
-    backend = concrete_backend(args.backend, args.kv_dtype)
+    backend = concrete_backend(args.backend, args.kv_dtype,
+                               shard_shapes(cfg, args, num_pages, tables.shape[1]),
+                               kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
     tolerance = TOLERANCES[args.kv_dtype]
     print(describe(cfg, args, backend))
     print(f"{args.batch} requests, prompt lengths {lens.tolist()}, {args.steps} decode steps; "
@@ -359,7 +385,8 @@ def run(args: argparse.Namespace) -> dict:
     block_tables = jax.device_put(tables, place)
     # Donated caches (and histories) are updated in place instead of copied every step.
     prefill = jax.jit(functools.partial(model.prefill, cfg=cfg), donate_argnums=(1,))
-    decode_step = jax.jit(functools.partial(model.decode_step, cfg=cfg, backend=backend,
+    # The requested backend: with "auto" each device takes the one concrete_backend names.
+    decode_step = jax.jit(functools.partial(model.decode_step, cfg=cfg, backend=args.backend,
                                             head_sharding=head_sharding), donate_argnums=(1,))
     reference_step = jax.jit(functools.partial(model.reference_step, cfg=cfg), donate_argnums=(1,))
 

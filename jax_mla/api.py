@@ -101,20 +101,31 @@ def check_plan_argument(plan, backend: backends.Backend) -> None:
                          f"{backend.name!r} takes plan=None, got {type(plan).__name__}")
 
 
+def device_backend(backend: backends.Backend, alternative: backends.Backend | None, query,
+                   kv_cache, block_tables, *, kv_lora_rank: int,
+                   softmax_scale: float) -> backends.Backend:
+    """The backend one device runs on its shard (arrays or shape-dtype structs): ``alternative``
+    (sm90, from ``backends.auto_alternative``) where ``backends.prefers_sm90`` holds for the
+    shard's shape and sm90 runs it (``gpu.check_sm90_shapes``), else ``backend``."""
+    batch, q_len, num_heads, _ = query.shape
+    if alternative is None or not backends.prefers_sm90(batch, q_len, num_heads, backend.name):
+        return backend
+    try:
+        gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
+    except ValueError:
+        return backend
+    return alternative
+
+
 def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,
                 softmax_scale: float, output_scale: float, kv_lora_rank: int, device_plan: bool,
                 fail_closed: bool = True, plan: planning.Plan | None = None,
                 alternative: backends.Backend | None = None):
-    """One device's decode: (out, lse) for its shard of the arrays. ``alternative`` (sm90, from
-    ``backends.auto_alternative``) replaces ``backend`` where ``backends.prefers_sm90`` holds for
-    this shard's shape and sm90 runs it (``gpu.check_sm90_shapes``)."""
-    batch, q_len, num_heads, _ = query.shape
-    if alternative is not None and backends.prefers_sm90(batch, q_len, num_heads, backend.name):
-        try:
-            gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
-            backend = alternative
-        except ValueError:
-            pass
+    """One device's decode: (out, lse) for its shard of the arrays; ``alternative`` as in
+    ``device_backend``."""
+    _, q_len, num_heads, _ = query.shape
+    backend = device_backend(backend, alternative, query, kv_cache, block_tables,
+                             kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale)
     if fail_closed:
         seq_lens, plan = guard.guard(
             block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],

@@ -77,7 +77,8 @@ def test_readme_command_runs_the_tiny_default():
 
 def test_fp8_cache_run_is_checked_against_the_unquantised_latents():
     """``--kv-dtype fp8``: the layers' caches are fp8, backend auto decodes them on xla (whatever
-    the machine: the GPU backends take bf16 caches only), and the error against the non-absorbed
+    the machine: sm90 takes pages of 32 or 64 tokens, the default is 16), and the error against the
+    non-absorbed
     attention on the unquantised latents stays within the fp8 tolerance, which is looser than
     bf16's but well under the error of a wrong softmax scale (about 0.3, the test below)."""
     proc = run_example("--kv-dtype", "fp8")
@@ -85,7 +86,7 @@ def test_fp8_cache_run_is_checked_against_the_unquantised_latents():
     backend_line = BACKEND_LINE.search(proc.stdout)
     assert backend_line, proc.stdout
     assert backend_line.group(1, 2) == ("xla", "auto"), backend_line.group(0)
-    assert "fp8 cache (656 B/token vs bf16's 1152; auto resolves it to xla" in backend_line.group(0)
+    assert "fp8 cache (656 B/token vs bf16's 1152; auto runs it on xla" in backend_line.group(0)
     assert "on the unquantised latents" in proc.stdout
     assert reported_tolerance(proc.stdout) == FP8_TOLERANCE > TOLERANCE
     # The quantisation shows (the bf16 cache's run errs 6e-3 to 8e-3), within the stated tolerance.
@@ -345,3 +346,26 @@ def test_progress_redraws_on_a_terminal_and_writes_a_few_plain_lines_to_a_log():
     progress.update(2)
     progress.close()
     assert short.getvalue() == "check 1/2\ncheck 2/2\n"
+
+
+def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
+    """On an SM90 GPU "auto" runs the fp8 cache on sm90 per device where the shard has at most 32
+    query rows and pages of 32 or 64 tokens, else on xla; the bf16 cache keeps fa3 and its plan."""
+    from jax_mla import backends, gpu
+
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["fa3", "fa2", "sm90", "xla"])
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    cfg = model.CONFIGS["tiny"]  # 16 heads
+
+    def runs(kv_dtype, page_size, tp, batch=4):
+        args = deepseek_layer.parse_args(["--kv-dtype", kv_dtype, "--page-size", str(page_size)])
+        args.tp, args.batch = tp, batch
+        shard = deepseek_layer.shard_shapes(cfg, args, num_pages=40, max_pages=8)
+        return deepseek_layer.concrete_backend("auto", kv_dtype, shard, softmax_scale=0.1)
+
+    assert gpu.SM90_FP8_MAX_ROWS == 32
+    assert runs("fp8", 64, tp=1) == "sm90"
+    assert runs("fp8", 32, tp=2) == "sm90"
+    assert runs("fp8", 16, tp=1) == "xla"
+    assert runs("bf16", 64, tp=1, batch=64) == "fa3"
