@@ -14,6 +14,9 @@
 //  - a request handled whole writes bf16 output and LSE; a split one writes fp32 partial output
 //    and LSE to the workspace for the combine kernel.
 // Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
+// Up to 32 query rows the scores and PV are computed transposed (kScoreN), and with the fp8 cache
+// (kFp8, that path only) the producer stages raw cache rows that the consumers convert into one
+// bf16 KV tile per block.
 // Safety: tokens at or beyond the (clamped) length, and 32-token halves whose page id is out of
 // range, are never loaded from the cache; their shared-memory rows are zeroed (so 0 * NaN never
 // enters PV) and their scores masked to -inf by select.
@@ -663,8 +666,9 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
 // kFp8 (with kScoreN only): the cache is the fp8 cache. The producer stages raw cache rows; at each
-// block the consumers dequantise the staged rows into the one bf16 KV tile (DequantiseBlock), hand
-// the stage back, and run the transposed scores on the tile as for a bf16 cache.
+// block each consumer warpgroup converts its columns of the staged rows into the one bf16 KV tile
+// (DequantiseBlock), both hand the stage back, and the transposed scores run on the tile with each
+// latent group's scales applied to its partial scores (ScaledScoresFp8) and to its own P tile.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
@@ -807,8 +811,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 
       if constexpr (kScoreN > 0) {
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
-        // columns, then each adds the other's partial sums (shared memory); fp32 addition of two
-        // terms is commutative, so both warpgroups hold the same S^T.
+        // columns (with the fp8 cache: its two latent groups and half the rope), then each adds
+        // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
+        // both warpgroups hold the same S^T.
         if constexpr (kFp8) {
           ScaledScoresFp8<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, own_scales, st);
         } else {

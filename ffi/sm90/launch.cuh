@@ -35,8 +35,8 @@ struct LaunchOptions {
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
-                              // <= 32 (N = 16 up to 16 rows, else 32); 0 never; other values
-                              // rejected
+                              // <= 32 (N = 16 up to 16 rows, else 32); 0 never (refused with the
+                              // fp8 cache, which has no other path); other values rejected
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
