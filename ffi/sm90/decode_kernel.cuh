@@ -70,6 +70,20 @@ struct TransposedMmaFor<32, kMajorA> {
   using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<kMajorA, cute::SM90::GMMA::Major::K>;
 };
 
+// The same with A (the KV tile's K part) from registers, for the fp8 cache.
+template <int kScoreN>
+struct TransposedRsMmaFor;
+template <>
+struct TransposedRsMmaFor<16> {
+  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct TransposedRsMmaFor<32> {
+  using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::K>;
+};
+
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaImpl(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
                                         cute::SM90::GMMA::ScaleOut scale,
@@ -333,7 +347,8 @@ __device__ __forceinline__ void E4m3x16ToBf16(const uint4& raw, uint4& lo, uint4
                   E4m3x2ToBf16x2(raw.w >> 16));
 }
 
-// fp8 cache. Warpgroup wg reads latent groups 2 wg and 2 wg + 1 (columns [256 wg, 256 wg + 256))
+// fp8 cache, 17-32 query rows (at up to 16 LoadKFragments keeps the K part in registers; with 32
+// query rows those registers do not fit). Warpgroup wg reads latent groups 2 wg and 2 wg + 1 (columns [256 wg, 256 wg + 256))
 // and rope columns [32 wg, 32 wg + 32) of the KV tile, in QK^T and in PV alike, so it writes exactly
 // those from the staged raw rows of a 64-token block (docs/fp8-cache.md): the e4m3 latent values
 // as bf16 without their scale (exact; the scales are applied to the scores and to P instead), the
@@ -388,6 +403,95 @@ __device__ __forceinline__ void DequantiseBlock(const uint8_t* staged, uint8_t* 
   }
 }
 
+// fp8 cache: the column order of the query tile for the register-sourced QK^T. Within each
+// 64-column chunk, column 16 j + c of the permuted tile holds channel
+// 16 (c % 8 / 2) + 4 j + c % 2 + 2 (c / 8): then for k step j the A fragment columns of lane
+// (2q, 2q + 1, 2q + 8, 2q + 9 with q = lane % 4) are channels 16q + 4j .. 16q + 4j + 3, four
+// consecutive bytes of an fp8 cache row. In 32-bit words (two channels), permuted word 8 j + w holds
+// word 8 (w % 4) + 2 j + w / 4. The consumer threads tid permute the rows x chunks of the tile in
+// place, one (row, chunk) each at a time; the caller fences and synchronises them afterwards.
+template <int kQChunkRows>
+__device__ __forceinline__ void PermuteQueryColumns(uint8_t* q_tile, int tid) {
+  for (int item = tid; item < kQChunkRows * kNumChunks; item += kConsumerThreads) {
+    const int row = item % kQChunkRows;
+    uint8_t* chunk = q_tile + (item / kQChunkRows) * kQChunkRows * kRowBytes;
+    uint32_t in[32], out[32];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const uint4 v = *reinterpret_cast<const uint4*>(chunk + SwizzledOffset(row, 8 * u));
+      in[4 * u] = v.x;
+      in[4 * u + 1] = v.y;
+      in[4 * u + 2] = v.z;
+      in[4 * u + 3] = v.w;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+#pragma unroll
+      for (int w = 0; w < 8; ++w) out[8 * j + w] = in[8 * (w % 4) + 2 * j + w / 4];
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      *reinterpret_cast<uint4*>(chunk + SwizzledOffset(row, 8 * u)) =
+          make_uint4(out[4 * u], out[4 * u + 1], out[4 * u + 2], out[4 * u + 3]);
+    }
+  }
+}
+
+// fp8 cache: a warpgroup's QK^T A operand for one block, in registers (the permuted column order
+// of PermuteQueryColumns). The warpgroup contracts latent groups 2 wg and 2 wg + 1 (16 k steps:
+// latent[4 s + j] is k step j of its chunk s) and rope k steps 2 wg, 2 wg + 1 (rope[j]); registers
+// 0 and 2 hold token Token(wg_tid, 0), 1 and 3 token Token(wg_tid, 1).
+struct KFragments {
+  uint32_t latent[16][4];
+  uint32_t rope[2][4];
+};
+
+// fp8 cache: reads this thread's two tokens of the staged block (their 16 bytes of each of the
+// warpgroup's latent chunks at 16 q, q = lane % 4, and of its rope columns), converts the e4m3
+// latent values to bf16 without their scale (exact; the scales are applied to the scores and to P
+// instead) into the A fragments, and stores the same latent values into the bf16 tile, where PV
+// reads them. Tokens that were not loaded (or lie past the length) are zero in both.
+__device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* tile,
+                                               const BlockLoad& load, int wg, int wg_tid,
+                                               KFragments& frag) {
+  const int q = wg_tid % 4;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = TransposedScores::Token(wg_tid, h);
+    const bool loaded = load.RowLoaded(row);
+    const uint8_t* src = staged + row * kFp8RowBytes;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const int chunk = 4 * wg + s;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      if (loaded) raw = *reinterpret_cast<const uint4*>(src + chunk * kChunkCols + 16 * q);
+      const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        frag.latent[4 * s + j][h] = E4m3x2ToBf16x2(words[j]);
+        frag.latent[4 * s + j][2 + h] = E4m3x2ToBf16x2(words[j] >> 16);
+      }
+      uint8_t* dst = tile + chunk * kChunkBytes;
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * q)) =
+          make_uint4(frag.latent[4 * s][h], frag.latent[4 * s][2 + h],
+                     frag.latent[4 * s + 1][h], frag.latent[4 * s + 1][2 + h]);
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * q + 8)) =
+          make_uint4(frag.latent[4 * s + 2][h], frag.latent[4 * s + 2][2 + h],
+                     frag.latent[4 * s + 3][h], frag.latent[4 * s + 3][2 + h]);
+    }
+    // Rope k steps 2 wg and 2 wg + 1 of the permuted rope chunk: channels 16 q + 8 wg .. + 7.
+    static_assert(kRopeDim == kChunkCols && kConsumerWarpgroups == 2, "one rope chunk, two halves");
+    uint4 rope = make_uint4(0, 0, 0, 0);
+    if (loaded) {
+      rope = *reinterpret_cast<const uint4*>(src + kFp8RopeOffset + 2 * (16 * q + 8 * wg));
+    }
+    frag.rope[0][h] = rope.x;
+    frag.rope[0][2 + h] = rope.y;
+    frag.rope[1][h] = rope.z;
+    frag.rope[1][2 + h] = rope.w;
+  }
+}
+
 // fp8 cache: the latent groups' scales of a staged token, or 0 for a row that was not loaded (its
 // probabilities are 0, and 0 x a stale scale could be NaN).
 struct TokenScales {
@@ -409,14 +513,76 @@ struct TokenScales {
   }
 };
 
-// fp8 cache: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN values per thread) over
-// the columns DequantiseBlock wrote for it. Each latent group's product is accumulated apart and
+template <class Mma, int N, size_t... I>
+__device__ __forceinline__ void MmaRsImpl(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
+                                          cute::SM90::GMMA::ScaleOut scale,
+                                          std::index_sequence<I...>) {
+  Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[I]..., scale);
+}
+
+// A WGMMA with A from registers.
+template <class Op, int N>
+__device__ __forceinline__ void GmmaRs(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
+                                      bool accumulate) {
+  MmaRsImpl<Op>(a, desc_b, d,
+                accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
+                std::make_index_sequence<N>{});
+}
+
+// fp8 cache, up to 16 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN
+// values per thread) from its A fragments and the permuted query tile. Each latent group's product is accumulated apart and
 // multiplied by the tokens' scales of that group (own_scales[h][a]: group 2 wg + a of the thread's
 // token h, whose values are those of fragment half h); the rope needs none.
-template <class QkT, int kQChunkBytes, int kStN>
-__device__ __forceinline__ void ScaledScoresFp8(uint32_t kv_addr, uint32_t q_addr, int wg,
+template <class QkRs, int kQChunkBytes, int kStN>
+__device__ __forceinline__ void ScaledScoresFp8Registers(KFragments& frag, uint32_t q_addr, int wg,
                                                 const float (&own_scales)[2][2],
                                                 float (&st)[kStN]) {
+  constexpr int kRopeStep0 = kNumVChunks * kQkStepsPerChunk;
+  float acc[3][kStN];
+#pragma unroll
+  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag.latent[k][r]);
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) cute::warpgroup_fence_operand(frag.rope[k][r]);
+  }
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int k = 0; k < 16; ++k) {
+    const int g = 16 * wg + k;  // chunk 4 wg + k / 4, its k step k % 4
+    GmmaRs<QkRs>(frag.latent[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)),
+                 acc[k / 8], k % 8 != 0);
+  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int g = kRopeStep0 + 2 * wg + k;
+    GmmaRs<QkRs>(frag.rope[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[2], k != 0);
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+#pragma unroll
+  for (int e = 0; e < kStN; ++e) {
+    const int h = (e / 2) % 2;  // TransposedScores::Element(i, h) = 4 (i / 2) + 2 h + i % 2
+    st[e] = fmaf(acc[0][e], own_scales[h][0], fmaf(acc[1][e], own_scales[h][1], acc[2][e]));
+  }
+}
+
+// fp8 cache, 17-32 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN values
+// per thread) over the columns DequantiseBlock wrote for it, both operands in shared memory. Each
+// latent group's product is accumulated apart and multiplied by the tokens' scales of that group
+// (own_scales[h][a]: group 2 wg + a of the thread's token h, whose values are those of fragment
+// half h); the rope needs none.
+template <class QkT, int kQChunkBytes, int kStN>
+__device__ __forceinline__ void ScaledScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr, int wg,
+                                                    const float (&own_scales)[2][2],
+                                                    float (&st)[kStN]) {
   constexpr int kStepsPerGroup = kFp8GroupSize / 16;
   constexpr int kRopeCols = kRopeDim / kConsumerWarpgroups;
   float acc[3][kStN];
@@ -666,9 +832,12 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
 // kFp8 (with kScoreN only): the cache is the fp8 cache. The producer stages raw cache rows; at each
-// block each consumer warpgroup converts its columns of the staged rows into the one bf16 KV tile
-// (DequantiseBlock), both hand the stage back, and the transposed scores run on the tile with each
-// latent group's scales applied to its partial scores (ScaledScoresFp8) and to its own P tile.
+// block the consumers convert their warpgroup's columns of the staged rows into the one bf16 KV
+// tile, which PV reads, and both warpgroups hand the stage back. Up to 16 query rows (kScoreN 16)
+// each thread also keeps its tokens' converted values as QK^T A fragments in registers
+// (LoadKFragments) and QK^T runs from them against the column-permuted query tile; with 32 rows
+// QK^T reads the tile (DequantiseBlock). Each latent group's scales are applied to its partial
+// scores (ScaledScoresFp8Registers / ScaledScoresFp8Smem) and, in each group's own P tile, to P.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
@@ -746,6 +915,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
   using QkT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>::type;
   using PvT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>::type;
+  using QkRs = typename TransposedRsMmaFor<kScoreN == 16 ? 16 : 32>::type;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
@@ -775,6 +945,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     }
 
     Barrier::wait(pipe.QFull(), seg & 1);
+    if constexpr (kFp8 && kScoreN == 16) {
+      PermuteQueryColumns<Layout::kQChunkRows>(smem + Layout::kQ, tid);
+      cutlass::arch::fence_view_async_shared();
+      ConsumerSync();
+    }
 
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % kStages;
@@ -788,14 +963,21 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       // warpgroup's two groups.
       TokenScales scales[2];
       float own_scales[2][2];
+      KFragments frag;
       if constexpr (kFp8) {
-        // The warpgroup's PV of the previous block is done with its columns of the bf16 tile.
+        // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
+        // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
+        // (32 rows), else by the fence before PV.
         const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
         WarpgroupSync(wg);
-        DequantiseBlock(staged, smem + Layout::kKv, load, wg, wg_tid);
+        if constexpr (kScoreN == 16) {
+          LoadKFragments(staged, smem + Layout::kKv, load, wg, wg_tid, frag);
+        } else {
+          DequantiseBlock(staged, smem + Layout::kKv, load, wg, wg_tid);
+        }
         scales[0] = TokenScales::Of(staged, load, tok_a);
         scales[1] = TokenScales::Of(staged, load, tok_b);
-        cutlass::arch::fence_view_async_shared();
+        if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
         WarpgroupSync(wg);
         if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
 #pragma unroll
@@ -814,8 +996,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // columns (with the fp8 cache: its two latent groups and half the rope), then each adds
         // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
         // both warpgroups hold the same S^T.
-        if constexpr (kFp8) {
-          ScaledScoresFp8<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, own_scales, st);
+        if constexpr (kFp8 && kScoreN == 16) {
+          ScaledScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, own_scales, st);
+        } else if constexpr (kFp8) {
+          ScaledScoresFp8Smem<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, own_scales, st);
         } else {
           FenceRegisters(st);
           cute::warpgroup_arrive();
