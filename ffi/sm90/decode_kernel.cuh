@@ -529,10 +529,26 @@ __device__ __forceinline__ void GmmaRs(const uint32_t (&a)[4], uint64_t desc_b, 
                 std::make_index_sequence<N>{});
 }
 
+// fp8 cache: waits for a warpgroup's QK^T products (acc: latent groups 2 wg and 2 wg + 1, the rope)
+// and sums them into its partial S^T, each group's times the tokens' scales of that group
+// (own_scales[h][a]: group 2 wg + a of the thread's token h, whose values are fragment half h).
+template <int kStN>
+__device__ __forceinline__ void ScaleGroupScores(float (&acc)[3][kStN],
+                                                 const float (&own_scales)[2][2],
+                                                 float (&st)[kStN]) {
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+#pragma unroll
+  for (int e = 0; e < kStN; ++e) {
+    const int h = (e / 2) % 2;  // TransposedScores::Element(i, h) = 4 (i / 2) + 2 h + i % 2
+    st[e] = fmaf(acc[0][e], own_scales[h][0], fmaf(acc[1][e], own_scales[h][1], acc[2][e]));
+  }
+}
+
 // fp8 cache, up to 16 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN
-// values per thread) from its A fragments and the permuted query tile. Each latent group's product is accumulated apart and
-// multiplied by the tokens' scales of that group (own_scales[h][a]: group 2 wg + a of the thread's
-// token h, whose values are those of fragment half h); the rope needs none.
+// values per thread) from its A fragments and the permuted query tile, each latent group's product
+// accumulated apart (ScaleGroupScores).
 template <class QkRs, int kQChunkBytes, int kStN>
 __device__ __forceinline__ void ScaledScoresFp8Registers(KFragments& frag, uint32_t q_addr, int wg,
                                                 const float (&own_scales)[2][2],
@@ -564,21 +580,12 @@ __device__ __forceinline__ void ScaledScoresFp8Registers(KFragments& frag, uint3
     GmmaRs<QkRs>(frag.rope[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[2], k != 0);
   }
   cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
-#pragma unroll
-  for (int e = 0; e < kStN; ++e) {
-    const int h = (e / 2) % 2;  // TransposedScores::Element(i, h) = 4 (i / 2) + 2 h + i % 2
-    st[e] = fmaf(acc[0][e], own_scales[h][0], fmaf(acc[1][e], own_scales[h][1], acc[2][e]));
-  }
+  ScaleGroupScores(acc, own_scales, st);
 }
 
 // fp8 cache, 17-32 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN values
-// per thread) over the columns DequantiseBlock wrote for it, both operands in shared memory. Each
-// latent group's product is accumulated apart and multiplied by the tokens' scales of that group
-// (own_scales[h][a]: group 2 wg + a of the thread's token h, whose values are those of fragment
-// half h); the rope needs none.
+// per thread) over the columns DequantiseBlock wrote for it, both operands in shared memory, each
+// latent group's product accumulated apart (ScaleGroupScores).
 template <class QkT, int kQChunkBytes, int kStN>
 __device__ __forceinline__ void ScaledScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr, int wg,
                                                     const float (&own_scales)[2][2],
@@ -605,14 +612,7 @@ __device__ __forceinline__ void ScaledScoresFp8Smem(uint32_t kv_addr, uint32_t q
               KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[2], j != 0);
   }
   cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
-#pragma unroll
-  for (int e = 0; e < kStN; ++e) {
-    const int h = (e / 2) % 2;  // TransposedScores::Element(i, h) = 4 (i / 2) + 2 h + i % 2
-    st[e] = fmaf(acc[0][e], own_scales[h][0], fmaf(acc[1][e], own_scales[h][1], acc[2][e]));
-  }
+  ScaleGroupScores(acc, own_scales, st);
 }
 
 // Zeroes the query tile's rows that the bulk copy never writes (q_len * num_heads < 64; they stay
