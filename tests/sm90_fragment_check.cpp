@@ -4,8 +4,11 @@
 // distinct elements, that a thread's two tokens lie in the same 32-token half (one page-id check
 // covers both), that the two warpgroups' P writes cover every (row, token) of the tile once, that
 // a warpgroup's four O^T tiles hold every (column of its 256, query row) once, and that lanes 0-3
-// of its first warp (the LSE writers) hold every query row once.
-// stdout: "ok N" or "FAIL N: reason", a line per N.
+// of its first warp (the LSE writers) hold every query row once. Then the fp8 path's permuted
+// query columns (PermutedQuery): a permutation of each 64-column chunk, every lane's A fragment of
+// every k step four consecutive channels from FragmentChannel, and the word-level permutation the
+// kernel applies the same as the column-level one.
+// stdout: "ok N" or "FAIL N: reason", a line per N, then "ok permuted-query" or its FAIL line.
 #include <cstdio>
 #include <set>
 #include <string>
@@ -13,6 +16,7 @@
 
 #include "ffi/sm90/fragment_layout.h"
 
+using jax_mla::sm90::PermutedQuery;
 using jax_mla::sm90::TransposedScores;
 
 static std::string Check(int n) {
@@ -78,6 +82,38 @@ static std::string Check(int n) {
   return "";
 }
 
+static std::string CheckPermutedQuery() {
+  std::set<int> channels;
+  for (int j = 0; j < 4; ++j) {
+    for (int c = 0; c < 16; ++c) {
+      const int channel = PermutedQuery::Channel(j, c);
+      if (channel < 0 || channel >= 64 || !channels.insert(channel).second) {
+        return "column " + std::to_string(16 * j + c) + " repeats or leaves the chunk";
+      }
+    }
+    for (int lane = 0; lane < 32; ++lane) {
+      const int first = PermutedQuery::FragmentChannel(lane, j);
+      const int q = lane % 4;
+      // The fragment's columns 2q, 2q + 1 hold its first two channels, 2q + 8, 2q + 9 the others.
+      for (int e = 0; e < 2; ++e) {
+        if (PermutedQuery::Channel(j, 2 * q + e) != first + e ||
+            PermutedQuery::Channel(j, 2 * q + 8 + e) != first + 2 + e) {
+          return "lane " + std::to_string(lane) + ", k step " + std::to_string(j) +
+                 ": fragment not four consecutive channels";
+        }
+      }
+    }
+    for (int w = 0; w < 8; ++w) {
+      const int source = PermutedQuery::SourceWord(j, w);
+      if (PermutedQuery::Channel(j, 2 * w) != 2 * source ||
+          PermutedQuery::Channel(j, 2 * w + 1) != 2 * source + 1) {
+        return "word " + std::to_string(8 * j + w) + " differs from its columns";
+      }
+    }
+  }
+  return "";
+}
+
 int main() {
   for (int n : {16, 32}) {
     const std::string failure = Check(n);
@@ -86,6 +122,12 @@ int main() {
     } else {
       std::printf("FAIL %d: %s\n", n, failure.c_str());
     }
+  }
+  const std::string failure = CheckPermutedQuery();
+  if (failure.empty()) {
+    std::printf("ok permuted-query\n");
+  } else {
+    std::printf("FAIL permuted-query: %s\n", failure.c_str());
   }
   return 0;
 }

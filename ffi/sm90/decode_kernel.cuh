@@ -403,13 +403,10 @@ __device__ __forceinline__ void DequantiseBlock(const uint8_t* staged, uint8_t* 
   }
 }
 
-// fp8 cache: the column order of the query tile for the register-sourced QK^T. Within each
-// 64-column chunk, column 16 j + c of the permuted tile holds channel
-// 16 (c % 8 / 2) + 4 j + c % 2 + 2 (c / 8): then for k step j the A fragment columns of lane
-// (2q, 2q + 1, 2q + 8, 2q + 9 with q = lane % 4) are channels 16q + 4j .. 16q + 4j + 3, four
-// consecutive bytes of an fp8 cache row. In 32-bit words (two channels), permuted word 8 j + w holds
-// word 8 (w % 4) + 2 j + w / 4. The consumer threads tid permute the rows x chunks of the tile in
-// place, one (row, chunk) each at a time; the caller fences and synchronises them afterwards.
+// fp8 cache: puts the query tile's columns in the order of the register-sourced QK^T
+// (PermutedQuery, fragment_layout.h). The consumer threads tid permute the rows x chunks of the
+// tile in place, one (row, chunk) each at a time; the caller fences and synchronises them
+// afterwards.
 template <int kQChunkRows>
 __device__ __forceinline__ void PermuteQueryColumns(uint8_t* q_tile, int tid) {
   for (int item = tid; item < kQChunkRows * kNumChunks; item += kConsumerThreads) {
@@ -427,7 +424,7 @@ __device__ __forceinline__ void PermuteQueryColumns(uint8_t* q_tile, int tid) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
 #pragma unroll
-      for (int w = 0; w < 8; ++w) out[8 * j + w] = in[8 * (w % 4) + 2 * j + w / 4];
+      for (int w = 0; w < 8; ++w) out[8 * j + w] = in[PermutedQuery::SourceWord(j, w)];
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
@@ -438,7 +435,7 @@ __device__ __forceinline__ void PermuteQueryColumns(uint8_t* q_tile, int tid) {
 }
 
 // fp8 cache: a warpgroup's QK^T A operand for one block, in registers (the permuted column order
-// of PermuteQueryColumns). The warpgroup contracts latent groups 2 wg and 2 wg + 1 (16 k steps:
+// of PermutedQuery). The warpgroup contracts latent groups 2 wg and 2 wg + 1 (16 k steps:
 // latent[4 s + j] is k step j of its chunk s) and rope k steps 2 wg, 2 wg + 1 (rope[j]); registers
 // 0 and 2 hold token Token(wg_tid, 0), 1 and 3 token Token(wg_tid, 1).
 struct KFragments {
@@ -447,14 +444,15 @@ struct KFragments {
 };
 
 // fp8 cache: reads this thread's two tokens of the staged block (their 16 bytes of each of the
-// warpgroup's latent chunks at 16 q, q = lane % 4, and of its rope columns), converts the e4m3
+// warpgroup's latent chunks, and 16 bytes of the rope), converts the e4m3
 // latent values to bf16 without their scale (exact; the scales are applied to the scores and to P
 // instead) into the A fragments, and stores the same latent values into the bf16 tile, where PV
 // reads them. Tokens that were not loaded (or lie past the length) are zero in both.
 __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* tile,
                                                const BlockLoad& load, int wg, int wg_tid,
                                                KFragments& frag) {
-  const int q = wg_tid % 4;
+  // The thread's 16 latent channels of each chunk: the four k steps' fragments, in order.
+  const int channel0 = PermutedQuery::FragmentChannel(wg_tid, 0);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = TransposedScores::Token(wg_tid, h);
@@ -464,7 +462,9 @@ __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* t
     for (int s = 0; s < 4; ++s) {
       const int chunk = 4 * wg + s;
       uint4 raw = make_uint4(0, 0, 0, 0);
-      if (loaded) raw = *reinterpret_cast<const uint4*>(src + chunk * kChunkCols + 16 * q);
+      if (loaded) {
+        raw = *reinterpret_cast<const uint4*>(src + chunk * kChunkCols + channel0);
+      }
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -472,18 +472,19 @@ __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* t
         frag.latent[4 * s + j][2 + h] = E4m3x2ToBf16x2(words[j] >> 16);
       }
       uint8_t* dst = tile + chunk * kChunkBytes;
-      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * q)) =
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, channel0)) =
           make_uint4(frag.latent[4 * s][h], frag.latent[4 * s][2 + h],
                      frag.latent[4 * s + 1][h], frag.latent[4 * s + 1][2 + h]);
-      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * q + 8)) =
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, channel0 + 8)) =
           make_uint4(frag.latent[4 * s + 2][h], frag.latent[4 * s + 2][2 + h],
                      frag.latent[4 * s + 3][h], frag.latent[4 * s + 3][2 + h]);
     }
-    // Rope k steps 2 wg and 2 wg + 1 of the permuted rope chunk: channels 16 q + 8 wg .. + 7.
+    // Rope k steps 2 wg and 2 wg + 1 of the permuted rope chunk: eight consecutive channels.
     static_assert(kRopeDim == kChunkCols && kConsumerWarpgroups == 2, "one rope chunk, two halves");
     uint4 rope = make_uint4(0, 0, 0, 0);
     if (loaded) {
-      rope = *reinterpret_cast<const uint4*>(src + kFp8RopeOffset + 2 * (16 * q + 8 * wg));
+      rope = *reinterpret_cast<const uint4*>(
+          src + kFp8RopeOffset + 2 * PermutedQuery::FragmentChannel(wg_tid, 2 * wg));
     }
     frag.rope[0][h] = rope.x;
     frag.rope[0][2 + h] = rope.y;

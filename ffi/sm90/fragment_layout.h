@@ -1,5 +1,6 @@
-// Where a consumer thread's values sit in a warpgroup's 64 x N WGMMA accumulator, and the
-// transposed-score bookkeeping built on it (DecodeKernel's kScoreN path). Host and device code, so
+// Where a consumer thread's values sit in a warpgroup's 64 x N WGMMA accumulator, the
+// transposed-score bookkeeping built on it (DecodeKernel's kScoreN path), and the fp8 path's
+// permuted query columns. Host and device code, so
 // tests/sm90_fragment_check.cu checks the index math on the CPU.
 //
 // A warpgroup's 64 x N fp32 accumulator spreads over its 128 threads: thread t (warp t / 32 of the
@@ -35,6 +36,23 @@ struct TransposedScores {
   static JAX_MLA_HD int Element(int i, int half) { return Fragment::Element(i / 2, i % 2, half); }
   // Warpgroup wg writes the probabilities of tokens [32 wg, 32 wg + 32) into the P tile.
   static JAX_MLA_HD bool WritesToken(int wg, int token) { return (token < 32) == (wg == 0); }
+};
+
+// fp8 cache, QK^T from registers (DecodeKernel's kFp8 path at kScoreN 16): the query tile's columns
+// are permuted within each 64-column chunk so that a lane's A fragment of k step j (columns 2q,
+// 2q + 1, 2q + 8 and 2q + 9 of the step, q = lane % 4) holds four consecutive channels of a cache
+// row, FragmentChannel(lane, j) and the three after it: 2q and 2q + 1 the first two, 2q + 8 and
+// 2q + 9 the last two.
+struct PermutedQuery {
+  // The channel that permuted column 16 j + c of a chunk holds (j < 4, c < 16).
+  static JAX_MLA_HD int Channel(int j, int c) {
+    return 16 * (c % 8 / 2) + 4 * j + c % 2 + 2 * (c / 8);
+  }
+  // In 32-bit words of two channels: the word of a chunk that permuted word 8 j + w holds.
+  static JAX_MLA_HD int SourceWord(int j, int w) { return 8 * (w % 4) + 2 * j + w / 4; }
+  // The first of the four channels of lane's A fragment of k step j (lane: the lane, or any thread
+  // index equal to it modulo 4).
+  static JAX_MLA_HD int FragmentChannel(int lane, int j) { return 16 * (lane % 4) + 4 * j; }
 };
 
 }  // namespace sm90
