@@ -109,6 +109,8 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
     if not hasattr(library, "JaxMlaSm90WorkspaceBytes"):
         pytest.skip(f"{ffi_library_path} was built without the sm90 handler (no CUTLASS headers)")
     assert hasattr(library, gpu.SM90_SYMBOL)
+    for target in ("jax_mla_sm90_schedule", "jax_mla_sm90_decode", "jax_mla_sm90_decode_fp8"):
+        assert hasattr(library, gpu.TARGETS[target]["execute"]), target
     kernel = library.JaxMlaSm90WorkspaceBytes
     kernel.restype = ctypes.c_size_t
     kernel.argtypes = [ctypes.c_int64] * 4
