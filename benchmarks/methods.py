@@ -17,8 +17,6 @@ GPU_ONLY_METHODS = ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan", "jax_
 # Methods timed over --layers decode calls per step (the others, slower, over --xla-layers).
 JAX_MLA_PLANNED = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan",
                    "jax_mla_sm90", "jax_mla_sm90_fp8")
-# The most query rows (q_len x heads) per device that sm90 takes with the fp8 cache.
-SM90_FP8_MAX_ROWS = 32
 FI_BACKENDS = ("fa3", "fa2")
 # XLA command buffers (CUDA graphs) for every run of the step, custom calls included, whatever its
 # size; per compile, so one process times the step with and without them.
@@ -41,8 +39,6 @@ def method_applies(method: str, pt: Point, args) -> bool:
         return args.noplan_everywhere or noplan_subset(pt)
     if method == "jax_mla_graph":
         return graph_subset(pt)
-    if method == "jax_mla_sm90_fp8":
-        return pt.q_len * pt.H <= SM90_FP8_MAX_ROWS
     return True
 
 

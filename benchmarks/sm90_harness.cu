@@ -5,7 +5,7 @@
 //        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
 //   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
-//   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache (<= 32 query rows)
+//   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
 //   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|all]
 //                                      # timing grid (graph replay, rotating caches), with the
@@ -82,8 +82,9 @@ __global__ void FillRandom(__nv_bfloat16* x, size_t n, uint64_t seed, float amp)
   }
 }
 
-// Writes the fp8 cache row of random values x: per latent group of 128 channels (magnitude
-// 2^(group - 1)) scale = max|x| / 448 and e4m3(x / scale), then the bf16 rope (one warp per row).
+// Writes the fp8 cache row of random values x as write_kv does (docs/fp8-cache.md): per latent
+// group of 128 channels (magnitude 2^(group - 1)) the power-of-two scale
+// 2^ceil(log2(max|x| / 448)) and e4m3(x / scale), then the bf16 rope (one warp per row).
 __device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed) {
   const int lane = threadIdx.x % 32;
   for (int g = 0; g < kLatentDim / kFp8GroupSize; ++g) {
@@ -95,7 +96,10 @@ __device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed) {
       amax = fmaxf(amax, fabsf(x[i]));
     }
     for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-    const float scale = amax > 0.f ? amax * (1.0f / 448.0f) : 1.f;
+    int exponent = 0;
+    const float mantissa = frexpf(amax, &exponent);  // amax = mantissa 2^exponent, [0.5, 1)
+    // 448 = 0.875 x 2^9: the smallest k with amax <= 448 x 2^k.
+    const float scale = amax > 0.f ? ldexpf(1.f, exponent - 9 + (mantissa > 0.875f)) : 1.f;
     for (int i = 0; i < kFp8GroupSize / 32; ++i) {
       row_bytes[g * kFp8GroupSize + 32 * i + lane] =
           __nv_cvt_float_to_fp8(x[i] / scale, __NV_SATFINITE, __NV_E4M3);
@@ -554,7 +558,8 @@ static std::vector<CaseSpec> CheckSuite() {
   return v.cases;
 }
 
-// The fp8 cache's kernel takes q_len * num_heads <= kFp8MaxRows.
+// Up to kFp8TransposedRows query rows the fp8 cache runs the transposed-score kernels, above in
+// 64-row tiles.
 static std::vector<CaseSpec> CheckSuiteFp8() {
   Suite v{{}, 3000, true};
   v.add("b1-4k-h16", 1, 1, 16, 64, 4096, "fixed");
@@ -575,6 +580,18 @@ static std::vector<CaseSpec> CheckSuiteFp8() {
   v.add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
   v.add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
   v.add("bad-h8-p64", 6, 1, 8, 64, 2000, "uniform", true);
+  v.add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
+  v.add("skew-20k-h128-p32", 8, 1, 128, 32, 20000, "skew");
+  v.add("b32-4k-h128", 32, 1, 128, 64, 4096, "uniform");
+  v.add("h64", 6, 1, 64, 64, 5000, "uniform");
+  v.add("h64-q3-p32", 3, 3, 64, 32, 2500, "uniform");
+  v.add("h32-q2", 4, 2, 32, 64, 3000, "uniform");
+  v.add("h16-q3", 5, 3, 16, 64, 1500, "uniform");
+  v.add("h128-q4-p32", 2, 4, 128, 32, 1200, "uniform");
+  v.add("tiny-h128", 16, 1, 128, 64, 70, "tiny");
+  v.add("long-128k-h64", 1, 1, 64, 64, 131072, "fixed");
+  v.add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
+  v.add("bad-h64-q2-p32", 6, 2, 64, 32, 3000, "uniform", true);
   return v.cases;
 }
 
@@ -586,6 +603,10 @@ static std::vector<CaseSpec> SanitizeSuiteFp8() {
   v.add("h8", 3, 1, 8, 64, 500, "uniform");
   v.add("h32-b8", 8, 1, 32, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
+  v.add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
+  v.add("skew-h64", 6, 1, 64, 64, 1500, "skew");
+  v.add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
+  v.add("bad-h128-q2-p64", 6, 2, 128, 64, 500, "uniform", true);
   return v.cases;
 }
 
@@ -762,8 +783,10 @@ static void PrintDevice() {
   printf("device: %s, %d SMs, L2 %d MB, smem/block optin %zu, driver %d, runtime %d\n", prop.name,
          prop.multiProcessorCount, prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin, driver,
          runtime);
-  printf("kernel: %d threads, %d B dynamic smem (fp8 cache: %d B), parts(H=128,q=1)=%d\n",
-         kThreads, SmemLayout<false>::kBytes, SmemLayout<true>::kBytes,
+  printf("kernel: %d threads, %d B dynamic smem (fp8 cache: %d B transposed, %d B 64-row tiles), "
+         "parts(H=128,q=1)=%d\n",
+         kThreads, SmemLayout<false>::kBytes, KernelSmemLayout<true, kFp8TransposedRows>::kBytes,
+         KernelSmemLayout<true, 0>::kBytes,
          NumParts(prop.multiProcessorCount, 1, 128));
 }
 
@@ -804,7 +827,9 @@ int main(int argc, char** argv) {
     PrintTimeHeader();
     const std::vector<std::tuple<int, int, int, int>> grid = {
         {16, 32, 4096, 1}, {16, 32, 16384, 1}, {16, 128, 4096, 1}, {16, 128, 16384, 1},
-        {8, 128, 4096, 1}, {32, 128, 4096, 1}, {16, 64, 4096, 2}, {16, 1, 4096, 1}};
+        {8, 128, 4096, 1}, {32, 128, 4096, 1}, {16, 64, 4096, 2}, {16, 1, 4096, 1},
+        {64, 128, 4096, 1}, {128, 32, 4096, 1}, {128, 128, 4096, 1}, {128, 128, 16384, 1},
+        {128, 1, 4096, 1}};
     for (auto [H, B, L, q_len] : grid) {
       for (bool fp8 : {false, true}) {
         CaseSpec s;

@@ -15,10 +15,10 @@ of its history. The run exits 1 when they differ by more than the tolerance (bf1
 cache's). Needs no torch and downloads nothing.
 
 With ``--kv-dtype fp8`` the paged caches are jax_mla's fp8 cache (docs/fp8-cache.md): ``write_kv``
-quantises every latent row to e4m3 with one scale per 128 channels (the rope part stays bf16), and
-``--backend auto`` runs it on a backend that takes it: xla, or on Hopper jax_mla's sm90 kernel where
-each device has at most 32 query rows (q_len x its heads) and pages of 32 or 64 tokens. The check's reference keeps the unquantised bf16 latents, so its error includes the
-quantisation's, held to its own tolerance.
+quantises every latent row to e4m3 with one power-of-two scale per 128 channels (the rope part
+stays bf16), and ``--backend auto`` runs it on a backend that takes it: xla, or on Hopper jax_mla's
+sm90 kernel where the pages hold 32 or 64 tokens. The check's reference keeps the unquantised bf16
+latents, so its error includes the quantisation's, held to its own tolerance.
 """
 
 from __future__ import annotations

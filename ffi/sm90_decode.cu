@@ -101,10 +101,6 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
     return Invalid(std::string(kFp8 ? "the fp8 " : "") + "kv_cache must be [num_pages >= 1, "
                    "page_size, " + std::to_string(row) + "], got " + Shape(kv));
   }
-  if (kFp8 && q_len * heads > kFp8MaxRows) {
-    return Invalid("the fp8 cache needs q_len * num_heads <= " + std::to_string(kFp8MaxRows) +
-                   ", got query " + Shape(q));
-  }
   const int64_t num_pages = kv[0], page_size = kv[1];
   if (page_size != 32 && page_size != 64) {
     return Invalid("kv_cache page_size must be 32 or 64, got " + std::to_string(page_size));

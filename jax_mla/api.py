@@ -24,8 +24,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim], same dtype as ``query``. The first
         ``kv_lora_rank`` channels of a token are both its latent key part and its value. Or the fp8
         cache: uint8 [num_pages, page_size, row_bytes] from ``allocate_cache(..., dtype="fp8")``
-        (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend and,
-        for up to 32 query rows (q_len x heads) per device, by sm90.
+        (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend and
+        by sm90.
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.
@@ -37,8 +37,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         (sm90 aside); on Hopper, with ``plan=None``, a device whose shard has a batch of 32 or more
         with up to 64 heads at q_len 1 (or up to 32 query rows below a batch of 512) takes sm90
         instead of fa3 (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it
-        faster), and with the fp8 cache a device whose shard has up to 32 query rows takes sm90
-        instead of xla.
+        faster), and with the fp8 cache every device whose shard sm90 runs takes sm90 instead of
+        xla.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared

@@ -219,7 +219,7 @@ def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype
     """The backend each device may take instead of ``chosen`` for ``backend=requested``: sm90 when
     "auto" resolved to fa3 or xla without a plan (a plan is fa3's) and sm90 runs here and takes the
     query and cache; None otherwise. The choice is made per device, on its shard's shape
-    (``prefers_sm90``, then the shapes sm90 runs: with the fp8 cache up to 32 query rows), because
+    (``prefers_sm90``, then the shapes sm90 runs: ``gpu.check_sm90_shapes``), because
     "auto" is resolved before the arrays are split."""
     if requested != AUTO or plan is not None or chosen.name not in (FA3, XLA):
         return None

@@ -82,13 +82,26 @@ def layout_of_rows(row_bytes: int, rope_dim: int = 64) -> RowLayout:
     return layout(latent_and_scales // per_group * GROUP_SIZE, rope_dim)
 
 
+def group_scales(amax: jax.Array) -> jax.Array:
+    """The scale of groups whose largest magnitude is ``amax`` (float32 [...]): the smallest power
+    of two ``s`` with ``amax <= 448 * s``, at least 2^-126 (the smallest normal float32); 1 for an
+    all-zero group. A power of two, so ``e4m3 * scale`` is exact in bfloat16 and float32 and a
+    kernel can dequantise into either without rounding. Exact integer arithmetic on the exponent:
+    every implementation gets the same bits."""
+    mantissa, exponent = jnp.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    # 448 = 0.875 * 2^9: amax <= 448 * 2^k for k >= exponent - 9, or - 8 if mantissa > 0.875.
+    power = exponent - 9 + (mantissa > 0.875).astype(exponent.dtype)
+    scales = jnp.ldexp(jnp.ones_like(amax), jnp.maximum(power, -126))
+    return jnp.where(amax > 0, scales, 1.0).astype(jnp.float32)
+
+
 def quantize_rows(latent: jax.Array, rope: jax.Array) -> jax.Array:
     """Cache rows for ``T`` tokens.
 
     Args:
       latent: float [T, R], R a multiple of 128. Each group of 128 channels gets the float32 scale
-        ``max |x| * float32(1 / 448)`` (1 for an all-zero group) and stores ``x / scale`` rounded
-        to the nearest float8_e4m3fn.
+        ``group_scales(max |x|)``, a power of two, and stores ``x / scale`` (exact) rounded to the
+        nearest float8_e4m3fn.
       rope: float [T, r], stored as bfloat16.
     Returns:
       uint8 [T, row_bytes].
@@ -96,8 +109,7 @@ def quantize_rows(latent: jax.Array, rope: jax.Array) -> jax.Array:
     num_tokens, kv_lora_rank = latent.shape
     row = layout(kv_lora_rank, rope.shape[-1])
     groups = latent.astype(jnp.float32).reshape(num_tokens, row.num_groups, GROUP_SIZE)
-    scales = jnp.max(jnp.abs(groups), axis=-1) * jnp.float32(1 / E4M3_MAX)  # [T, G]
-    scales = jnp.where(scales > 0, scales, 1.0)
+    scales = group_scales(jnp.max(jnp.abs(groups), axis=-1))  # [T, G]
     values = jnp.clip(groups / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
     parts = (values.reshape(num_tokens, kv_lora_rank), scales, rope.astype(jnp.bfloat16))
     return jnp.concatenate([_bytes_of(part) for part in parts], axis=-1)

@@ -306,7 +306,6 @@ SM90_PAGE_SIZES = (32, 64)
 SM90_DIMS = (512, 64)  # (kv_lora_rank, rope_dim)
 SM90_MAX_Q_LEN = 4
 SM90_MAX_HEADS = 128
-SM90_FP8_MAX_ROWS = 32  # q_len * num_heads per device with the fp8 cache (ffi/sm90 kFp8MaxRows)
 SM90_SYMBOL = "JaxMlaSm90Decode"
 
 
@@ -363,10 +362,6 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int, softmax_
     if not 1 <= num_heads <= SM90_MAX_HEADS:
         raise ValueError(f"sm90 supports query num_heads (dim 2) in [1, {SM90_MAX_HEADS}], got "
                          f"{num_heads}")
-    if fp8_cache.is_fp8_cache(kv_cache) and q_len * num_heads > SM90_FP8_MAX_ROWS:
-        raise ValueError(f"sm90 takes the fp8 cache for up to {SM90_FP8_MAX_ROWS} query rows "
-                         f"(q_len x num_heads) per device, got query q_len {q_len} x num_heads "
-                         f"{num_heads} = {q_len * num_heads}; backend='xla' takes any")
     if num_pages < 1:
         raise ValueError(f"sm90 needs kv_cache with at least one page, got shape {tuple(kv_cache.shape)}")
     if num_pages * page_size >= 2**31:
@@ -395,7 +390,7 @@ def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):
 def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
                 output_scale: float, kv_lora_rank: int):
     """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``, or the fp8 cache (uint8
-    [num_pages, page_size, 656], docs/fp8-cache.md) for up to 32 query rows (q_len x num_heads).
+    [num_pages, page_size, 656], docs/fp8-cache.md).
 
     Builds its split-KV schedule from ``seq_lens`` on the GPU (``sm90_schedule``, once per step
     after XLA merges the layers' identical calls), then decodes; no host work.

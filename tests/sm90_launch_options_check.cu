@@ -82,18 +82,19 @@ int main() {
   Run("query_misaligned", [](DecodeParams& p, LaunchOptions&) { p.query = placeholder + 8; });
   Run("no_schedule", [](DecodeParams& p, LaunchOptions&) { p.schedule = nullptr; });
   Run("min_blocks_per_part=0", [](DecodeParams& p, LaunchOptions&) { p.min_blocks_per_part = 0; });
-  Run("fp8,33_rows", [](DecodeParams& p, LaunchOptions&) {
-    p.kv_fp8 = true;
-    p.q_len = 3;
-    p.num_heads = 11;
-  });
-  Run("fp8,scores_not_transposed", [](DecodeParams& p, LaunchOptions& o) {
-    p.kv_fp8 = true;
-    o.transposed_scores = 0;
-  });
   Run("fp8,experiment=1", [](DecodeParams& p, LaunchOptions& o) {
     p.kv_fp8 = true;
     o.experiment = 1;
+  });
+  Run("fp8,late_release", [](DecodeParams& p, LaunchOptions& o) {
+    p.kv_fp8 = true;
+    p.num_heads = 128;
+    o.early_release = false;
+  });
+  Run("fp8,cluster=2", [](DecodeParams& p, LaunchOptions& o) {
+    p.kv_fp8 = true;
+    p.num_heads = 128;
+    o.cluster = 2;
   });
   return 0;
 }

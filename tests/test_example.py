@@ -349,9 +349,9 @@ def test_progress_redraws_on_a_terminal_and_writes_a_few_plain_lines_to_a_log():
 
 
 def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
-    """On an SM90 GPU "auto" runs the fp8 cache on sm90 per device where the shard has at most 32
-    query rows and pages of 32 or 64 tokens, else on xla; the bf16 cache keeps fa3 and its plan."""
-    from jax_mla import backends, gpu
+    """On an SM90 GPU "auto" runs the fp8 cache on sm90 per device where the pages hold 32 or 64
+    tokens, else on xla; the bf16 cache keeps fa3 and its plan."""
+    from jax_mla import backends
 
     monkeypatch.setattr(backends, "available_backends",
                         lambda platform=None: ["fa3", "fa2", "sm90", "xla"])
@@ -364,7 +364,6 @@ def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
         shard = deepseek_layer.shard_shapes(cfg, args, num_pages=40, max_pages=8)
         return deepseek_layer.concrete_backend("auto", kv_dtype, shard, softmax_scale=0.1)
 
-    assert gpu.SM90_FP8_MAX_ROWS == 32
     assert runs("fp8", 64, tp=1) == "sm90"
     assert runs("fp8", 32, tp=2) == "sm90"
     assert runs("fp8", 16, tp=1) == "xla"

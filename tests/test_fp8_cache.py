@@ -18,8 +18,9 @@ import jax_mla
 from jax_mla import backends, fp8_cache, gpu, xla_backend
 from jax_mla.reference import dequantize_fp8, reference_from_jax
 
-# Worst quantise-then-dequantise error of a 128-channel group over its max |x|: half an e4m3 ulp at
-# the top of the range is 16 / 448 of it (docs/fp8-cache.md, "Quantisation").
+# Worst quantise-then-dequantise error of a 128-channel group over its max |x|: the max lands in
+# (224, 448] times its power-of-two scale, where half an e4m3 step is at most 2^-4 of it
+# (docs/fp8-cache.md, "Quantisation").
 GROUP_ERROR = 2.0**-4
 # The fp8 cache's decode against the bf16 cache it was quantised from: (output error per
 # request/head, lse error in nats, relative L2 error of the output), about 2x the worst that
@@ -81,8 +82,9 @@ def test_a_hand_built_row_decodes_to_its_values_and_quantises_back():
 
 
 def test_quantisation_follows_the_rule_within_the_group_error():
-    """Scales are max |x| * float32(1 / 448) (1 for an all-zero group), latents round to nearest e4m3, rope to
-    bf16; each group's error is at most GROUP_ERROR of its max |x|, whatever its magnitude."""
+    """Scales are the smallest power of two s with max |x| <= 448 s (1 for an all-zero group),
+    latents round to nearest e4m3, rope to bf16; each group's error is at most GROUP_ERROR of its
+    max |x|, whatever its magnitude."""
     rng = np.random.default_rng(0)
     magnitudes = 10.0 ** rng.uniform(-6, 6, size=(64, 4, 1))
     latent = (rng.standard_normal((64, 4, 128)) * magnitudes).astype(np.float32)
@@ -94,8 +96,11 @@ def test_quantisation_follows_the_rule_within_the_group_error():
     raw = np.asarray(rows)
     scales = raw[:, 512:528].copy().view(np.float32)
     amax = np.abs(latent).max(axis=-1)
-    expected_scales = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
-    np.testing.assert_array_equal(scales, expected_scales)
+    safe_amax = np.where(amax > 0, amax, 448).astype(np.float64)
+    expected_scales = np.where(amax > 0, 2.0 ** np.ceil(np.log2(safe_amax / 448)), 1)
+    np.testing.assert_array_equal(scales, expected_scales.astype(np.float32))
+    fill = (amax / scales)[amax > 0]
+    assert fill.min() > 224 and fill.max() <= 448, (fill.min(), fill.max())
     expected_bytes = (latent / expected_scales[..., None]).astype(ml_dtypes.float8_e4m3fn)
     np.testing.assert_array_equal(raw[:, :512], expected_bytes.view(np.uint8).reshape(64, 512))
     np.testing.assert_array_equal(got_rope, rope.astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -105,6 +110,17 @@ def test_quantisation_follows_the_rule_within_the_group_error():
     assert group_error.max() <= GROUP_ERROR, group_error.max()
     assert group_error.max() > 0.8 * 16 / 448  # the bound is reached: rounding, not truncation
     np.testing.assert_array_equal(got_latent.reshape(latent.shape)[3, 1], 0.0)
+
+
+def test_group_scales_at_the_boundaries():
+    """448 * 2^k takes 2^k, the next float32 up takes 2^(k + 1); zero takes 1; magnitudes too small
+    for a normal float32 scale take 2^-126."""
+    amax = np.array([448.0, np.nextafter(np.float32(448), np.float32(1e9)), 448 * 2.0**-20,
+                     np.nextafter(np.float32(448 * 2.0**-20), np.float32(0)), 1.0, 0.0, 1e-37,
+                     3e38], np.float32)
+    expected = np.array([1.0, 2.0, 2.0**-20, 2.0**-20, 2.0**-8, 1.0, 2.0**-126, 2.0**120],
+                        np.float32)
+    np.testing.assert_array_equal(np.asarray(fp8_cache.group_scales(jnp.asarray(amax))), expected)
 
 
 # ---- allocation and writes ----------------------------------------------------------------------------

@@ -143,22 +143,14 @@ def fp8_shapes(batch=4, q_len=2, num_heads=16, num_pages=64, page_size=64, max_p
     return query, jax.ShapeDtypeStruct((num_pages, page_size, 656), jnp.uint8), tables, lens
 
 
-@pytest.mark.parametrize("q_len,num_heads", [(1, 16), (2, 16), (4, 8), (1, 32)])
+@pytest.mark.parametrize("q_len,num_heads", [(1, 16), (2, 16), (4, 8), (1, 32), (1, 64), (3, 11),
+                                             (4, 128)])
 def test_the_fp8_cache_lowers_to_its_own_target(lowering_stubs, q_len, num_heads):
     text = lower(*fp8_shapes(q_len=q_len, num_heads=num_heads))
     call = next(line for line in text.splitlines() if "@jax_mla_sm90_decode_fp8(" in line)
     inputs = call.rsplit(" : ", 1)[1].split(" -> ")[0]
     assert re.findall(r"tensor<[^>]+>", inputs)[1] == "tensor<64x64x656xui8>"
     assert "@jax_mla_sm90_decode(" not in text
-
-
-@pytest.mark.parametrize("q_len,num_heads", [(1, 33), (1, 64), (3, 11), (4, 16)])
-def test_the_fp8_cache_takes_at_most_32_query_rows(lowering_stubs, q_len, num_heads):
-    with pytest.raises(ValueError, match=rf"sm90 takes the fp8 cache for up to 32 query rows "
-                                         rf"\(q_len x num_heads\) per device, got query q_len {q_len} "
-                                         rf"x num_heads {num_heads} = {q_len * num_heads}; "
-                                         r"backend='xla' takes any"):
-        lower(*fp8_shapes(q_len=q_len, num_heads=num_heads))
 
 
 def test_kv_lora_rank_other_than_512_is_refused(lowering_stubs):
@@ -299,9 +291,9 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
         ran.clear()
         jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
         assert ran == [expected], (batch, num_heads, page_size)
-    # The fp8 cache: "auto" resolves to xla; sm90 where the shard has at most 32 query rows.
+    # The fp8 cache: "auto" resolves to xla; sm90 where it runs the shard (pages of 32 or 64).
     for batch, q_len, num_heads, page_size, expected in ((1, 1, 16, 64, SM90), (3, 2, 16, 32, SM90),
-                                                         (3, 1, 64, 64, "xla"),
+                                                         (3, 1, 64, 64, SM90), (2, 4, 128, 32, SM90),
                                                          (3, 1, 16, 16, "xla")):
         problem, _ = fp8_problem(make_problem(6, batch=batch, q_len=q_len, num_heads=num_heads,
                                               page_size=page_size, max_len=100,

@@ -14,9 +14,9 @@
 //  - a request handled whole writes bf16 output and LSE; a split one writes fp32 partial output
 //    and LSE to the workspace for the combine kernel.
 // Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
-// Up to 32 query rows the scores and PV are computed transposed (kScoreN), and with the fp8 cache
-// (kFp8, that path only) the producer stages raw cache rows that the consumers convert into one
-// bf16 KV tile per block.
+// Up to 32 query rows the scores and PV are computed transposed (kScoreN). With the fp8 cache
+// (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile per
+// block.
 // Safety: tokens at or beyond the (clamped) length, and 32-token halves whose page id is out of
 // range, are never loaded from the cache; their shared-memory rows are zeroed (so 0 * NaN never
 // enters PV) and their scores masked to -inf by select.
@@ -127,6 +127,24 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// A warp's 16 rows x 32 columns of a 64 x 32 WGMMA accumulator (fragment_layout.h), packed as bf16
+// pairs (packed[2 j + h]: rows Fragment::Row(., h), columns of eight-column group j), stored into a
+// 128-byte-swizzled bf16 chunk at rows [row0, row0 + 16) and columns [col0, col0 + 32) with two
+// stmatrix (each 8 x 8 matrix is one 16-byte row segment per lane address).
+__device__ __forceinline__ void StoreWarpTile16x32(uint8_t* chunk, int row0, int col0, int lane,
+                                                   const uint32_t (&packed)[8]) {
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int m = lane / 8;  // the matrix this lane addresses: group 2 c + m / 2, half m % 2
+    const uint32_t addr =
+        SmemAddr(chunk + SwizzledOffset(row0 + 8 * (m % 2) + lane % 8, col0 + 8 * (2 * c + m / 2)));
+    asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                 "r"(packed[4 * c]), "r"(packed[4 * c + 1]), "r"(packed[4 * c + 2]),
+                 "r"(packed[4 * c + 3])
+                 : "memory");
+  }
+}
+
 // Cache row of the 32 tokens starting at token0 (a multiple of 32) of request b, or -1 when they
 // are beyond the length or their page id is out of range.
 __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, int len) {
@@ -174,7 +192,7 @@ __device__ __forceinline__ uint32_t QkStepOffset(int g) {
 // accesses).
 template <int kScoreN, bool kFp8>
 __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int v, int wg_tid) {
-  using Layout = SmemLayout<kFp8>;
+  using Layout = KernelSmemLayout<kFp8, kScoreN>;
   constexpr int kSlotBytes = 128 * 16;
   constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
   const int slot = wg * kSlotsPerWarpgroup + v;
@@ -256,24 +274,24 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   }
 }
 
-// The pipeline's barriers in shared memory: for each KV stage "full" (the producer's pieces
-// landed) and "empty" (both consumer warpgroups, of every CTA that multicasts into it, released
-// it); and the query tile's pair.
+// The pipeline's barriers in shared memory: the query tile's pair, then for each slot (a KV stage,
+// or with half stages a 32-token stage) "full" (the producer's pieces landed) and "empty" (its
+// consumer warpgroups, of every CTA that multicasts into it, released it).
 struct Pipeline {
   uint64_t* base;
 
-  template <bool kFp8>
+  template <class Layout>
   __device__ __forceinline__ static Pipeline At(uint8_t* smem) {
-    return {reinterpret_cast<uint64_t*>(smem + SmemLayout<kFp8>::kBarriers)};
+    return {reinterpret_cast<uint64_t*>(smem + Layout::kBarriers)};
   }
-  __device__ __forceinline__ uint64_t* Full(int stage) const { return base + stage; }
-  __device__ __forceinline__ uint64_t* Empty(int stage) const { return base + kStages + stage; }
-  __device__ __forceinline__ uint64_t* QFull() const { return base + 2 * kStages; }
-  __device__ __forceinline__ uint64_t* QEmpty() const { return base + 2 * kStages + 1; }
+  __device__ __forceinline__ uint64_t* QFull() const { return base; }
+  __device__ __forceinline__ uint64_t* QEmpty() const { return base + 1; }
+  __device__ __forceinline__ uint64_t* Full(int slot) const { return base + 2 + 2 * slot; }
+  __device__ __forceinline__ uint64_t* Empty(int slot) const { return base + 3 + 2 * slot; }
 };
 
 // Hands a KV stage back to the producer of every CTA that multicasts into it (called by one
-// thread of a consumer warpgroup).
+// thread of each consumer warpgroup, or with half stages by every thread of the one that read it).
 template <int kCluster>
 __device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
   uint64_t* empty = pipe.Empty(stage);
@@ -284,6 +302,19 @@ __device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
     for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty, r, 1u);
   }
 }
+
+// fp8 cache, 64-row tiles: the ring slot of half h of the it-th block a CTA loads, and how many
+// times the ring went round before it (the parity of its barriers' phase).
+struct HalfSlot {
+  int index;
+  int round;
+
+  template <class Layout>
+  __device__ __forceinline__ static HalfSlot Of(int it, int h) {
+    const int q = 2 * it + h;
+    return {q % Layout::kStageSlots, q / Layout::kStageSlots};
+  }
+};
 
 // What of a 64-token KV block was loaded: tokens [0, n_valid) are below the length, and the
 // 32-token halves whose page id is in range (half_ok[h]); the rest of the stage holds stale data.
@@ -330,76 +361,81 @@ __device__ __forceinline__ void ZeroUnloadedRows(uint8_t* stage_base, const Bloc
   }
 }
 
-// Two e4m3 values (the low byte first) as two bf16 (the first in the low half); exact, since every
-// e4m3 value is a bf16 value.
-__device__ __forceinline__ uint32_t E4m3x2ToBf16x2(uint32_t pair) {
+// Two e4m3 values (the low byte first) times a scale (`scale2`, the scale in both halves) as two
+// bf16 (the first in the low half): every e4m3 value is a bf16 value, and the bf16 product with a
+// power-of-two scale in range is exact.
+__device__ __forceinline__ uint32_t E4m3x2ToBf16x2(uint32_t pair, __nv_bfloat162 scale2) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair),
                                                    __NV_E4M3);
   const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  return PackBf16x2(f.x, f.y);
+  const uint32_t unscaled = PackBf16x2(f.x, f.y);
+  const __nv_bfloat162 v = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&unscaled), scale2);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// Sixteen e4m3 values as sixteen bf16: the first eight in lo, the last eight in hi.
-__device__ __forceinline__ void E4m3x16ToBf16(const uint4& raw, uint4& lo, uint4& hi) {
-  lo = make_uint4(E4m3x2ToBf16x2(raw.x), E4m3x2ToBf16x2(raw.x >> 16), E4m3x2ToBf16x2(raw.y),
-                  E4m3x2ToBf16x2(raw.y >> 16));
-  hi = make_uint4(E4m3x2ToBf16x2(raw.z), E4m3x2ToBf16x2(raw.z >> 16), E4m3x2ToBf16x2(raw.w),
-                  E4m3x2ToBf16x2(raw.w >> 16));
+// Sixteen e4m3 values times a scale (scale2 as in E4m3x2ToBf16x2) as sixteen bf16: the first eight
+// in lo, the last eight in hi.
+__device__ __forceinline__ void E4m3x16ToBf16(const uint4& raw, __nv_bfloat162 scale2, uint4& lo,
+                                              uint4& hi) {
+  auto cvt = [scale2](uint32_t pair) { return E4m3x2ToBf16x2(pair, scale2); };
+  lo = make_uint4(cvt(raw.x), cvt(raw.x >> 16), cvt(raw.y), cvt(raw.y >> 16));
+  hi = make_uint4(cvt(raw.z), cvt(raw.z >> 16), cvt(raw.w), cvt(raw.w >> 16));
 }
 
-// fp8 cache, 17-32 query rows (at up to 16 LoadKFragments keeps the K part in registers; with 32
-// query rows those registers do not fit). Warpgroup wg reads latent groups 2 wg and 2 wg + 1 (columns [256 wg, 256 wg + 256))
-// and rope columns [32 wg, 32 wg + 32) of the KV tile, in QK^T and in PV alike, so it writes exactly
-// those from the staged raw rows of a 64-token block (docs/fp8-cache.md): the e4m3 latent values
-// as bf16 without their scale (exact; the scales are applied to the scores and to P instead), the
-// rope copied, and rows that were not loaded (or hold tokens past the length) zero. Thread wg_tid
-// converts group 2 wg + wg_tid / 64 and two 16-byte rope units of row wg_tid % 64, so the eight
-// threads of a 16-byte access phase touch eight consecutive rows (conflict-free: the staged rows
-// are 656 bytes apart, four banks, and the tile's rows are swizzled). The caller fences and
-// synchronises the warpgroup afterwards.
-__device__ __forceinline__ void DequantiseBlock(const uint8_t* staged, uint8_t* tile,
-                                                const BlockLoad& load, int wg, int wg_tid) {
+// fp8 cache: converts one (row, part) of a staged token's raw cache row (row_bytes; `loaded`:
+// whether it holds a token below the length) into the bf16 KV tile (docs/fp8-cache.md): latent
+// group `part` (128 columns) times its scale (exact for the power-of-two scales write_kv writes)
+// and rope units 2 part and 2 part + 1 (16 columns, copied); a row that was not loaded is zero.
+// Callers give the eight threads of a 16-byte access phase eight consecutive rows of one part
+// (conflict-free: the staged rows are 656 bytes, four banks, apart, and the tile's rows are
+// swizzled). kUnitsInFlight latent units go at a time (loads, then conversions and stores), which
+// bounds the registers it needs beside the output accumulators. The caller fences and
+// synchronises the threads that wrote before the tile is read.
+//  - 17-32 query rows (transposed scores; at up to 16 LoadKFragments keeps the K part in
+//    registers, which do not fit beside 32 rows' accumulators): warpgroup wg reads latent groups
+//    2 wg and 2 wg + 1 and rope columns [32 wg, 32 wg + 32) of the tile, in QK^T and in PV alike,
+//    so its thread wg_tid converts row wg_tid % 64, part 2 wg + wg_tid / 64.
+//  - 64-row tiles: warpgroup wg's QK^T reads all columns of tokens [32 wg, 32 wg + 32), so its
+//    thread wg_tid converts row 32 wg + wg_tid % 32, part wg_tid / 32.
+template <int kUnitsInFlight = 4>
+__device__ __forceinline__ void DequantiseRow(const uint8_t* row_bytes, bool loaded, int part,
+                                              uint8_t* tile, int row) {
   constexpr int kUnits = kFp8GroupSize / 16;  // 16-channel units of a group
-  // Each row's 16-byte rope units are split over the 2 x kConsumerWarpgroups threads of the row.
-  constexpr int kRopeUnits = kRopeDim * 2 / 16 / (2 * kConsumerWarpgroups);
-  static_assert(kConsumerWarpgroups * 2 * kFp8GroupSize == kLatentDim && kRopeUnits == 2,
-                "two latent groups and two rope units per thread");
-  const int row = wg_tid % kBlockN;
-  const int half = wg_tid / kBlockN;
-  const int group = 2 * wg + half;
-  const int rope_unit0 = (2 * wg + half) * kRopeUnits;
+  // Each row's 16-byte rope units are split over its kFp8ScaleGroups parts.
+  constexpr int kRopeUnits = kRopeDim * 2 / 16 / kFp8ScaleGroups;
+  static_assert(kRopeUnits == 2 && kUnits % kUnitsInFlight == 0, "two rope units, whole batches");
   // The group's columns start a chunk: unit u is chunk u / 4, column 16 (u % 4) of it.
-  uint8_t* group_chunk = tile + group * (kFp8GroupSize / kChunkCols) * kChunkBytes;
+  uint8_t* group_chunk = tile + part * (kFp8GroupSize / kChunkCols) * kChunkBytes;
   uint8_t* rope_chunk = tile + kNumVChunks * kChunkBytes;
-  uint4 lo[kUnits], hi[kUnits], rope[kRopeUnits];
-  if (load.RowLoaded(row)) {
-    const uint8_t* src = staged + row * kFp8RowBytes;
-    uint4 raw[kUnits];
+  const float scale =
+      loaded ? *reinterpret_cast<const float*>(row_bytes + kFp8ScalesOffset + 4 * part) : 0.f;
+  const __nv_bfloat162 scale2 = __float2bfloat162_rn(scale);
 #pragma unroll
-    for (int u = 0; u < kUnits; ++u) {
-      raw[u] = *reinterpret_cast<const uint4*>(src + group * kFp8GroupSize + 16 * u);
+  for (int u0 = 0; u0 < kUnits; u0 += kUnitsInFlight) {
+    uint4 raw[kUnitsInFlight];
+#pragma unroll
+    for (int i = 0; i < kUnitsInFlight; ++i) {
+      // e4m3 zero bytes are +0.
+      raw[i] = loaded ? *reinterpret_cast<const uint4*>(row_bytes + part * kFp8GroupSize +
+                                                        16 * (u0 + i))
+                      : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int r = 0; r < kRopeUnits; ++r) {
-      rope[r] = *reinterpret_cast<const uint4*>(src + kFp8RopeOffset + 16 * (rope_unit0 + r));
+    for (int i = 0; i < kUnitsInFlight; ++i) {
+      const int u = u0 + i;
+      uint4 lo, hi;
+      E4m3x16ToBf16(raw[i], scale2, lo, hi);
+      uint8_t* dst = group_chunk + (u / 4) * kChunkBytes;
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4))) = lo;
+      *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4) + 8)) = hi;
     }
-#pragma unroll
-    for (int u = 0; u < kUnits; ++u) E4m3x16ToBf16(raw[u], lo[u], hi[u]);
-  } else {
-#pragma unroll
-    for (int u = 0; u < kUnits; ++u) lo[u] = hi[u] = make_uint4(0, 0, 0, 0);
-#pragma unroll
-    for (int r = 0; r < kRopeUnits; ++r) rope[r] = make_uint4(0, 0, 0, 0);
-  }
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) {
-    uint8_t* dst = group_chunk + (u / 4) * kChunkBytes;
-    *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4))) = lo[u];
-    *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4) + 8)) = hi[u];
   }
 #pragma unroll
   for (int r = 0; r < kRopeUnits; ++r) {
-    *reinterpret_cast<uint4*>(rope_chunk + SwizzledOffset(row, 8 * (rope_unit0 + r))) = rope[r];
+    const int unit = part * kRopeUnits + r;
+    const uint4 v = loaded ? *reinterpret_cast<const uint4*>(row_bytes + kFp8RopeOffset + 16 * unit)
+                           : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(rope_chunk + SwizzledOffset(row, 8 * unit)) = v;
   }
 }
 
@@ -444,10 +480,10 @@ struct KFragments {
 };
 
 // fp8 cache: reads this thread's two tokens of the staged block (their 16 bytes of each of the
-// warpgroup's latent chunks, and 16 bytes of the rope), converts the e4m3
-// latent values to bf16 without their scale (exact; the scales are applied to the scores and to P
-// instead) into the A fragments, and stores the same latent values into the bf16 tile, where PV
-// reads them. Tokens that were not loaded (or lie past the length) are zero in both.
+// warpgroup's latent chunks, their scales of its two groups, and 16 bytes of the rope), converts
+// the e4m3 latent values times their scale to bf16 (exact for power-of-two scales) into the A
+// fragments, and stores the same latent values into the bf16 tile, where PV reads them. Tokens
+// that were not loaded (or lie past the length) are zero in both.
 __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* tile,
                                                const BlockLoad& load, int wg, int wg_tid,
                                                KFragments& frag) {
@@ -458,9 +494,13 @@ __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* t
     const int row = TransposedScores::Token(wg_tid, h);
     const bool loaded = load.RowLoaded(row);
     const uint8_t* src = staged + row * kFp8RowBytes;
+    // The scales of the warpgroup's groups 2 wg and 2 wg + 1.
+    float2 scales = make_float2(0.f, 0.f);
+    if (loaded) scales = *reinterpret_cast<const float2*>(src + kFp8ScalesOffset + 8 * wg);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const int chunk = 4 * wg + s;
+      const __nv_bfloat162 scale2 = __float2bfloat162_rn(s < 2 ? scales.x : scales.y);
       uint4 raw = make_uint4(0, 0, 0, 0);
       if (loaded) {
         raw = *reinterpret_cast<const uint4*>(src + chunk * kChunkCols + channel0);
@@ -468,8 +508,8 @@ __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* t
       const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        frag.latent[4 * s + j][h] = E4m3x2ToBf16x2(words[j]);
-        frag.latent[4 * s + j][2 + h] = E4m3x2ToBf16x2(words[j] >> 16);
+        frag.latent[4 * s + j][h] = E4m3x2ToBf16x2(words[j], scale2);
+        frag.latent[4 * s + j][2 + h] = E4m3x2ToBf16x2(words[j] >> 16, scale2);
       }
       uint8_t* dst = tile + chunk * kChunkBytes;
       *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, channel0)) =
@@ -493,27 +533,6 @@ __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* t
   }
 }
 
-// fp8 cache: the latent groups' scales of a staged token, or 0 for a row that was not loaded (its
-// probabilities are 0, and 0 x a stale scale could be NaN).
-struct TokenScales {
-  float group[kLatentDim / kFp8GroupSize];
-
-  __device__ __forceinline__ static TokenScales Of(const uint8_t* staged, const BlockLoad& load,
-                                                   int row) {
-    static_assert(kLatentDim / kFp8GroupSize == 4, "one 16-byte load of four scales");
-    TokenScales t;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (load.RowLoaded(row)) {
-      v = *reinterpret_cast<const float4*>(staged + row * kFp8RowBytes + kFp8ScalesOffset);
-    }
-    t.group[0] = v.x;
-    t.group[1] = v.y;
-    t.group[2] = v.z;
-    t.group[3] = v.w;
-    return t;
-  }
-};
-
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaRsImpl(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
                                           cute::SM90::GMMA::ScaleOut scale,
@@ -530,34 +549,14 @@ __device__ __forceinline__ void GmmaRs(const uint32_t (&a)[4], uint64_t desc_b, 
                 std::make_index_sequence<N>{});
 }
 
-// fp8 cache: waits for a warpgroup's QK^T products (acc: latent groups 2 wg and 2 wg + 1, the rope)
-// and sums them into its partial S^T, each group's times the tokens' scales of that group
-// (own_scales[h][a]: group 2 wg + a of the thread's token h, whose values are fragment half h).
-template <int kStN>
-__device__ __forceinline__ void ScaleGroupScores(float (&acc)[3][kStN],
-                                                 const float (&own_scales)[2][2],
-                                                 float (&st)[kStN]) {
-  cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
-#pragma unroll
-  for (int e = 0; e < kStN; ++e) {
-    const int h = (e / 2) % 2;  // TransposedScores::Element(i, h) = 4 (i / 2) + 2 h + i % 2
-    st[e] = fmaf(acc[0][e], own_scales[h][0], fmaf(acc[1][e], own_scales[h][1], acc[2][e]));
-  }
-}
-
 // fp8 cache, up to 16 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN
-// values per thread) from its A fragments and the permuted query tile, each latent group's product
-// accumulated apart (ScaleGroupScores).
+// values per thread) over its columns (latent groups 2 wg, 2 wg + 1 and half the rope) from its A
+// fragments and the permuted query tile.
 template <class QkRs, int kQChunkBytes, int kStN>
-__device__ __forceinline__ void ScaledScoresFp8Registers(KFragments& frag, uint32_t q_addr, int wg,
-                                                const float (&own_scales)[2][2],
-                                                float (&st)[kStN]) {
+__device__ __forceinline__ void ScoresFp8Registers(KFragments& frag, uint32_t q_addr, int wg,
+                                                   float (&st)[kStN]) {
   constexpr int kRopeStep0 = kNumVChunks * kQkStepsPerChunk;
-  float acc[3][kStN];
-#pragma unroll
-  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+  FenceRegisters(st);
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
 #pragma unroll
@@ -572,59 +571,48 @@ __device__ __forceinline__ void ScaledScoresFp8Registers(KFragments& frag, uint3
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     const int g = 16 * wg + k;  // chunk 4 wg + k / 4, its k step k % 4
-    GmmaRs<QkRs>(frag.latent[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)),
-                 acc[k / 8], k % 8 != 0);
+    GmmaRs<QkRs>(frag.latent[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), st, k != 0);
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int g = kRopeStep0 + 2 * wg + k;
-    GmmaRs<QkRs>(frag.rope[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[2], k != 0);
+    GmmaRs<QkRs>(frag.rope[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), st, true);
   }
   cute::warpgroup_commit_batch();
-  ScaleGroupScores(acc, own_scales, st);
+  cute::warpgroup_wait<0>();
+  FenceRegisters(st);
 }
 
 // fp8 cache, 17-32 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN values
-// per thread) over the columns DequantiseBlock wrote for it, both operands in shared memory, each
-// latent group's product accumulated apart (ScaleGroupScores).
+// per thread) over the columns DequantiseRow wrote for it (latent groups 2 wg, 2 wg + 1 and half
+// the rope), both operands in shared memory.
 template <class QkT, int kQChunkBytes, int kStN>
-__device__ __forceinline__ void ScaledScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr, int wg,
-                                                    const float (&own_scales)[2][2],
-                                                    float (&st)[kStN]) {
-  constexpr int kStepsPerGroup = kFp8GroupSize / 16;
-  constexpr int kRopeCols = kRopeDim / kConsumerWarpgroups;
-  float acc[3][kStN];
-#pragma unroll
-  for (int a = 0; a < 3; ++a) FenceRegisters(acc[a]);
+__device__ __forceinline__ void ScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr, int wg,
+                                              float (&st)[kStN]) {
+  constexpr int kLatentSteps = 2 * kFp8GroupSize / 16;
+  constexpr int kRopeSteps = kRopeDim / kConsumerWarpgroups / 16;
+  FenceRegisters(st);
   cute::warpgroup_arrive();
 #pragma unroll
-  for (int a = 0; a < 2; ++a) {
-#pragma unroll
-    for (int j = 0; j < kStepsPerGroup; ++j) {
-      const int g = (2 * wg + a) * kStepsPerGroup + j;
-      Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
-                KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[a], j != 0);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < kRopeCols / 16; ++j) {
-    const int g = (kLatentDim + wg * kRopeCols) / 16 + j;
+  for (int j = 0; j < kLatentSteps + kRopeSteps; ++j) {
+    const int g = j < kLatentSteps ? wg * kLatentSteps + j
+                                   : kLatentDim / 16 + wg * kRopeSteps + (j - kLatentSteps);
     Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
-              KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), acc[2], j != 0);
+              KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), st, j != 0);
   }
   cute::warpgroup_commit_batch();
-  ScaleGroupScores(acc, own_scales, st);
+  cute::warpgroup_wait<0>();
+  FenceRegisters(st);
 }
 
 // Zeroes the query tile's rows that the bulk copy never writes (q_len * num_heads < 64; they stay
 // zero for the whole kernel), initialises the pipeline barriers and synchronises the CTA (the
 // cluster when kCluster > 1: the peer multicasts into this CTA's stages and arrives on its
 // barriers).
-template <int kCluster, bool kFp8>
+template <int kCluster, class Layout>
 __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
   using Barrier = cutlass::arch::ClusterBarrier;
-  using Layout = SmemLayout<kFp8>;
-  const Pipeline pipe = Pipeline::At<kFp8>(smem);
+  const Pipeline pipe = Pipeline::At<Layout>(smem);
   if (tid < kConsumerThreads && q_box_rows < Layout::kQChunkRows) {
     const int units = (Layout::kQChunkRows - q_box_rows) * kNumChunks * (kRowBytes / 16);
     for (int i = tid; i < units; i += kConsumerThreads) {
@@ -637,9 +625,11 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
     cutlass::arch::fence_view_async_shared();
   }
   if (tid == kConsumerThreads) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < Layout::kStageSlots; ++s) {
       Barrier::init(pipe.Full(s), 1);
-      Barrier::init(pipe.Empty(s), kConsumerWarpgroups * kCluster);
+      // A half stage goes back once every thread of its warpgroup read it.
+      const int releasers = Layout::kHalfStages ? kHalfStageReleasers : kConsumerWarpgroups;
+      Barrier::init(pipe.Empty(s), releasers * kCluster);
     }
     Barrier::init(pipe.QFull(), 1);
     Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
@@ -667,18 +657,18 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
 // consumers released it), as 32-token x 64-column bulk-tensor pieces, or with the fp8 cache as
-// one bulk copy of each half's 32 contiguous cache rows; halves that are past the length or whose
-// page id is out of range are not loaded and not counted. With kCluster == 2 this CTA issues every
-// other piece, multicast into both CTAs of the cluster.
-template <int kCluster, bool kFp8>
+// one bulk copy of each half's 32 contiguous cache rows (with half stages, each half into the next
+// slot of the ring, once the warpgroup that read it before released it); halves that are past the
+// length or whose page id is out of range are not loaded and not counted. With kCluster == 2 this
+// CTA issues every other piece, multicast into both CTAs of the cluster.
+template <int kCluster, bool kFp8, class Layout>
 __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
                                              const DecodeKernelArgs& args, uint8_t* smem,
                                              SegmentWalker& walker, int mtile, uint32_t cta_rank) {
   using Barrier = cutlass::arch::ClusterBarrier;
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
-  using Layout = SmemLayout<kFp8>;
   const DecodeParams& p = args.p;
-  const Pipeline pipe = Pipeline::At<kFp8>(smem);
+  const Pipeline pipe = Pipeline::At<Layout>(smem);
   uint64_t* q_full = pipe.QFull();
   const int rows = p.q_len * p.num_heads;
   const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
@@ -706,6 +696,21 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       for (int h = 0; h < 2; ++h) {
         kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
         if (kv_rows[h] >= 0) bytes += kFp8 ? kFp8HalfStageBytes : kHalfTileBytes;
+      }
+      if constexpr (Layout::kHalfStages) {
+        const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const HalfSlot slot = HalfSlot::Of<Layout>(it, h);
+          if (slot.round > 0) Barrier::wait(pipe.Empty(slot.index), (slot.round - 1) & 1);
+          uint64_t* half_full = pipe.Full(slot.index);
+          TxBarrier::arrive_and_expect_tx(half_full, kv_rows[h] >= 0 ? kFp8HalfStageBytes : 0);
+          if (kv_rows[h] < 0) continue;
+          BulkCopyG2S(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes,
+                      cache + static_cast<size_t>(kv_rows[h]) * kFp8RowBytes, kFp8HalfStageBytes,
+                      half_full, args.kv_cache_hint);
+        }
+        continue;
       }
       if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
       TxBarrier::arrive_and_expect_tx(full, bytes);
@@ -832,22 +837,29 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
-// kFp8 (with kScoreN only): the cache is the fp8 cache. The producer stages raw cache rows; at each
-// block the consumers convert their warpgroup's columns of the staged rows into the one bf16 KV
-// tile, which PV reads, and both warpgroups hand the stage back. Up to 16 query rows (kScoreN 16)
-// each thread also keeps its tokens' converted values as QK^T A fragments in registers
-// (LoadKFragments) and QK^T runs from them against the column-permuted query tile; with 32 rows
-// QK^T reads the tile (DequantiseBlock). Each latent group's scales are applied to its partial
-// scores (ScaledScoresFp8Registers / ScaledScoresFp8Smem) and, in each group's own P tile, to P.
+// kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
+// convert them into the one bf16 KV tile, which QK^T and PV read.
+// The latent values go into the tile times their group's scale, exact for the power-of-two scales
+// write_kv writes (docs/fp8-cache.md); the rest is the bf16 cache's path.
+//  - Transposed scores: each warpgroup converts the columns it reads in QK^T and PV (its two latent
+//    groups and half the rope, ScoresFp8*), and both hand the stage back. Up to 16 query rows
+//    (kScoreN 16) each thread also keeps its tokens' converted values as QK^T A fragments in
+//    registers (LoadKFragments) and QK^T runs from them against the column-permuted query tile;
+//    with 32 rows QK^T reads the tile (DequantiseRow).
+//  - 64-row tiles (kScoreN 0): once both warpgroups' PV of the block before is done, warpgroup w
+//    converts half w of the block (its QK^T's tokens, all columns) from its 32-token stage
+//    (HalfSlot).
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
   static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
                 "transposed scores need early release, no experiment and no cluster");
-  static_assert(!kFp8 || (kScoreN > 0 && kScoreN <= kFp8MaxRows),
-                "the fp8 cache runs the transposed scores only");
-  using Layout = SmemLayout<kFp8>;
+  static_assert(!kFp8 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
+                "the fp8 cache needs early release, no experiment and no cluster");
+  static_assert(!kFp8 || kScoreN == 0 || kScoreN <= kFp8TransposedRows,
+                "the fp8 cache's transposed scores fit its query tile");
+  using Layout = KernelSmemLayout<kFp8, kScoreN>;
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -856,7 +868,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw_addr = SmemAddr(smem_raw);
   uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  const Pipeline pipe = Pipeline::At<kFp8>(smem);
+  const Pipeline pipe = Pipeline::At<Layout>(smem);
 
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
@@ -866,7 +878,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int mtile = blockIdx.y;
   const int part = blockIdx.x;
 
-  SetUpCta<kCluster, kFp8>(smem, args.q_box_rows, tid);
+  SetUpCta<kCluster, Layout>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
 
   // Everything below reads inputs that earlier kernels in the stream may write.
@@ -881,7 +893,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      ProduceTiles<kCluster, kFp8>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
+      ProduceTiles<kCluster, kFp8, Layout>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
@@ -926,6 +938,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
       reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
+  // fp8 cache, 64-row tiles: this thread's (row, part) of its warpgroup's half of each block.
+  const int half_row = wg * kHalfN + wg_tid % kHalfN;
+  const int half_part = wg_tid / kHalfN;
 
   while (walker.Next(seg_info)) {
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -953,19 +968,29 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     }
 
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-      const int stage = it % kStages;
+      const int stage = it % kStages;  // with half stages (kFp8, kScoreN 0) see HalfSlot
       const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
-      Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
+      if (!Layout::kHalfStages) Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
       const uint32_t kv_addr = kv_addr0 + (kFp8 ? 0 : stage * kTileBytes);
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
-      // fp8 cache: the scales of the thread's tokens tok_a and tok_b, all groups, and of its
-      // warpgroup's two groups.
-      TokenScales scales[2];
-      float own_scales[2][2];
-      KFragments frag;
-      if constexpr (kFp8) {
+      KFragments frag;  // fp8 cache, up to 16 rows: the block's keys as QK^T's A operand
+      if constexpr (kFp8 && kScoreN == 0) {
+        // Both warpgroups' PV of the previous block are done with the bf16 tile. Warpgroup wg
+        // converts half wg of the block (its own QK^T's tokens) from that half's stage, and each
+        // thread hands the stage back after its reads; the fence orders the stage's reads before
+        // its refill (async proxy) and the tile's writes before QK^T's WGMMAs.
+        ConsumerSync();
+        const HalfSlot slot = HalfSlot::Of<Layout>(it, wg);
+        Barrier::wait(pipe.Full(slot.index), slot.round & 1);
+        DequantiseRow(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes +
+                          (wg_tid % kHalfN) * kFp8RowBytes,
+                      load.RowLoaded(half_row), half_part, smem + Layout::kKv, half_row);
+        cutlass::arch::fence_view_async_shared();
+        ReleaseStage<kCluster>(pipe, slot.index);
+        WarpgroupSync(wg);
+      } else if constexpr (kFp8) {
         // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
         // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
         // (32 rows), else by the fence before PV.
@@ -974,18 +999,14 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         if constexpr (kScoreN == 16) {
           LoadKFragments(staged, smem + Layout::kKv, load, wg, wg_tid, frag);
         } else {
-          DequantiseBlock(staged, smem + Layout::kKv, load, wg, wg_tid);
+          const int row = wg_tid % kBlockN;
+          const int part = 2 * wg + wg_tid / kBlockN;
+          DequantiseRow<8>(staged + row * kFp8RowBytes, load.RowLoaded(row), part,
+                           smem + Layout::kKv, row);
         }
-        scales[0] = TokenScales::Of(staged, load, tok_a);
-        scales[1] = TokenScales::Of(staged, load, tok_b);
         if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
         WarpgroupSync(wg);
         if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          own_scales[h][0] = wg == 0 ? scales[h].group[0] : scales[h].group[2];
-          own_scales[h][1] = wg == 0 ? scales[h].group[1] : scales[h].group[3];
-        }
       } else if (!load.Complete()) {
         ZeroUnloadedRows(smem + Layout::kKv + stage * kTileBytes, load, tid);
         cutlass::arch::fence_view_async_shared();
@@ -998,9 +1019,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
         // both warpgroups hold the same S^T.
         if constexpr (kFp8 && kScoreN == 16) {
-          ScaledScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, own_scales, st);
+          ScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, st);
         } else if constexpr (kFp8) {
-          ScaledScoresFp8Smem<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, own_scales, st);
+          ScoresFp8Smem<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, st);
         } else {
           FenceRegisters(st);
           cute::warpgroup_arrive();
@@ -1082,22 +1103,14 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).
         cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
-        // With the fp8 cache each latent group has its P tile, P times that group's scale of
-        // each token, so that PV reads the unscaled values of the tile.
         if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
             const int row = RowT(i);
-            const float pa = st[TransposedScores::Element(i, 0)];
-            const float pb = st[TransposedScores::Element(i, 1)];
-#pragma unroll
-            for (int g = 0; g < Layout::kPTiles; ++g) {
-              uint8_t* tile = p_tile + g * Layout::kPTileBytes;
-              *reinterpret_cast<__nv_bfloat16*>(tile + SwizzledOffset(row, tok_a)) =
-                  __float2bfloat16_rn(kFp8 ? pa * scales[0].group[g] : pa);
-              *reinterpret_cast<__nv_bfloat16*>(tile + SwizzledOffset(row, tok_b)) =
-                  __float2bfloat16_rn(kFp8 ? pb * scales[1].group[g] : pb);
-            }
+            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
+                __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
+            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
+                __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
           }
         }
       } else {
@@ -1182,6 +1195,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const float nb0 = -mu0 * sl2;
       const float nb1 = -mu1 * sl2;
       float sum0 = 0.f, sum1 = 0.f;
+      uint32_t p_packed[kHalfN / 4];  // P of rows r0, r1 x the thread's tokens, bf16 pairs
 #pragma unroll
       for (int j = 0; j < kHalfN / 8; ++j) {
         const float p00 = Exp2(fmaf(s_acc[4 * j + 0], sl2, nb0));
@@ -1190,10 +1204,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         const float p11 = Exp2(fmaf(s_acc[4 * j + 3], sl2, nb1));
         sum0 += p00 + p01;
         sum1 += p10 + p11;
-        const int col = wg * kHalfN + 8 * j + quad_col;
-        *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r0, col)) = PackBf16x2(p00, p01);
-        *reinterpret_cast<uint32_t*>(p_tile + SwizzledOffset(r1, col)) = PackBf16x2(p10, p11);
+        p_packed[2 * j] = PackBf16x2(p00, p01);
+        p_packed[2 * j + 1] = PackBf16x2(p10, p11);
       }
+      StoreWarpTile16x32(p_tile, r0 - lane / 4, wg * kHalfN, lane, p_packed);
       l0 = l0 * alpha0 + sum0;
       l1 = l1 * alpha1 + sum1;
       RescaleRows(o, alpha0, alpha1);
@@ -1213,10 +1227,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           for (int t = 0; t < kOTiles; ++t) {
             const uint64_t da = MNMajorDesc(kv_addr + (wg * kOTiles + t) * kChunkBytes +
                                             kk * 16 * kRowBytes);
-            // The P tile of the tile's latent group (fp8 cache), else the one P tile.
-            const int p_tile_index = kFp8 ? (wg * kOTiles + t) * kChunkCols / kFp8GroupSize : 0;
-            Gmma<PvT>(da, KMajorDesc(p_addr + p_tile_index * Layout::kPTileBytes + kk * 32),
-                      o_tiles[t], true);
+            Gmma<PvT>(da, KMajorDesc(p_addr + kk * 32), o_tiles[t], true);
           }
         }
       } else {

@@ -21,8 +21,9 @@ constexpr int kFp8GroupSize = 128;
 constexpr int kFp8ScalesOffset = kLatentDim;
 constexpr int kFp8RopeOffset = kFp8ScalesOffset + 4 * (kLatentDim / kFp8GroupSize);  // 528
 constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRopeDim;                        // 656
-// The fp8 cache runs the transposed-score kernel only: q_len * num_heads <= kFp8MaxRows.
-constexpr int kFp8MaxRows = 32;
+// Query rows (q_len * num_heads) up to which the fp8 cache runs the transposed-score kernel (its
+// query tile has this many rows); more rows run in 64-row tiles.
+constexpr int kFp8TransposedRows = 32;
 
 // Tiling.
 constexpr int kBlockM = 64;                       // query rows (q_len * heads, packed) per CTA tile
@@ -84,7 +85,7 @@ struct DecodeParams {
   float output_scale;
   int num_sms;               // multiprocessors to spread the persistent grid over
   bool enable_pdl;           // programmatic dependent launch for the decode and combine kernels
-  bool kv_fp8 = false;       // kv_cache is the fp8 cache (needs q_len * num_heads <= kFp8MaxRows)
+  bool kv_fp8 = false;       // kv_cache is the fp8 cache
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1

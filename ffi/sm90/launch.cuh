@@ -35,8 +35,8 @@ struct LaunchOptions {
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
-                              // <= 32 (N = 16 up to 16 rows, else 32); 0 never (refused with the
-                              // fp8 cache, which has no other path); other values rejected
+                              // <= 32 (N = 16 up to 16 rows, else 32); 0 never; other values
+                              // rejected
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
@@ -208,19 +208,22 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
 }
 
-// Dynamic shared memory of the kernel SelectKernel picks.
-inline int KernelSmemBytes(bool fp8) {
-  return fp8 ? SmemLayout<true>::kBytes : SmemLayout<false>::kBytes;
+// Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
+inline int KernelSmemBytes(bool fp8, int score_n) {
+  if (!fp8) return SmemLayout<false>::kBytes;
+  return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
+                     : KernelSmemLayout<true, 0>::kBytes;
 }
 
 // The decode kernel for these options, rows and cache format; nullptr for a combination that has
-// none (the fp8 cache runs the transposed scores only).
+// none (the fp8 cache has no experiments, clusters or late release).
 inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8) {
   if (fp8) {
+    if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
     switch (TransposedScoreRows(options, cluster, rows)) {
       case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
       case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32, true>);
-      default: return nullptr;
+      default: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true>);
     }
   }
   switch (TransposedScoreRows(options, cluster, rows)) {
@@ -264,7 +267,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8);
+  const int smem_bytes =
+      detail::KernelSmemBytes(p.kv_fp8, detail::TransposedScoreRows(options, cluster, rows));
   detail::KernelInfo info;
   cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;

@@ -23,46 +23,64 @@ constexpr int kChunkBytes = kBlockN * kRowBytes;          // 8192 (64 rows)
 constexpr int kTileBytes = kNumChunks * kChunkBytes;      // 73728
 constexpr int kHalfTileBytes = kTileBytes / 2;            // bytes of 32 tokens
 
-constexpr int kNumBarriers = 2 * kStages + 2;  // full[kStages], empty[kStages], q_full, q_empty
 constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemBytes = 232448;  // per block on SM90 (227 KB)
 
 // fp8 cache: a staged 64-token block of raw cache rows (docs/fp8-cache.md), and the exchange area
-// of the transposed scores' partial S^T (two warpgroups x kFp8MaxRows / 8 slots of 128 x 16 bytes).
+// of the transposed scores' partial S^T (two warpgroups x kFp8TransposedRows / 8 slots of 128 x 16
+// bytes).
 constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;  // 41984
 constexpr int kFp8HalfStageBytes = kFp8StageBytes / 2;  // 32 tokens, one bulk copy
-constexpr int kFp8ExchangeBytes = kConsumerWarpgroups * (kFp8MaxRows / 8) * 128 * 16;
+constexpr int kFp8ExchangeBytes = kConsumerWarpgroups * (kFp8TransposedRows / 8) * 128 * 16;
+constexpr int kFp8ScaleGroups = kLatentDim / kFp8GroupSize;  // 4
+// fp8 cache, 64-row tiles: 32-token stages in a ring (one and a half blocks in flight), each
+// released by every thread of the warpgroup that read it.
+constexpr int kFp8HalfStages = 3;
+constexpr int kHalfStageReleasers = kConsumerThreads / kConsumerWarpgroups;
 
-// Byte offsets of the regions of one DecodeKernel instantiation, from the 1024-aligned base.
-//  - bf16 cache (kFp8 false): the query tile (64 rows), kStages KV stages, P, the row statistics
+// Byte offsets of the regions of one DecodeKernel instantiation, from the 1024-aligned base; kQRows
+// is the query tile's rows.
+//  - bf16 cache (kFp8 false, kQRows 64): the query tile, kStages KV stages, P, the row statistics
 //    and the barriers; the transposed scores' exchange lives in the query tile's unused rows.
-//  - fp8 cache (kFp8 true, at most kFp8MaxRows query rows): a 32-row query tile, one bf16 KV tile
-//    that the consumers dequantise each block into, kStages stages of raw fp8 rows that the
-//    producer fills, P (one tile per latent group), the exchange area, the row statistics and the
-//    barriers.
-template <bool kFp8>
+//  - fp8 cache, transposed scores (kQRows = kFp8TransposedRows): the query tile, one bf16 KV tile
+//    that the consumers dequantise each block into, kStages stages of a block's raw fp8 rows that
+//    the producer fills, P, the exchange area, the row statistics and the barriers.
+//  - fp8 cache, 64-row tiles (kQRows 64): the query tile, the bf16 KV tile, a ring of
+//    kFp8HalfStages stages of 32 tokens (a block's half h is converted by warpgroup h), P, the row
+//    statistics and the barriers.
+template <bool kFp8, int kQRows = kBlockM>
 struct SmemLayout {
-  static constexpr int kQChunkRows = kFp8 ? kFp8MaxRows : kBlockM;
+  static_assert(kQRows == kBlockM || (kFp8 && kQRows == kFp8TransposedRows), "query tile rows");
+  static constexpr bool kHalfStages = kFp8 && kQRows == kBlockM;
+  // Pipeline slots, each with a full and an empty barrier: the KV stages, or the half stages.
+  static constexpr int kStageSlots = kHalfStages ? kFp8HalfStages : kStages;
+  static constexpr int kQChunkRows = kQRows;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
   static constexpr int kQ = 0;
   static constexpr int kKv = kQ + kNumChunks * kQChunkBytes;
   static constexpr int kKvTiles = kFp8 ? 1 : kStages;
   static constexpr int kFp8Stages = kKv + kKvTiles * kTileBytes;
-  static constexpr int kP = kFp8Stages + (kFp8 ? kStages * kFp8StageBytes : 0);
-  // P: with the bf16 cache one 64-row chunk; with the fp8 cache one kFp8MaxRows-row tile per latent
-  // group, P times the group's scale of each token.
-  static constexpr int kPTileBytes = kFp8 ? kFp8MaxRows * kRowBytes : kChunkBytes;
-  static constexpr int kPTiles = kFp8 ? kLatentDim / kFp8GroupSize : 1;
-  static constexpr int kExchange = kP + kPTiles * kPTileBytes;
-  static constexpr int kRowMax = kExchange + (kFp8 ? kFp8ExchangeBytes : 0);  // f32 [2][64]
+  static constexpr int kFp8StageSize = kHalfStages ? kFp8HalfStageBytes : kFp8StageBytes;
+  static constexpr int kP =
+      (kFp8Stages + (kFp8 ? kStageSlots * kFp8StageSize : 0) + 1023) / 1024 * 1024;
+  static constexpr int kPTileBytes = kQRows * kRowBytes;  // P: kQRows rows x 64 tokens, bf16
+  static constexpr int kExchange = kP + kPTileBytes;
+  static constexpr int kRowMax = kExchange + (kFp8 && !kHalfStages ? kFp8ExchangeBytes : 0);
   static constexpr int kRowSum = kRowMax + kConsumerWarpgroups * kBlockM * 4;  // f32 [2][64]
   static constexpr int kBarriers = kRowSum + kConsumerWarpgroups * kBlockM * 4;
+  // q_full, q_empty, then full and empty of each slot (Pipeline in decode_kernel.cuh).
+  static constexpr int kNumBarriers = 2 + 2 * kStageSlots;
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
   static_assert(kKv % 1024 == 0 && kP % 1024 == 0 && kFp8Stages % 16 == 0,
                 "swizzled tiles need 1024-byte alignment, bulk copies 16");
 };
+
+// The layout of DecodeKernel<..., kScoreN, kFp8>: the fp8 cache's transposed scores have their own
+// query tile of kFp8TransposedRows rows.
+template <bool kFp8, int kScoreN>
+using KernelSmemLayout = SmemLayout<kFp8, (kFp8 && kScoreN > 0) ? kFp8TransposedRows : kBlockM>;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
