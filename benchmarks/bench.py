@@ -14,7 +14,8 @@ import numpy as np
 from benchmarks import methods as m
 from benchmarks.peers import FlashInferTimer, compare_bitwise
 from benchmarks.problem import (FP8_ROW_BYTES, GIB, HEAD_DIM, KV_LORA_RANK, SOFTMAX_SCALE, Layout,
-                                cache_count, naive_temp_bytes, random_cache, relative_error, work)
+                                cache_count, fp8_errors, naive_temp_bytes, random_cache,
+                                relative_error, work)
 from benchmarks.progress import Progress
 from benchmarks.results import name_plan_comparison
 from benchmarks.timing import (host_time_us, interleaved_ratios, median, profiled_kernel_us,
@@ -156,10 +157,13 @@ class Bench:
                     continue
                 self.progress.status(method)
                 try:
-                    if method == "flashinfer":
+                    if method in ("flashinfer", "flashinfer_fp8"):
                         if self.flashinfer is None or not self.on_gpu:
                             raise RuntimeError("flashinfer needs torch with CUDA and a JAX GPU backend")
-                        self.flashinfer.run(run)
+                        if method == "flashinfer":
+                            self.flashinfer.run(run)
+                        else:
+                            self.time_flashinfer_fp8(run)
                     else:
                         self.run_jax_method(run, method)
                 except Exception as e:  # noqa: BLE001
@@ -292,16 +296,33 @@ class Bench:
     def time_sm90_fp8(self, run: PointRun) -> None:
         """sm90 on fp8 caches quantised from the point's bf16 caches (``write_kv``'s rule), checked
         against the float32 reference on the first of them (the dequantised cache) and timed like
-        jax_mla_sm90; records the fp8 cache's floor as ``fp8_floor_us``."""
+        jax_mla_sm90; records the fp8 cache's floor as ``fp8_floor_us`` and the output's distance
+        from the bf16 cache's reference as ``jax_mla_sm90_fp8_vs_bf16_err`` and ``..._l2``."""
         fp8_run = dataclasses.replace(run, caches=[quantized_cache(c) for c in run.caches],
                                       ref=None, outputs={})
+        record = run.record
         try:
-            fp8_run.ref, run.record["check_ref_fp8"] = reference(fp8_run)
-            run.record["fp8_floor_us"] = work(run.layout, FP8_ROW_BYTES)["floor_us"]
+            fp8_run.ref, record["check_ref_fp8"] = reference(fp8_run)
+            record["fp8_floor_us"] = work(run.layout, FP8_ROW_BYTES)["floor_us"]
+            if run.ref is not None:
+                out = _sm90_backend_layer(run.q[:run.checked], fp8_run.caches[0],
+                                          run.tables[:run.checked], run.lens[:run.checked], None)
+                record["jax_mla_sm90_fp8_vs_bf16_err"], record["jax_mla_sm90_fp8_vs_bf16_l2"] = (
+                    fp8_errors(np.asarray(out.astype(np.float32)), run.ref))
+                del out
             self.time_layers(fp8_run, "jax_mla_sm90_fp8", m.layered(_sm90_backend_layer, self.args.layers),
                              None, self.args.layers)
         finally:
             fp8_run.caches.clear()
+
+    def time_flashinfer_fp8(self, run: PointRun) -> None:
+        """FlashInfer from torch on its own fp8 cache, made from the point's caches
+        (``peers.FlashInferTimer.run_fp8``)."""
+        fp8_caches = [quantized_cache(c) for c in run.caches]
+        try:
+            self.flashinfer.run_fp8(run, fp8_caches)
+        finally:
+            fp8_caches.clear()
 
     def time_model_step(self, run: PointRun) -> None:
         """A whole model step of --step-layers decode calls, end to end, planned two ways, each

@@ -20,7 +20,12 @@ Methods (``--backends``):
                   times the planner kernel alone (device_plan_us, from a profiler trace) and per
                   call in CUDA graphs of 128 planner calls (device_plan_graph_us)
   jax_mla_sm90    jax_mla.decode(backend="sm90"): jax_mla's own Hopper kernel, N layers
+  jax_mla_sm90_fp8  the same on the point's caches quantised as write_kv does (docs/fp8-cache.md)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
+  flashinfer_fp8  (only when named) the same on FlashInfer's fp8 cache made from the point's caches,
+                  two scale layouts (benchmarks/peers.py, flashinfer_fp8_views): the output's
+                  distance from the bf16 cache's reference, then the time (CUDA graph unless
+                  --no-fi-graph)
   xla_naive       plain XLA: gather pages with the block table, einsum, masked softmax, einsum
   jax_mla_xla     jax_mla.decode(backend="xla") (the chunked pure-XLA backend)
   jax_mla_step    (only when named) a whole --step-layers (61) step end to end, host plan every
@@ -190,7 +195,7 @@ def gpu_unready(args, torch) -> str | None:
             why = gpu.runtime_missing() or "no GPU backend supports this GPU"
             return (f"jax_mla's GPU backends are unavailable here ({why}); jax_mla would silently "
                     f"run its XLA backend. Fix that, or pass --backends without jax_mla.")
-    if "flashinfer" in args.methods and (torch is None or not torch.cuda.is_available()):
+    if {"flashinfer", "flashinfer_fp8"} & set(args.methods) and (torch is None or not torch.cuda.is_available()):
         return "flashinfer needs torch with CUDA"
     return None
 

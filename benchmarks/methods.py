@@ -9,11 +9,13 @@ from benchmarks.grid import Point
 from benchmarks.problem import GIB, KV_LORA_RANK, SOFTMAX_SCALE, Layout, cache_count, naive_temp_bytes, work
 
 METHODS = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan", "jax_mla_sm90",
-           "jax_mla_sm90_fp8", "flashinfer", "xla_naive", "jax_mla_xla", "jax_mla_step")
-GPU_DEFAULT_METHODS = tuple(m for m in METHODS if m != "jax_mla_step")  # a whole step: when asked
+           "jax_mla_sm90_fp8", "flashinfer", "flashinfer_fp8", "xla_naive", "jax_mla_xla",
+           "jax_mla_step")
+# A whole step, and FlashInfer on its fp8 cache (two more JIT builds): when asked.
+GPU_DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("jax_mla_step", "flashinfer_fp8"))
 DRY_DEFAULT_METHODS = ("jax_mla", "xla_naive", "jax_mla_xla")
-GPU_ONLY_METHODS = ("flashinfer", "jax_mla_noplan", "jax_mla_device_plan", "jax_mla_sm90",
-                    "jax_mla_sm90_fp8", "jax_mla_step")
+GPU_ONLY_METHODS = ("flashinfer", "flashinfer_fp8", "jax_mla_noplan", "jax_mla_device_plan",
+                    "jax_mla_sm90", "jax_mla_sm90_fp8", "jax_mla_step")
 # Methods timed over --layers decode calls per step (the others, slower, over --xla-layers).
 JAX_MLA_PLANNED = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan",
                    "jax_mla_sm90", "jax_mla_sm90_fp8")
@@ -54,6 +56,8 @@ def estimate_cost_s(layout: Layout, methods: list[str], args) -> float:
             cost += 2.0 + min(args.max_method_s, 10 * 2.5 * floor_s * args.layers) + 0.5
         elif m == "flashinfer":
             cost += len(args.fi_backends) * (1.5 + 2 * min(1.0, 15 * 2.5 * floor_s * args.layers))
+        elif m == "flashinfer_fp8":  # two scale layouts, each at about three times bf16's time
+            cost += 2 * len(args.fi_backends) * (2.0 + min(3.0, 15 * 7.5 * floor_s * args.layers))
         elif m == "xla_naive" and naive_temp_bytes(layout) <= args.naive_mem_gib * GIB:
             cost += 2.0 + min(args.max_method_s, 10 * 15 * floor_s * args.xla_layers)
         elif m == "jax_mla_xla":

@@ -12,8 +12,14 @@ import warnings
 
 import numpy as np
 
-from benchmarks.problem import KV_LORA_RANK, ROPE_DIM, SOFTMAX_SCALE, Layout, work
+from benchmarks.problem import KV_LORA_RANK, ROPE_DIM, SOFTMAX_SCALE, Layout, fp8_errors, work
 from benchmarks.timing import host_time_us, time_torch
+
+E4M3_MAX = 448.0
+# FlashInfer's fp8 MLA cache, scaled two ways (see flashinfer_fp8_views).
+FP8_SCALE_LAYOUTS = ("group", "tensor")
+# An fp8 output farther than this from the bf16 cache's reference is broken, not imprecise.
+FP8_VS_BF16_TOL = 0.15
 
 
 class FlashInferPeer:
@@ -52,12 +58,13 @@ class FlashInferPeer:
         self.plan_params = plan_params
         self.run_has_out = "out" in run_params
 
-    def plan(self, layout: Layout, device_meta: dict):
+    def plan(self, layout: Layout, device_meta: dict, kv_data_type=None):
+        """Plans for the bf16 cache, or for the cache type ``kv_data_type`` (a torch dtype)."""
         torch = self.torch
         pt = layout.point
         kwargs = dict(num_heads=pt.H, head_dim_ckv=KV_LORA_RANK, head_dim_kpe=ROPE_DIM,
                       page_size=pt.page_size, causal=pt.q_len > 1, sm_scale=SOFTMAX_SCALE,
-                      q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                      q_data_type=torch.bfloat16, kv_data_type=kv_data_type or torch.bfloat16)
         csr = {k: device_meta[k] for k in ("qo_indptr", "kv_indptr", "kv_indices", "kv_len_arr")}
         if self.canonical:
             kwargs["metadata"] = self.fmla.MLAPlanMetadata.csr(*csr.values())
@@ -71,13 +78,56 @@ class FlashInferPeer:
             warnings.simplefilter("ignore", DeprecationWarning)
             self.wrapper.plan(**kwargs)
 
-    def run(self, q_nope, q_pe, ckv, kpe, out=None):
+    def run(self, q_nope, q_pe, ckv, kpe, out=None, **scales):
+        """One decode; ``scales``: an fp8 cache's ``ckv_scale`` or ``ckv_scale_arr``, and
+        ``kpe_scale`` (flashinfer_fp8_views)."""
         extra = {"out": out} if (out is not None and self.run_has_out) else {}
+        extra.update(scales)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
             if self.canonical:
                 return self.wrapper.run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), **extra)
             return self.wrapper.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, **extra)
+
+
+def _to_e4m3(torch, x, scale):
+    """float32 ``x / scale`` as float8_e4m3fn, clipped to e4m3's finite range."""
+    return (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _per_tensor_scale(torch, x, pages_per_chunk: int) -> float:
+    """max |x| / 448 over a [P, S, C] tensor, a chunk of pages at a time (1 when x is all zero)."""
+    amax = max(float(x[i:i + pages_per_chunk].float().abs().amax())
+               for i in range(0, x.shape[0], pages_per_chunk))
+    return amax / E4M3_MAX if amax > 0 else 1.0
+
+
+def flashinfer_fp8_views(torch, bf16_cache, fp8_cache, scales: str,
+                         pages_per_chunk: int = 4096) -> tuple:
+    """FlashInfer's fp8 MLA cache made from one of a point's caches: (ckv, kpe, run kwargs).
+
+    ``bf16_cache``: torch bfloat16 [P, S, 576]; ``fp8_cache``: torch uint8 [P, S, 656], the same
+    cache quantised as ``jax_mla.write_kv`` does (docs/fp8-cache.md). ckv: float8_e4m3fn
+    [P, S, 512]; kpe: float8_e4m3fn [P, S, 64], the rope over one ``kpe_scale`` (FlashInfer takes
+    the rope in e4m3). ``scales="group"``: ckv and ``ckv_scale_arr`` (float32 [P, S, 4]) are
+    jax_mla's latent bytes and scales, byte for byte; ``"tensor"``: ckv is the bf16 latent over one
+    ``ckv_scale`` = max |latent| / 448, as issue 15's table timed FlashInfer."""
+    if scales not in FP8_SCALE_LAYOUTS:
+        raise ValueError(f"scales must be one of {FP8_SCALE_LAYOUTS}, got {scales!r}")
+    latent, rope = bf16_cache[..., :KV_LORA_RANK], bf16_cache[..., KV_LORA_RANK:]
+    kpe_scale = _per_tensor_scale(torch, rope, pages_per_chunk)
+    kpe = torch.cat([_to_e4m3(torch, rope[i:i + pages_per_chunk].float(), kpe_scale)
+                     for i in range(0, rope.shape[0], pages_per_chunk)])
+    if scales == "group":
+        groups = KV_LORA_RANK // 128
+        ckv = fp8_cache[..., :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn)
+        scale_bytes = fp8_cache[..., KV_LORA_RANK:KV_LORA_RANK + 4 * groups].contiguous()
+        return ckv, kpe, {"ckv_scale_arr": scale_bytes.view(torch.float32),
+                          "kpe_scale": kpe_scale}
+    ckv_scale = _per_tensor_scale(torch, latent, pages_per_chunk)
+    ckv = torch.cat([_to_e4m3(torch, latent[i:i + pages_per_chunk].float(), ckv_scale)
+                     for i in range(0, latent.shape[0], pages_per_chunk)])
+    return ckv, kpe, {"ckv_scale": ckv_scale, "kpe_scale": kpe_scale}
 
 
 @dataclasses.dataclass
@@ -90,6 +140,10 @@ class TorchInputs:
     views: list  # (ckv, kpe) per cache copy
     outs: list  # one output per layer
     layers: int
+    scales: list = dataclasses.field(default_factory=list)  # an fp8 copy's run kwargs, per copy
+
+    def scales_of(self, copy: int) -> dict:
+        return self.scales[copy] if self.scales else {}
 
     @classmethod
     def build(cls, torch, layout: Layout, q, caches, layers: int, dev: str = "cuda") -> "TorchInputs":
@@ -121,7 +175,9 @@ class TorchInputs:
             base = (counter[0] % n_sets) * self.layers
             counter[0] += 1
             for i in range(self.layers):
-                peer.run(self.q_nope, self.q_pe, *self.views[(base + i) % n], out=self.outs[i])
+                copy = (base + i) % n
+                peer.run(self.q_nope, self.q_pe, *self.views[copy], out=self.outs[i],
+                         **self.scales_of(copy))
 
         return step
 
@@ -135,13 +191,15 @@ class TorchInputs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for j in range(min(total, 2 * layers)):
-                peer.run(self.q_nope, self.q_pe, *self.views[j % n], out=self.outs[j % layers])
+                peer.run(self.q_nope, self.q_pe, *self.views[j % n], out=self.outs[j % layers],
+                         **self.scales_of(j % n))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             for j in range(total):
-                peer.run(self.q_nope, self.q_pe, *self.views[j % n], out=self.outs[j % layers])
+                peer.run(self.q_nope, self.q_pe, *self.views[j % n], out=self.outs[j % layers],
+                         **self.scales_of(j % n))
         torch.cuda.synchronize()
         per_layer_s, _ = time_torch(graph.replay, total, args, torch)
         del graph
@@ -189,6 +247,64 @@ class FlashInferTimer:
             self.pick_fastest(run)
         finally:
             torch.cuda.synchronize()  # the views, outputs and metadata die with this frame
+
+    def run_fp8(self, run, fp8_caches: list) -> None:
+        """FlashInfer on its fp8 cache, made from each of the point's caches in both scale layouts
+        (flashinfer_fp8_views), for each of --fi-backends: the output against the bf16 cache's
+        float32 reference (``<name>_vs_bf16_err``, ``<name>_vs_bf16_l2``), then its time per layer
+        (``<name>_graph_us`` replayed from a CUDA graph with --fi-graph, else ``<name>_us``), where
+        ``<name>`` is ``flashinfer_<backend>_fp8_<layout>``. ``fp8_caches``: the point's caches
+        quantised as ``write_kv`` does (uint8 JAX arrays), one per bf16 cache."""
+        import jax
+
+        torch = self.torch
+        jax.block_until_ready((run.q, run.caches, fp8_caches))
+        base = TorchInputs.build(torch, run.layout, run.q, run.caches, self.args.layers, self.device)
+        try:
+            for layout in FP8_SCALE_LAYOUTS:
+                built = [flashinfer_fp8_views(torch, torch.from_dlpack(c), torch.from_dlpack(f),
+                                              layout) for c, f in zip(run.caches, fp8_caches)]
+                inputs = dataclasses.replace(base, views=[b[:2] for b in built],
+                                             scales=[b[2] for b in built])
+                del built
+                for backend in self.args.fi_backends:
+                    name = f"flashinfer_{backend}_fp8_{layout}"
+                    try:
+                        self.time_fp8(run, backend, name, inputs)
+                    except Exception as e:  # noqa: BLE001
+                        run.record["errors"][name] = f"{type(e).__name__}: {e}"
+                        if self.args.verbose:
+                            traceback.print_exc()
+                del inputs
+                torch.cuda.synchronize()
+            run.record["methods_done"].append("flashinfer_fp8")
+        finally:
+            torch.cuda.synchronize()
+
+    def time_fp8(self, run, backend: str, name: str, inputs: TorchInputs) -> None:
+        torch, args, record = self.torch, self.args, run.record
+        pt = run.layout.point
+        self.progress.status(f"{name}: plan (JIT build on first use)")
+        peer = self.peer(backend)
+        peer.plan(run.layout, inputs.meta, kv_data_type=torch.float8_e4m3fn)
+        out0 = peer.run(inputs.q_nope, inputs.q_pe, *inputs.views[0], out=inputs.outs[0],
+                        **inputs.scales_of(0)).view(pt.B, pt.q_len, pt.H, KV_LORA_RANK)
+        torch.cuda.synchronize()
+        if run.ref is None:
+            record["errors"][name] = "no reference output to check against; not timed"
+            return
+        err, l2 = fp8_errors(out0[:run.checked].float().cpu().numpy(), run.ref)
+        record[f"{name}_vs_bf16_err"], record[f"{name}_vs_bf16_l2"] = err, l2
+        if not err <= FP8_VS_BF16_TOL:
+            record["errors"][name] = (f"output check failed: rel err {err:.3g} > {FP8_VS_BF16_TOL} "
+                                      f"against the bf16 cache's float32 reference; not timed")
+            return
+        self.progress.status(f"{name}: timing")
+        if args.fi_graph:
+            record[f"{name}_graph_us"] = inputs.graph_seconds_per_layer(torch, peer, args) * 1e6
+        else:
+            per_layer_s, _ = time_torch(inputs.eager_step(peer), inputs.layers, args, torch)
+            record[f"{name}_us"] = per_layer_s * 1e6
 
     def time_backend(self, run, backend: str, inputs: TorchInputs) -> None:
         torch, args, record = self.torch, self.args, run.record

@@ -38,6 +38,15 @@ def relative_error(actual, expected) -> float:
     return float(np.abs(actual - expected).max() / max(np.abs(expected).max(), 1e-6))
 
 
+def fp8_errors(actual, expected) -> tuple[float, float]:
+    """An fp8 cache's output against the bf16 cache's reference: (relative_error, the relative L2
+    error ||actual - expected|| / ||expected||), both in float64."""
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    l2 = np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30)
+    return relative_error(actual, expected), float(l2) if np.isfinite(l2) else float("inf")
+
+
 def shuffled_block_tables(rng: np.random.Generator, pages_per_request, num_pages: int | None = None,
                           max_pages: int | None = None, fill: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Block tables over a pool of ``num_pages`` pages (default: just enough), pages in random order.

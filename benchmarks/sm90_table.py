@@ -5,10 +5,12 @@
 Per point: the floor, fa3 from torch replayed as one CUDA graph per step (FlashInfer's own wrapper,
 the fairest fa3 number), fa3 called eagerly from torch, sm90 through ``jax_mla.decode`` in a
 jitted multi-layer step, their ratio (bold), both shares of the floor and sm90's error against the
-float32 reference; where sm90 also ran on the fp8 cache (jax_mla_sm90_fp8, up to 32 query rows),
+float32 reference; where sm90 also ran on the fp8 cache (jax_mla_sm90_fp8),
 its time, its ratio to sm90 on the bf16 cache and its share of the fp8 cache's floor. Points are
 sorted by heads, query tokens, page size, batch and length; the last line counts the points where
-sm90 is faster than fa3.
+sm90 is faster than fa3. Where FlashInfer also ran on its own fp8 cache (flashinfer_fp8), a second
+table sets sm90 on the fp8 cache beside it: times, and each output's relative L2 distance from the
+bf16 cache's float32 reference.
 """
 
 from __future__ import annotations
@@ -48,6 +50,50 @@ def rows(records: list[dict], with_fp8: bool = False) -> list[list[str]]:
     return out
 
 
+FI_FP8_COLUMNS = ["H", "q_len", "page", "B", "L", "fp8 floor µs", "sm90 bf16 µs", "sm90 fp8 µs",
+                  "fa3 fp8 group µs", "fa3 fp8 tensor µs", "sm90 fp8 / fa3 fp8",
+                  "L2 vs bf16: sm90 fp8", "fa3 fp8 group", "fa3 fp8 tensor"]
+FI_FP8 = ("flashinfer_fa3_fp8_group", "flashinfer_fa3_fp8_tensor")
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+def _percent(value) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def fp8_rows(records: list[dict]) -> list[list[str]]:
+    """One row per record where sm90 ran on the fp8 cache and fa3 on its own fp8 cache."""
+    out = []
+    for r in sorted(records, key=lambda r: (r["H"], r["q_len"], r["page_size"], r["B"], r["L"])):
+        ours = r.get("jax_mla_sm90_fp8_us")
+        theirs = [r.get(f"{name}_graph_us") for name in FI_FP8]
+        if ours is None or all(t is None for t in theirs):
+            continue
+        fastest = min(t for t in theirs if t is not None)
+        out.append([str(r["H"]), str(r["q_len"]), str(r["page_size"]), str(r["B"]), fmt_len(r["L"]),
+                    f"{r['fp8_floor_us']:.1f}", _us(r.get("jax_mla_sm90_us")), _us(ours),
+                    *(_us(t) for t in theirs), f"**{ours / fastest:.2f}**",
+                    _percent(r.get("jax_mla_sm90_fp8_vs_bf16_l2")),
+                    *(_percent(r.get(f"{name}_vs_bf16_l2")) for name in FI_FP8)])
+    return out
+
+
+def fp8_table(records: list[dict]) -> str:
+    """sm90 on the fp8 cache beside fa3 on FlashInfer's ("" where none ran both)."""
+    body = fp8_rows(records)
+    if not body:
+        return ""
+    lines = ["| " + " | ".join(FI_FP8_COLUMNS) + " |", "|" + "---|" * len(FI_FP8_COLUMNS)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    faster = sum(float(row[10].strip("*")) < 1.0 for row in body)
+    lines += ["", f"sm90 on the fp8 cache is faster than fa3's faster fp8 layout at {faster} of "
+                  f"these {len(body)} points."]
+    return "\n".join(lines)
+
+
 def table(records: list[dict]) -> str:
     with_fp8 = any("jax_mla_sm90_fp8_us" in r for r in records)
     body = rows(records, with_fp8)
@@ -65,6 +111,9 @@ def main(paths: list[str]) -> None:
         with open(path) as f:
             records += json.load(f)["records"]
     print(table(records))
+    extra = fp8_table(records)
+    if extra:
+        print("\n" + extra)
 
 
 if __name__ == "__main__":

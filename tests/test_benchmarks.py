@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from benchmarks import decode, grid, methods, problem, progress, report, results, timing
+from benchmarks import decode, grid, methods, peers, problem, progress, report, results, timing
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DECODE = ("-m", "benchmarks.decode")
@@ -328,19 +328,39 @@ class _CpuTorch:
         return getattr(torch, name)
 
 
+def _dequantize_flashinfer_fp8(torch, ckv, kpe, scales):
+    """FlashInfer's fp8 MLA cache read as its documentation states: latent e4m3 times its scale
+    (``ckv_scale``, or ``ckv_scale_arr`` per token and 128 channels), rope e4m3 times kpe_scale;
+    returned as bfloat16, the stand-in reference's dtype."""
+    latent = ckv.float()
+    if "ckv_scale_arr" in scales:
+        groups = scales["ckv_scale_arr"]
+        latent = (latent.unflatten(-1, (groups.shape[-1], -1)) * groups[..., None]).flatten(-2)
+    else:
+        latent = latent * scales["ckv_scale"]
+    rope = kpe.float() * scales["kpe_scale"]
+    return latent.to(torch.bfloat16), rope.to(torch.bfloat16)
+
+
 class _ReferencePeer:
     """A FlashInferPeer stand-in that answers with jax_mla's torch reference."""
 
-    def plan(self, layout, meta):
+    def plan(self, layout, meta, kv_data_type=None):
         self.layout = layout
+        self.kv_data_type = kv_data_type
         assert meta["kv_indptr"][-1] == meta["kv_indices"].numel()
 
-    def run(self, q_nope, q_pe, ckv, kpe, out=None):
+    def run(self, q_nope, q_pe, ckv, kpe, out=None, **scales):
         import torch
 
         from jax_mla.reference import mla_decode_reference
 
         pt = self.layout.point
+        assert (ckv.dtype == torch.float8_e4m3fn) == (self.kv_data_type == torch.float8_e4m3fn)
+        if ckv.dtype == torch.float8_e4m3fn:
+            ckv, kpe = _dequantize_flashinfer_fp8(torch, ckv, kpe, scales)
+        elif scales:
+            raise ValueError("scales are for an fp8 cache")
         query = torch.cat([q_nope, q_pe], -1).view(pt.B, pt.q_len, pt.H, -1)
         ref, _ = mla_decode_reference(query, torch.cat([ckv, kpe], -1),
                                       torch.from_numpy(self.layout.tables),
@@ -372,6 +392,70 @@ def test_flashinfer_path_with_a_stand_in_peer():
     assert record["flashinfer_fa3_rel_err"] < 1e-2 and record["flashinfer_fa3_plan_us"] > 0
     assert record["jax_mla_vs_flashinfer_peer"] == "flashinfer_fa3"
     assert record["jax_mla_vs_flashinfer_max_abs_diff"] < 0.1
+
+
+def test_flashinfer_fp8_path_with_a_stand_in_peer():
+    """FlashInfer on its own fp8 cache, both scale layouts: made from the point's caches, its output
+    compared with the bf16 cache's reference, and timed; and sm90's fp8 table reading the record."""
+    pytest.importorskip("torch")
+    from benchmarks import sm90_table
+    from benchmarks.bench import Bench
+
+    args = decode.parse_args(["--dry-run"])
+    args.methods, args.fi_backends, args.fi_graph = ["flashinfer_fp8"], ["fa3"], False
+    bench = Bench(args, _CpuTorch(), args.methods, progress.Progress(1.0, 1, stream=io.StringIO()))
+    bench.on_gpu = True
+    bench.flashinfer.device = "cpu"
+    bench.flashinfer.peers["fa3"] = _ReferencePeer()
+    layout = problem.make_layout(grid.Point(B=3, L=96, H=4, q_len=1, page_size=16), 0)
+    record = decode.new_record(layout, args)
+    bench.run_point(layout, record)
+    assert record["errors"] == {}, record["errors"]
+    assert record["methods_done"] == ["flashinfer_fp8"]
+    for name in ("flashinfer_fa3_fp8_group", "flashinfer_fa3_fp8_tensor"):
+        # e4m3 keys and values move the output by a few percent of its norm, not more, not less.
+        assert 5e-3 < record[f"{name}_vs_bf16_l2"] < 0.1, record
+        assert record[f"{name}_vs_bf16_err"] < peers.FP8_VS_BF16_TOL
+        assert record[f"{name}_us"] > 0
+    record.update(jax_mla_sm90_fp8_us=10.0, fp8_floor_us=5.0, jax_mla_sm90_fp8_vs_bf16_l2=0.02,
+                  flashinfer_fa3_fp8_group_graph_us=40.0, flashinfer_fa3_fp8_tensor_graph_us=30.0)
+    text = sm90_table.fp8_table([record])
+    assert "| **0.33** | 2.00% |" in text and "at 1 of these 1 points" in text
+    assert sm90_table.fp8_table([dict(record, flashinfer_fa3_fp8_group_graph_us=None,
+                                      flashinfer_fa3_fp8_tensor_graph_us=None)]) == ""
+
+
+def test_flashinfer_fp8_views_hold_the_fp8_cache_bytes_or_one_scale():
+    """The group layout is jax_mla's fp8 cache byte for byte (latent and scales); the tensor layout
+    scales the bf16 latent by max/448; both keep the rope in e4m3 over one scale, within e4m3's
+    half step of it."""
+    torch = pytest.importorskip("torch")
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.bench import quantized_cache
+
+    cache = (jax.random.normal(jax.random.PRNGKey(1), (3, 16, 576)) * 3).astype(jnp.bfloat16)
+    fp8 = torch.from_dlpack(quantized_cache(cache))
+    bf16 = torch.from_dlpack(cache)
+    ckv, kpe, scales = peers.flashinfer_fp8_views(torch, bf16, fp8, "group", pages_per_chunk=2)
+    assert ckv.dtype == kpe.dtype == torch.float8_e4m3fn
+    assert ckv.shape == (3, 16, 512) and kpe.shape == (3, 16, 64)
+    assert torch.equal(ckv.view(torch.uint8), fp8[..., :512])
+    assert scales["ckv_scale_arr"].shape == (3, 16, 4) and scales["ckv_scale_arr"].is_contiguous()
+    assert torch.equal(scales["ckv_scale_arr"].view(torch.uint8), fp8[..., 512:528])
+    rope = bf16[..., 512:].float()
+    assert scales["kpe_scale"] == pytest.approx(float(rope.abs().max()) / 448)
+    assert (kpe.float() * scales["kpe_scale"] - rope).abs().max() <= rope.abs().max() / 16
+    ckv_t, kpe_t, scales_t = peers.flashinfer_fp8_views(torch, bf16, fp8, "tensor")
+    assert torch.equal(kpe_t.view(torch.uint8), kpe.view(torch.uint8))
+    latent = bf16[..., :512].float()
+    assert set(scales_t) == {"ckv_scale", "kpe_scale"}
+    assert scales_t["ckv_scale"] == pytest.approx(float(latent.abs().max()) / 448)
+    assert float(ckv_t.float().abs().max()) == 448.0
+    assert (ckv_t.float() * scales_t["ckv_scale"] - latent).abs().max() <= latent.abs().max() / 16
+    with pytest.raises(ValueError, match="scales must be one of"):
+        peers.flashinfer_fp8_views(torch, bf16, fp8, "token")
 
 
 def test_interleaved_ratios_order_a_heavy_and_a_light_step():
