@@ -226,11 +226,11 @@ class Bench:
             one, plan = _naive_layer, None
         elif method == "jax_mla_xla":
             one, plan = _xla_backend_layer, None
-        elif method == "jax_mla_sm90":
+        elif method in ("jax_mla_sm90", "jax_mla_sm90_graph"):
             one, plan = _sm90_backend_layer, None
         else:
             one, plan = self.jax_mla_layer(run, method)
-        options = m.GRAPH_COMPILER_OPTIONS if method == "jax_mla_graph" else None
+        options = m.GRAPH_COMPILER_OPTIONS if method in m.GRAPH_METHODS else None
         self.time_layers(run, method, m.layered(one, layers, options), plan, layers)
 
     def skip_slow(self, run: PointRun, method: str, layers: int) -> bool:

@@ -20,6 +20,7 @@ Methods (``--backends``):
                   times the planner kernel alone (device_plan_us, from a profiler trace) and per
                   call in CUDA graphs of 128 planner calls (device_plan_graph_us)
   jax_mla_sm90    jax_mla.decode(backend="sm90"): jax_mla's own Hopper kernel, N layers
+  jax_mla_sm90_graph  jax_mla_sm90 with XLA command buffers forced on for the step; B <= 32
   jax_mla_sm90_fp8  the same on the point's caches quantised as write_kv does (docs/fp8-cache.md)
   flashinfer      flashinfer.mla.BatchMLAPagedAttentionWrapper from torch (run() timed, plan apart)
   flashinfer_fp8  (only when named) the same on FlashInfer's fp8 cache made from the point's caches,

@@ -9,16 +9,18 @@ from benchmarks.grid import Point
 from benchmarks.problem import GIB, KV_LORA_RANK, SOFTMAX_SCALE, Layout, cache_count, naive_temp_bytes, work
 
 METHODS = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan", "jax_mla_sm90",
-           "jax_mla_sm90_fp8", "flashinfer", "flashinfer_fp8", "xla_naive", "jax_mla_xla",
-           "jax_mla_step")
+           "jax_mla_sm90_graph", "jax_mla_sm90_fp8", "flashinfer", "flashinfer_fp8", "xla_naive",
+           "jax_mla_xla", "jax_mla_step")
 # A whole step, and FlashInfer on its fp8 cache (two more JIT builds): when asked.
 GPU_DEFAULT_METHODS = tuple(m for m in METHODS if m not in ("jax_mla_step", "flashinfer_fp8"))
 DRY_DEFAULT_METHODS = ("jax_mla", "xla_naive", "jax_mla_xla")
 GPU_ONLY_METHODS = ("flashinfer", "flashinfer_fp8", "jax_mla_noplan", "jax_mla_device_plan",
-                    "jax_mla_sm90", "jax_mla_sm90_fp8", "jax_mla_step")
+                    "jax_mla_sm90", "jax_mla_sm90_graph", "jax_mla_sm90_fp8", "jax_mla_step")
 # Methods timed over --layers decode calls per step (the others, slower, over --xla-layers).
 JAX_MLA_PLANNED = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan",
-                   "jax_mla_sm90", "jax_mla_sm90_fp8")
+                   "jax_mla_sm90", "jax_mla_sm90_graph", "jax_mla_sm90_fp8")
+# Methods whose step is compiled with XLA command buffers forced on (GRAPH_COMPILER_OPTIONS).
+GRAPH_METHODS = ("jax_mla_graph", "jax_mla_sm90_graph")
 FI_BACKENDS = ("fa3", "fa2")
 # XLA command buffers (CUDA graphs) for every run of the step, custom calls included, whatever its
 # size; per compile, so one process times the step with and without them.
@@ -39,7 +41,7 @@ def graph_subset(pt: Point) -> bool:
 def method_applies(method: str, pt: Point, args) -> bool:
     if method == "jax_mla_noplan":
         return args.noplan_everywhere or noplan_subset(pt)
-    if method == "jax_mla_graph":
+    if method in GRAPH_METHODS:
         return graph_subset(pt)
     return True
 

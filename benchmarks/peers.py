@@ -130,6 +130,19 @@ def flashinfer_fp8_views(torch, bf16_cache, fp8_cache, scales: str,
     return ckv, kpe, {"ckv_scale": ckv_scale, "kpe_scale": kpe_scale}
 
 
+def dequantize_flashinfer_fp8(torch, ckv, kpe, scales: dict):
+    """float32 [..., 576] of FlashInfer's fp8 MLA cache as its API defines it: the e4m3 latent
+    ``ckv`` [..., 512] times ``ckv_scale`` (or ``ckv_scale_arr`` [..., 4], per token and 128
+    channels), then the e4m3 rope ``kpe`` [..., 64] times ``kpe_scale``."""
+    latent = ckv.float()
+    if "ckv_scale_arr" in scales:
+        groups = scales["ckv_scale_arr"]
+        latent = (latent.unflatten(-1, (groups.shape[-1], -1)) * groups[..., None]).flatten(-2)
+    else:
+        latent = latent * scales["ckv_scale"]
+    return torch.cat([latent, kpe.float() * scales["kpe_scale"]], dim=-1)
+
+
 @dataclasses.dataclass
 class TorchInputs:
     """One point's query, caches and outputs as torch tensors, and FlashInfer's CSR metadata."""

@@ -328,20 +328,6 @@ class _CpuTorch:
         return getattr(torch, name)
 
 
-def _dequantize_flashinfer_fp8(torch, ckv, kpe, scales):
-    """FlashInfer's fp8 MLA cache read as its documentation states: latent e4m3 times its scale
-    (``ckv_scale``, or ``ckv_scale_arr`` per token and 128 channels), rope e4m3 times kpe_scale;
-    returned as bfloat16, the stand-in reference's dtype."""
-    latent = ckv.float()
-    if "ckv_scale_arr" in scales:
-        groups = scales["ckv_scale_arr"]
-        latent = (latent.unflatten(-1, (groups.shape[-1], -1)) * groups[..., None]).flatten(-2)
-    else:
-        latent = latent * scales["ckv_scale"]
-    rope = kpe.float() * scales["kpe_scale"]
-    return latent.to(torch.bfloat16), rope.to(torch.bfloat16)
-
-
 class _ReferencePeer:
     """A FlashInferPeer stand-in that answers with jax_mla's torch reference."""
 
@@ -358,7 +344,8 @@ class _ReferencePeer:
         pt = self.layout.point
         assert (ckv.dtype == torch.float8_e4m3fn) == (self.kv_data_type == torch.float8_e4m3fn)
         if ckv.dtype == torch.float8_e4m3fn:
-            ckv, kpe = _dequantize_flashinfer_fp8(torch, ckv, kpe, scales)
+            cache = peers.dequantize_flashinfer_fp8(torch, ckv, kpe, scales).to(torch.bfloat16)
+            ckv, kpe = cache[..., :512], cache[..., 512:]
         elif scales:
             raise ValueError("scales are for an fp8 cache")
         query = torch.cat([q_nope, q_pe], -1).view(pt.B, pt.q_len, pt.H, -1)
@@ -454,8 +441,42 @@ def test_flashinfer_fp8_views_hold_the_fp8_cache_bytes_or_one_scale():
     assert scales_t["ckv_scale"] == pytest.approx(float(latent.abs().max()) / 448)
     assert float(ckv_t.float().abs().max()) == 448.0
     assert (ckv_t.float() * scales_t["ckv_scale"] - latent).abs().max() <= latent.abs().max() / 16
+    for views in ((ckv, kpe, scales), (ckv_t, kpe_t, scales_t)):
+        read_back = peers.dequantize_flashinfer_fp8(torch, *views)
+        assert read_back.shape == (3, 16, 576)
+        assert (read_back - bf16.float()).abs().max() <= bf16.float().abs().max() / 16
+    from jax_mla.reference import dequantize_fp8
+
+    group_latent = peers.dequantize_flashinfer_fp8(torch, ckv, kpe, scales)[..., :512]
+    assert torch.equal(group_latent.flatten(0, 1), dequantize_fp8(fp8.flatten(0, 1), 512)[:, :512])
     with pytest.raises(ValueError, match="scales must be one of"):
         peers.flashinfer_fp8_views(torch, bf16, fp8, "token")
+
+
+def test_fp8_layouts_read_back_what_each_decoder_reads():
+    """The layout comparison's read-backs: jax_mla's is the torch reference's dequantisation of
+    write_kv's rows; FlashInfer's group layout shares its latent and differs in the rope only; each
+    layout moves a small problem's output by a few percent, not more."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import fp8_layouts
+    from jax_mla.reference import dequantize_fp8
+
+    cache = torch.randn(64, 576, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    read = fp8_layouts.layouts(torch, cache)
+    ours, fi_group, fi_max, max_groups = (read[name] for name in (
+        "jax_mla (write_kv): power-of-two scale per 128 latent channels, bf16 rope",
+        "FlashInfer: jax_mla's latent bytes and scales (ckv_scale_arr), e4m3 rope (kpe_scale)",
+        "FlashInfer: max/448 scale per 128 latent channels (ckv_scale_arr), e4m3 rope",
+        "max/448 scale per 128 latent channels, bf16 rope"))
+    assert torch.equal(ours, dequantize_fp8(fp8_layouts.jax_mla_rows(torch, cache), 512))
+    assert torch.equal(ours[:, 512:], cache[:, 512:].float())
+    assert torch.equal(fi_group[:, :512], ours[:, :512])
+    assert not torch.equal(fi_group[:, 512:], ours[:, 512:])
+    assert torch.equal(fi_max[:, :512], max_groups[:, :512])
+    results = fp8_layouts.measure(problems=1, batch=2, heads=4, length=128)
+    assert set(results) == set(read)
+    assert all(0.005 < rows[0][0] < 0.15 for rows in results.values()), results
+    assert "| jax_mla (write_kv)" in fp8_layouts.table(results)
 
 
 def test_interleaved_ratios_order_a_heavy_and_a_light_step():
@@ -490,6 +511,17 @@ def test_the_sm90_table_shows_fp8_columns_where_measured():
     assert "| 1.0e-03 | 120.0 | **0.80** | 50% |" in text
     assert "| 1.0e-03 | - | - | - |" in text
     assert "sm90 fp8" not in sm90_table.table([base])
+
+
+def test_the_graph_methods_run_where_batches_are_small():
+    """jax_mla_graph and jax_mla_sm90_graph: command buffers for small batches only, GPU only."""
+    for method in ("jax_mla_graph", "jax_mla_sm90_graph"):
+        assert method in methods.GRAPH_METHODS and method in methods.JAX_MLA_PLANNED
+        assert methods.method_applies(method, grid.Point(32, 4096, 128, 1, 64), None)
+        assert not methods.method_applies(method, grid.Point(128, 4096, 128, 1, 64), None)
+    assert "jax_mla_sm90_graph" in methods.GPU_ONLY_METHODS
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--dry-run", "--backends", "jax_mla_sm90_graph"])
 
 
 def test_the_fp8_method_runs_every_head_count_on_caches_quantised_like_write_kv():
