@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU evidence run on the H200 machine (no network): installs the carried FlashInfer/TVM-FFI wheels,
-# builds ffi/ for sm_90a, warms FlashInfer's JIT modules, then runs what is asked:
+# builds ffi/ for sm_90a, warms FlashInfer's fa3/fa2 JIT modules (bf16 and e4m3 caches), then
+# runs what is asked:
 #   .ci/gpu-h200.sh tests [pytest args]   GPU test suite  -> $OUT/gpu-tests.log (JAX_MLA_REQUIRE_GPU=1:
 #                                         a GPU test that cannot run fails instead of skipping)
 #   .ci/gpu-h200.sh bench [benchmarks.decode args] benchmark piece -> $OUT/*.json
@@ -16,7 +17,9 @@ export JAX_MLA_COMMIT=${JAX_MLA_COMMIT:-$(cat .ci/COMMIT 2>/dev/null || echo unk
 export JAX_MLA_FFI_LIB=/tmp/jax_mla_build/ffi/libjax_mla_ffi.so
 [ -f "$JAX_MLA_FFI_LIB" ] || { echo "ffi build failed"; exit 1; }
 for b in fa3 fa2; do
-  python3 -c "from jax_mla import gpu; gpu.fa_entry_points('$b', 512, 64)" &
+  for kv in bfloat16 float8_e4m3fn; do
+    python3 -c "from jax_mla import gpu; gpu.fa_entry_points('$b', 512, 64, '$kv')" &
+  done
 done
 wait
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader

@@ -18,7 +18,8 @@ run() {  # LOG, pytest args...
 }
 own="tests/test_decode.py tests/test_sm90.py tests/test_bad_values.py tests/test_gpu.py
      tests/test_device_plan.py tests/test_readme.py tests/test_example.py tests/test_require_gpu.py
-     tests/test_ffi.py tests/test_fp8_cache.py tests/test_sm90_fp8.py tests/test_sharding.py
+     tests/test_ffi.py tests/test_fp8_cache.py tests/test_sm90_fp8.py tests/test_e4m3_cache.py
+     tests/test_sharding.py
      tests/test_torch_view.py"
 ignore=$(for f in $own; do printf -- '--ignore=%s ' "$f"; done)
 run t-decode-xla.log tests/test_decode.py -k "not (fa3 or fa2 or sm90 or Sm90)" &
@@ -26,7 +27,8 @@ run t-decode-fa.log tests/test_decode.py -k "fa3 or fa2" &
 run t-sm90.log tests/test_sm90.py tests/test_decode.py -k "sm90 or Sm90" &
 run t-guard-gpu.log tests/test_bad_values.py tests/test_gpu.py tests/test_device_plan.py &
 run t-commands.log tests/test_readme.py tests/test_example.py tests/test_require_gpu.py &
-run t-ffi-fp8.log tests/test_ffi.py tests/test_fp8_cache.py tests/test_sm90_fp8.py &
+run t-ffi-fp8.log tests/test_ffi.py tests/test_fp8_cache.py tests/test_sm90_fp8.py \
+  tests/test_e4m3_cache.py &
 run t-sharding-view.log tests/test_sharding.py tests/test_torch_view.py -m "not multi_gpu" &
 # shellcheck disable=SC2086  # a word list on purpose
 run t-rest.log tests $ignore -m "not multi_gpu" &

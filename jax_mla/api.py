@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import backends, gpu, guard, planning, sharding, validation, value_checks
+from jax_mla import backends, e4m3_cache, gpu, guard, planning, sharding, validation, value_checks
 
 DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
@@ -15,7 +15,7 @@ DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its sch
 def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
            softmax_scale: float, output_scale: float = 1.0, return_lse: bool = False,
            backend: str = "auto", kv_lora_rank: int | None = None, plan=None, checks: bool = False,
-           fail_closed: bool = True):
+           fail_closed: bool = True, kv_scale: float | None = None):
     """Multi-head Latent Attention decode over a paged cache. Callable inside ``jax.jit``.
 
     Args:
@@ -25,7 +25,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         ``kv_lora_rank`` channels of a token are both its latent key part and its value. Or the fp8
         cache: uint8 [num_pages, page_size, row_bytes] from ``allocate_cache(..., dtype="fp8")``
         (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend and
-        by sm90.
+        by sm90. Or the e4m3 cache: float8_e4m3fn [num_pages, page_size, kv_lora_rank + rope_dim]
+        whose values are multiplied by ``kv_scale``, taken by xla, fa3 and fa2 (on SM90).
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.
@@ -55,6 +56,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         not run on hardware) (``jax_mla.guard``; inside ``jax.jit`` XLA computes this once per
         step for all layers; docs/bad-values.md). False skips it for callers that guarantee their
         values: fa3, fa2 and trtllm-gen then read whatever the values point at.
+      kv_scale: for the e4m3 cache only, and required there: the finite float > 0 its values are
+        multiplied by (``write_kv``'s). It is folded into the scales: the logits are scaled by
+        ``softmax_scale * kv_scale`` and the output by ``output_scale * kv_scale``.
 
     With q_len > 1 the mask is bottom-right causal: query token i of a request sees kv positions
     ``[0, seq_len - q_len + i]``.
@@ -67,6 +71,12 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
     softmax_scale = validation.check_finite_scale("softmax_scale", softmax_scale)
     output_scale = validation.check_finite_scale("output_scale", output_scale)
+    kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
+    if kv_scale is not None:
+        softmax_scale = validation.check_finite_scale("softmax_scale * kv_scale",
+                                                      softmax_scale * kv_scale)
+        output_scale = validation.check_finite_scale("output_scale * kv_scale",
+                                                     output_scale * kv_scale)
     for name, flag in (("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")

@@ -6,12 +6,13 @@ Every backend's ``decode`` has one signature::
            plan) -> (out [B, q_len, H, kv_lora_rank] in query.dtype, lse float32 [B, q_len, H])
 
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
-there and takes the query's dtype and the cache's format (``FLOAT_CACHE`` or ``FP8_CACHE``). That
-order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2 on other CUDA GPUs
-from SM80, and xla everywhere else and for the fp8 cache. sm90 is never that first pick, because
-what it takes depends on the shape of each device's shard: on Hopper without a plan each device
-takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs and is faster at
-(``auto_alternative``, ``prefers_sm90``).
+there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
+``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
+on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 cache (for the e4m3 cache:
+fa3 on Hopper, xla elsewhere). sm90 is never that first pick, because what it takes depends on
+the shape of each device's shard: on Hopper without a plan each device takes sm90 instead of fa3
+or xla where its shard's shape is one sm90 runs and is faster at (``auto_alternative``,
+``prefers_sm90``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jax_mla import fp8_cache, gpu, xla_backend
+from jax_mla import e4m3_cache, fp8_cache, gpu, xla_backend
 
 XLA = "xla"
 FA3 = "fa3"
@@ -33,9 +34,13 @@ AUTO = "auto"
 
 Capability = tuple[int, int]
 
-# Cache formats: a cache of the query's floating dtype, or the fp8 cache (docs/fp8-cache.md).
+# Cache formats: a cache of the query's floating dtype, the fp8 cache (e4m3 with a scale per 128
+# latent channels) or the e4m3 cache (one scale) (docs/fp8-cache.md).
 FLOAT_CACHE = "float"
 FP8_CACHE = fp8_cache.FP8
+E4M3_CACHE = e4m3_cache.E4M3
+FORMAT_NAMES = {FLOAT_CACHE: "the query's dtype", FP8_CACHE: "the fp8 cache (uint8)",
+                E4M3_CACHE: "the e4m3 cache (float8_e4m3fn)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +54,7 @@ class Backend:
         that needs no GPU.
       dtypes: the query dtypes it takes (a float cache has the query's dtype); empty for any
         floating dtype.
-      cache_formats: the cache formats it takes (``FLOAT_CACHE``, ``FP8_CACHE``).
+      cache_formats: the cache formats it takes (``FLOAT_CACHE``, ``FP8_CACHE``, ``E4M3_CACHE``).
       takes_plan: whether it reads a work schedule (``plan=`` a ``jax_mla.Plan`` or "device").
       applies_output_scale: whether its kernel multiplies by ``output_scale`` itself.
       decode: the implementation, with the signature in the module docstring.
@@ -57,6 +62,8 @@ class Backend:
         saying why it cannot run here (None when it can).
       first_pick: whether "auto" may take it before the arrays are split over devices; a backend
         whose shape limits depend on the shard is taken per device instead (``auto_alternative``).
+      format_capability: for a cache format that needs more than the backend's GPU, (whether a
+        GPU of a compute capability runs the backend on it, those GPUs in words).
     """
 
     name: str
@@ -69,6 +76,7 @@ class Backend:
     decode: Callable
     missing: Callable[[], str | None] = lambda: None
     first_pick: bool = True
+    format_capability: dict = dataclasses.field(default_factory=dict)
 
     def takes_dtype(self, dtype) -> bool:
         return not self.dtypes or jnp.dtype(dtype) in self.dtypes
@@ -79,6 +87,12 @@ class Backend:
 
     def runs_on_gpu(self, capability: Capability) -> bool:
         return self.runs_on_capability is not None and self.runs_on_capability(capability)
+
+    def runs_format_on(self, cache_format: str, capability: Capability | None) -> bool:
+        """Whether it runs on a cache of ``cache_format`` on a GPU of ``capability`` (None: no GPU,
+        for backends that need none)."""
+        needs = self.format_capability.get(cache_format)
+        return needs is None or (capability is not None and needs[0](capability))
 
 
 def _xla_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
@@ -115,20 +129,25 @@ def _sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, outp
 
 BF16 = (jnp.dtype(jnp.bfloat16),)
 FLOAT_ONLY = (FLOAT_CACHE,)
+FLOAT_OR_E4M3 = (FLOAT_CACHE, E4M3_CACHE)
 
 TABLE: tuple[Backend, ...] = (
     Backend(TRTLLM_GEN, "SM100/SM103 (B200, GB200, B300)", lambda cc: cc in ((10, 0), (10, 3)),
             BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_trtllm_decode),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, FLOAT_ONLY, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA3)),
+            BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
+            decode=_fa_decode(FA3)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
-            BF16, FLOAT_ONLY, takes_plan=True, applies_output_scale=False, decode=_fa_decode(FA2)),
+            BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
+            decode=_fa_decode(FA2),
+            format_capability={E4M3_CACHE: (lambda cc: cc == (9, 0),
+                                            "SM90 (FlashInfer's fp8 MLA)")}),
     # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative).
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
             decode=_sm90_decode, missing=lambda: gpu.sm90_missing(), first_pick=False),
     Backend(XLA, "any JAX platform", None,
-            (), (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
+            (), (FLOAT_CACHE, FP8_CACHE, E4M3_CACHE), takes_plan=False, applies_output_scale=True,
             decode=_xla_decode),
 )
 BY_NAME = {backend.name: backend for backend in TABLE}
@@ -162,8 +181,11 @@ def available_backends(platform: str | None = None) -> list[str]:
 
 
 def cache_format_of(kv_cache) -> str:
-    """``FP8_CACHE`` for an fp8 cache (uint8), else ``FLOAT_CACHE``."""
-    return FP8_CACHE if fp8_cache.is_fp8_cache(kv_cache) else FLOAT_CACHE
+    """``FP8_CACHE`` for an fp8 cache (uint8), ``E4M3_CACHE`` for an e4m3 cache (float8_e4m3fn),
+    else ``FLOAT_CACHE``."""
+    if fp8_cache.is_fp8_cache(kv_cache):
+        return FP8_CACHE
+    return E4M3_CACHE if e4m3_cache.is_e4m3_cache(kv_cache) else FLOAT_CACHE
 
 
 def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str = FLOAT_CACHE) -> str:
@@ -178,9 +200,12 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
                         f"{type(backend).__name__}")
     available = available_backends(platform)
+    capability = (gpu.capability() if _is_cuda(platform) and gpu.runtime_missing() is None
+                  else None)
     if backend == AUTO:
         return next(name for name in available
-                    if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format))
+                    if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
+                    and BY_NAME[name].runs_format_on(cache_format, capability))
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")
@@ -189,9 +214,14 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
         raise ValueError(f"{_why_unavailable(chosen, platform)}; available here: {available}")
     if cache_format not in chosen.cache_formats:
         takers = [b.name for b in TABLE if cache_format in b.cache_formats]
-        raise TypeError(f"backend {backend!r} takes {' or '.join(d.name for d in chosen.dtypes)} "
-                        f"caches only, got an {cache_format} cache (docs/fp8-cache.md); backends "
-                        f"that take it: {takers}")
+        taken = " or ".join(FORMAT_NAMES[f] for f in chosen.cache_formats)
+        raise TypeError(f"backend {backend!r} takes caches of {taken}, got "
+                        f"{FORMAT_NAMES[cache_format]} (docs/fp8-cache.md); backends that take it: "
+                        f"{takers}")
+    if not chosen.runs_format_on(cache_format, capability):
+        where = chosen.format_capability[cache_format][1]
+        raise ValueError(f"backend {backend!r} takes {FORMAT_NAMES[cache_format]} on {where} only, "
+                         f"not on this GPU (compute capability {capability[0]}.{capability[1]})")
     if not chosen.takes_dtype(dtype):
         raise TypeError(f"backend {backend!r} needs query and kv_cache of dtype "
                         f"{' or '.join(str(d) for d in chosen.dtypes)}, got {jnp.dtype(dtype)}; "

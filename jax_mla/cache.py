@@ -4,7 +4,9 @@ Layout: ``kv_cache[num_pages, page_size, kv_lora_rank + rope_dim]``. A token's r
 ``c_kv`` (first ``kv_lora_rank`` channels, both key part and value) followed by its RoPE key ``k_pe``.
 Token ``t`` of a request lives at slot ``block_table[t // page_size] * page_size + t % page_size``.
 The fp8 cache (``dtype="fp8"``) is uint8 ``[num_pages, page_size, row_bytes]`` with rows in
-``jax_mla.fp8_cache``'s layout (docs/fp8-cache.md), slotted the same way.
+``jax_mla.fp8_cache``'s layout (docs/fp8-cache.md), slotted the same way. The e4m3 cache
+(``dtype=jnp.float8_e4m3fn``) has a float cache's layout, with one ``kv_scale`` for all its values
+(``jax_mla.e4m3_cache``).
 
 JAX owns the cache. ``torch_view`` gives torch a zero-copy, read-only view (``jax_mla.cache_view``):
 torch ops that would write to it raise, and it holds no reference to the buffer between ops, so a
@@ -17,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_mla import fp8_cache, validation
+from jax_mla import e4m3_cache, fp8_cache, validation
 
 
 def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, rope_dim: int = 64,
@@ -26,8 +28,10 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
 
     Args:
       dtype: a floating dtype (bf16, f16, f32) for a cache ``[num_pages, page_size, kv_lora_rank +
-        rope_dim]`` of that dtype, or the string ``"fp8"`` for the fp8 cache: uint8 ``[num_pages,
-        page_size, row_bytes]``, 656 bytes a token for (512, 64) (docs/fp8-cache.md).
+        rope_dim]`` of that dtype; ``jnp.float8_e4m3fn`` for the e4m3 cache of that shape, whose
+        values are multiplied by one ``kv_scale``; or the string ``"fp8"`` for the fp8 cache: uint8
+        ``[num_pages, page_size, row_bytes]``, 656 bytes a token for (512, 64), with a scale per
+        128 latent channels (docs/fp8-cache.md).
     """
     for name, value in (("num_pages", num_pages), ("page_size", page_size),
                         ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
@@ -44,41 +48,50 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
 
 
 def _float_dtype(dtype) -> jnp.dtype:
-    """``dtype`` as a floating jnp dtype of 16 bits or more; TypeError otherwise, naming "fp8"."""
+    """``dtype`` as a floating jnp dtype of 16 bits or more, or float8_e4m3fn; TypeError
+    otherwise, naming "fp8"."""
     try:
         name = jnp.dtype(dtype)
     except TypeError:
         name = repr(dtype)
-    if isinstance(name, str) or not jnp.issubdtype(name, jnp.floating) or name.itemsize < 2:
+    if isinstance(name, str) or not (name == e4m3_cache.DTYPE or (
+            jnp.issubdtype(name, jnp.floating) and name.itemsize >= 2)):
         raise TypeError(f"dtype must be a floating dtype of 16 bits or more (bfloat16, float16, "
-                        f"float32), or {fp8_cache.FP8!r} for the fp8 cache with per-group scales "
+                        f"float32), float8_e4m3fn for the e4m3 cache with one scale, or "
+                        f"{fp8_cache.FP8!r} for the fp8 cache with per-group scales "
                         f"(docs/fp8-cache.md), got {name}")
     return name
 
 
 def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
-             slot_mapping: jax.Array) -> jax.Array:
+             slot_mapping: jax.Array, *, kv_scale: float | None = None) -> jax.Array:
     """Write ``T`` tokens into the paged cache and return the updated cache.
 
     Args:
       kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim] of a floating dtype, where the rows
-        are cast to its dtype, or the fp8 cache (uint8 [num_pages, page_size, row_bytes]), where
-        they are quantised (``fp8_cache.quantize_rows``).
+        are cast to its dtype (for the e4m3 cache, float8_e4m3fn: divided by ``kv_scale`` first,
+        ``e4m3_cache.quantize``), or the fp8 cache (uint8 [num_pages, page_size, row_bytes]),
+        where they are quantised (``fp8_cache.quantize_rows``).
       latent: [T, kv_lora_rank], the normalised latent ``c_kv``.
       k_rope: [T, rope_dim], the rotated RoPE key.
       slot_mapping: int32 [T], ``page * page_size + offset``; negative slots are padding and are
         skipped (so are slots past the cache). No other row of the cache changes. A slot named
         more than once holds, channel by channel, one of the tokens written to it; which one is
         unspecified (docs/bad-values.md).
+      kv_scale: for the e4m3 cache only, and required there: a finite float > 0, the scale its
+        values are stored in (the one ``decode`` is given).
 
     Under ``jax.jit(..., donate_argnums=0)`` the update happens in place: XLA aliases the donated
     cache to the result and copies nothing but the written rows.
     """
     validation.check_write_args(kv_cache, latent, k_rope, slot_mapping)
+    kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
     num_pages, page_size, row_size = kv_cache.shape
     num_slots = num_pages * page_size
     if fp8_cache.is_fp8_cache(kv_cache):
         rows = fp8_cache.quantize_rows(latent, k_rope)
+    elif kv_scale is not None:
+        rows = e4m3_cache.quantize(jnp.concatenate([latent, k_rope], axis=-1), kv_scale)
     else:
         rows = jnp.concatenate([latent, k_rope], axis=-1).astype(kv_cache.dtype)
     # Padding slots point past the end, where mode="drop" discards them.

@@ -142,8 +142,11 @@ def _publish(name: str, function) -> str:
 
 
 @functools.cache
-def fa_entry_points(backend: str, kv_lora_rank: int, rope_dim: int) -> tuple[str, str]:
-    """Global names of the (run, plan) functions of FlashInfer's ``backend`` batch-MLA module.
+def fa_entry_points(backend: str, kv_lora_rank: int, rope_dim: int,
+                    kv_dtype: str = "bfloat16") -> tuple[str, str]:
+    """Global names of the (run, plan) functions of FlashInfer's ``backend`` batch-MLA module for
+    a bf16 query and a cache of ``kv_dtype`` ("bfloat16", or "float8_e4m3fn" for the e4m3
+    cache).
 
     FlashInfer JIT-compiles the module with nvcc on first use and caches it under
     ``~/.cache/flashinfer``.
@@ -154,13 +157,13 @@ def fa_entry_points(backend: str, kv_lora_rank: int, rope_dim: int) -> tuple[str
     from flashinfer.mla._batch_mla._backends._fa_common import get_batch_mla_module
 
     try:
-        module = get_batch_mla_module(backend, torch.bfloat16, torch.bfloat16, torch.bfloat16,
-                                      torch.int32, kv_lora_rank, rope_dim, False)
+        module = get_batch_mla_module(backend, torch.bfloat16, getattr(torch, kv_dtype),
+                                      torch.bfloat16, torch.int32, kv_lora_rank, rope_dim, False)
     except Exception as error:  # nvcc missing, wrong arch, compile failure
         raise RuntimeError(f"building FlashInfer's {backend} MLA module failed (it needs nvcc from the "
                            f"CUDA toolkit and a GPU that supports {backend}): {error}") from error
     raw = getattr(module, "_module", module)  # past FlashInfer's torch staging proxy
-    prefix = f"jax_mla.{backend}.mla_{kv_lora_rank}_{rope_dim}"
+    prefix = f"jax_mla.{backend}.mla_{kv_lora_rank}_{rope_dim}_{kv_dtype}"
     return _publish(f"{prefix}.run", raw.run), _publish(f"{prefix}.plan", raw.plan)
 
 
@@ -207,8 +210,9 @@ def fa_decode(backend: str, query, kv_cache, block_tables, seq_lens, *, softmax_
 
     Args:
       backend: "fa3" or "fa2".
-      query: bf16 [B, q_len, H, D]; kv_cache: bf16 [num_pages, page_size, D]; block_tables: int32
-        [B, max_pages]; seq_lens: int32 [B] (D = kv_lora_rank + rope_dim).
+      query: bf16 [B, q_len, H, D]; kv_cache: bf16 or float8_e4m3fn (the e4m3 cache, its scale
+        already folded into ``softmax_scale`` and the output scale) [num_pages, page_size, D];
+        block_tables: int32 [B, max_pages]; seq_lens: int32 [B] (D = kv_lora_rank + rope_dim).
       plan: the step's schedule, or None to plan inside the call (reads ``seq_lens`` back to the
         host, so the call cannot join a CUDA graph).
     Returns:
@@ -218,7 +222,8 @@ def fa_decode(backend: str, query, kv_cache, block_tables, seq_lens, *, softmax_
     batch, q_len, num_heads, head_dim = query.shape
     rope_dim = head_dim - kv_lora_rank
     max_pages = block_tables.shape[1]
-    run_fn, plan_fn = fa_entry_points(backend, kv_lora_rank, rope_dim)
+    run_fn, plan_fn = fa_entry_points(backend, kv_lora_rank, rope_dim,
+                                      jnp.dtype(kv_cache.dtype).name)
     layout = planning.schedule_layout(sm_count(), q_len, num_heads, kv_lora_rank)
     tokens = batch * q_len
     results = [

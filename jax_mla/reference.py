@@ -2,20 +2,23 @@
 
 Independent of every backend: it takes torch tensors (JAX arrays are shared through DLPack by
 ``reference_from_jax``) and loops over requests the plain way. An fp8 cache (uint8 rows) is read
-with its own torch decoding of the byte layout in docs/fp8-cache.md, not jax_mla.fp8_cache's.
+with its own torch decoding of the byte layout in docs/fp8-cache.md, not jax_mla.fp8_cache's; an
+e4m3 cache (float8_e4m3fn) as its values times ``kv_scale``.
 """
 
 from __future__ import annotations
 
 
 def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
-                         output_scale: float = 1.0, kv_lora_rank: int | None = None):
+                         output_scale: float = 1.0, kv_lora_rank: int | None = None,
+                         kv_scale: float | None = None):
     """MLA decode in float32 torch.
 
     Args:
       query: [B, q_len, H, D]; kv_cache: [num_pages, page_size, D], or an fp8 cache (uint8
-        [num_pages, page_size, row_bytes], docs/fp8-cache.md); block_tables: int [B, max_pages];
-        seq_lens: int [B].
+        [num_pages, page_size, row_bytes], docs/fp8-cache.md), or an e4m3 cache (float8_e4m3fn,
+        read as its values times ``kv_scale``); block_tables: int [B, max_pages]; seq_lens: int
+        [B].
     Returns:
       (out float32 [B, q_len, H, kv_lora_rank], lse float32 [B, q_len, H], natural log).
     """
@@ -34,6 +37,8 @@ def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_sca
         pages = tables[b, :num_pages].to(kv_cache.device)
         rows = kv_cache[pages].reshape(-1, kv_cache.shape[-1])[:seq_len]
         keys = dequantize_fp8(rows, kv_lora_rank) if rows.dtype == torch.uint8 else rows.float()
+        if rows.dtype == torch.float8_e4m3fn:
+            keys = keys * kv_scale
         values = keys[:, :kv_lora_rank]
         logits = torch.einsum("shd,ld->shl", query[b].float(), keys) * softmax_scale
         positions = torch.arange(seq_len, device=query.device)

@@ -11,7 +11,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla import fp8_cache
+from jax_mla import e4m3_cache, fp8_cache
 
 DEFAULT_ROPE_DIM = 64
 SUPPORTED_KV_LORA_RANKS = (512, 256)
@@ -95,10 +95,10 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
     check_floating("query", query)
     check_cache_dtype(kv_cache)
     fp8 = fp8_cache.is_fp8_cache(kv_cache)
-    if not fp8 and query.dtype != kv_cache.dtype:
+    if not (fp8 or e4m3_cache.is_e4m3_cache(kv_cache)) and query.dtype != kv_cache.dtype:
         raise TypeError(
-            f"query and kv_cache must have the same dtype (or kv_cache an fp8 cache, uint8), got "
-            f"query {query.dtype} and kv_cache {kv_cache.dtype}"
+            f"query and kv_cache must have the same dtype (or kv_cache an fp8 cache, uint8, or an "
+            f"e4m3 cache, float8_e4m3fn), got query {query.dtype} and kv_cache {kv_cache.dtype}"
         )
     check_int32("block_tables", block_tables)
     check_int32("seq_lens", seq_lens)

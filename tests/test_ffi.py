@@ -84,7 +84,8 @@ def test_schedule_layout_on_both_sides_of_the_cluster_boundary(num_sm, below, ab
 @pytest.fixture
 def lowering_stubs(monkeypatch):
     """Entry-point names and SM count that a GPU would supply, so lowering runs on any machine."""
-    monkeypatch.setattr(gpu, "fa_entry_points", lambda b, r, p: (f"t.{b}.run", f"t.{b}.plan"))
+    monkeypatch.setattr(gpu, "fa_entry_points",
+                        lambda b, r, p, kv="bfloat16": (f"t.{b}.{kv}.run", f"t.{b}.{kv}.plan"))
     monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "t.trtllm")
     monkeypatch.setattr(gpu, "sm_count", lambda device=None: 132)
     monkeypatch.setattr(gpu, "register_targets", lambda: None)
@@ -119,7 +120,7 @@ def test_fa_lowering_without_a_plan(lowering_stubs):
                           *SHAPES)
     call = attributes(text, "jax_mla_fa_decode_self_plan")
     layout = planning.schedule_layout(132, 2, 128, 512)
-    assert 'run_fn = "t.fa3.run"' in call and 'plan_fn = "t.fa3.plan"' in call
+    assert 'run_fn = "t.fa3.bfloat16.run"' in call and 'plan_fn = "t.fa3.bfloat16.plan"' in call
     assert "causal = true" in call and "q_len = 2" in call and "softmax_scale = 1.350000e-01" in call
     assert "tensor<8x128x576xbf16>" in call  # [B * q_len, H, D]: the flattened token axis
     assert f"tensor<{layout.int_workspace_bytes}xui8>" in call
@@ -133,7 +134,7 @@ def test_fa_lowering_with_a_plan_is_a_pure_device_call(lowering_stubs):
     text = lower_for_cuda(lambda *a: run_backend("fa2", *a, softmax_scale=0.1, output_scale=0.5,
                                                  plan=plan), *SHAPES)
     call = attributes(text, "jax_mla_fa_decode")
-    assert "plan_fn" not in call and 'run_fn = "t.fa2.run"' in call
+    assert "plan_fn" not in call and 'run_fn = "t.fa2.bfloat16.run"' in call
     assert "stablehlo.multiply" in text  # output_scale applied after the kernel
     wrong = planning.Plan(plan.int_workspace, plan.seq_lens, 4, 2, 64, 8, 512, layout)
     with pytest.raises(ValueError, match="plan was built for .*'num_heads': 64"):

@@ -136,9 +136,10 @@ def test_allocate_the_fp8_cache(kv_lora_rank, row_bytes):
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
-    (dict(dtype=jnp.float8_e4m3fn), TypeError,
-     r"dtype must be a floating dtype of 16 bits or more \(bfloat16, float16, float32\), or 'fp8' "
-     r"for the fp8 cache with per-group scales \(docs/fp8-cache.md\), got float8_e4m3fn"),
+    (dict(dtype=jnp.float8_e5m2), TypeError,
+     r"dtype must be a floating dtype of 16 bits or more \(bfloat16, float16, float32\), "
+     r"float8_e4m3fn for the e4m3 cache with one scale, or 'fp8' for the fp8 cache with per-group "
+     r"scales \(docs/fp8-cache.md\), got float8_e5m2"),
     (dict(dtype="float8"), TypeError, r"or 'fp8' for the fp8 cache .*got 'float8'"),
     (dict(dtype=jnp.uint8), TypeError, r"or 'fp8' for the fp8 cache .*got uint8"),
     (dict(dtype="fp8", kv_lora_rank=200), ValueError,
@@ -323,8 +324,9 @@ def test_auto_on_cpu_runs_xla_on_the_fp8_cache():
 def test_flashinfer_backends_refuse_the_fp8_cache(monkeypatch, backend):
     monkeypatch.setattr(backends, "available_backends",
                         lambda platform=None: ["trtllm-gen", "fa3", "fa2", "sm90", "xla"])
-    message = (rf"backend '{backend}' takes bfloat16 caches only, got an fp8 cache "
-               r"\(docs/fp8-cache.md\); backends that take it: \['sm90', 'xla'\]")
+    message = (rf"backend '{backend}' takes caches of the query's dtype( or the e4m3 cache "
+               r"\(float8_e4m3fn\))?, got the fp8 cache \(uint8\) \(docs/fp8-cache.md\); "
+               r"backends that take it: \['sm90', 'xla'\]")
     with pytest.raises(TypeError, match=message):
         backends.resolve(backend, "gpu", jnp.bfloat16, backends.FP8_CACHE)
     query = FP8.query.astype(jnp.bfloat16)
