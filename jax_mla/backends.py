@@ -8,8 +8,8 @@ Every backend's ``decode`` has one signature::
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
 ``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
-on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 cache (for the e4m3 cache:
-fa3 on Hopper, xla elsewhere). sm90 is never that first pick, because what it takes depends on
+on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 and e4m3 caches (fa3 and fa2
+take the e4m3 cache when named: not yet run on hardware). sm90 is never that first pick, because what it takes depends on
 the shape of each device's shard: on Hopper without a plan each device takes sm90 instead of fa3
 or xla where its shard's shape is one sm90 runs and is faster at (``auto_alternative``,
 ``prefers_sm90``).
@@ -64,6 +64,8 @@ class Backend:
         whose shape limits depend on the shard is taken per device instead (``auto_alternative``).
       format_capability: for a cache format that needs more than the backend's GPU, (whether a
         GPU of a compute capability runs the backend on it, those GPUs in words).
+      named_only_formats: cache formats it takes only when named (``backend=``), never as
+        "auto"'s pick: paths not yet run on hardware.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Backend:
     missing: Callable[[], str | None] = lambda: None
     first_pick: bool = True
     format_capability: dict = dataclasses.field(default_factory=dict)
+    named_only_formats: tuple[str, ...] = ()
 
     def takes_dtype(self, dtype) -> bool:
         return not self.dtypes or jnp.dtype(dtype) in self.dtypes
@@ -136,10 +139,10 @@ TABLE: tuple[Backend, ...] = (
             BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_trtllm_decode),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
-            decode=_fa_decode(FA3)),
+            decode=_fa_decode(FA3), named_only_formats=(E4M3_CACHE,)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
             BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
-            decode=_fa_decode(FA2),
+            decode=_fa_decode(FA2), named_only_formats=(E4M3_CACHE,),
             format_capability={E4M3_CACHE: (lambda cc: cc == (9, 0),
                                             "SM90 (FlashInfer's fp8 MLA)")}),
     # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative).
@@ -205,6 +208,7 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     if backend == AUTO:
         return next(name for name in available
                     if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
+                    and cache_format not in BY_NAME[name].named_only_formats
                     and BY_NAME[name].runs_format_on(cache_format, capability))
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "

@@ -214,13 +214,16 @@ def test_fa3_fa2_and_xla_take_the_e4m3_cache():
     assert backends.cache_format_of(DECODE.kv_cache) == backends.E4M3_CACHE
 
 
-@pytest.mark.parametrize("capability,auto", [((9, 0), "fa3"), ((8, 0), "xla"), ((10, 0), "xla")])
-def test_auto_on_the_e4m3_cache(monkeypatch, capability, auto):
-    """fa3 on Hopper; FlashInfer's fp8 MLA needs SM90, so fa2 never takes it elsewhere; and
-    trtllm-gen does not take it (yet)."""
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
+def test_auto_runs_the_e4m3_cache_on_xla(monkeypatch, capability):
+    """fa3 and fa2 take the e4m3 cache when named only, until it has run on hardware; trtllm-gen
+    and sm90 do not take it."""
     monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
     monkeypatch.setattr(gpu, "capability", lambda device=None: capability)
-    assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.E4M3_CACHE) == auto
+    assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.E4M3_CACHE) == "xla"
+    assert backends.resolve("auto", "gpu", jnp.bfloat16) != "xla"
+    assert all(backends.E4M3_CACHE in backends.BY_NAME[name].named_only_formats
+               for name in ("fa3", "fa2"))
 
 
 def test_fa2_takes_the_e4m3_cache_on_sm90_only(monkeypatch):
