@@ -357,22 +357,29 @@ class _ReferencePeer:
         return out
 
 
-def test_flashinfer_path_with_a_stand_in_peer():
-    """FlashInfer's timing, its check against the reference and the bit-for-bit comparison with
-    jax_mla, on the CPU: torch's CPU build with a stand-in for the FlashInfer wrapper."""
-    pytest.importorskip("torch")
+def run_with_a_stand_in_peer(methods: list[str], point) -> dict:
+    """One point's record, measured on the CPU with ``methods`` and the stand-in fa3 peer."""
     from benchmarks.bench import Bench
 
     args = decode.parse_args(["--dry-run"])
-    args.methods, args.fi_backends, args.fi_graph = ["jax_mla", "flashinfer"], ["fa3"], False
+    args.methods, args.fi_backends, args.fi_graph = methods, ["fa3"], False
     bench = Bench(args, _CpuTorch(), args.methods, progress.Progress(1.0, 1, stream=io.StringIO()))
     bench.on_gpu = True  # the guard for a real FlashInfer; the stand-in runs anywhere
     bench.flashinfer.device = "cpu"
     bench.flashinfer.peers["fa3"] = _ReferencePeer()
-    layout = problem.make_layout(grid.Point(B=2, L=64, H=4, q_len=2, page_size=16), 0)
+    layout = problem.make_layout(point, 0)
     record = decode.new_record(layout, args)
     bench.run_point(layout, record)
     assert record["errors"] == {}, record["errors"]
+    return record
+
+
+def test_flashinfer_path_with_a_stand_in_peer():
+    """FlashInfer's timing, its check against the reference and the bit-for-bit comparison with
+    jax_mla, on the CPU: torch's CPU build with a stand-in for the FlashInfer wrapper."""
+    pytest.importorskip("torch")
+    record = run_with_a_stand_in_peer(["jax_mla", "flashinfer"],
+                                      grid.Point(B=2, L=64, H=4, q_len=2, page_size=16))
     assert record["methods_done"] == ["jax_mla", "flashinfer"]
     assert record["flashinfer_torch_backend"] == "fa3"
     assert record["flashinfer_torch_us"] == record["flashinfer_fa3_us"] > 0
@@ -386,18 +393,9 @@ def test_flashinfer_fp8_path_with_a_stand_in_peer():
     compared with the bf16 cache's reference, and timed; and sm90's fp8 table reading the record."""
     pytest.importorskip("torch")
     from benchmarks import sm90_table
-    from benchmarks.bench import Bench
 
-    args = decode.parse_args(["--dry-run"])
-    args.methods, args.fi_backends, args.fi_graph = ["flashinfer_fp8"], ["fa3"], False
-    bench = Bench(args, _CpuTorch(), args.methods, progress.Progress(1.0, 1, stream=io.StringIO()))
-    bench.on_gpu = True
-    bench.flashinfer.device = "cpu"
-    bench.flashinfer.peers["fa3"] = _ReferencePeer()
-    layout = problem.make_layout(grid.Point(B=3, L=96, H=4, q_len=1, page_size=16), 0)
-    record = decode.new_record(layout, args)
-    bench.run_point(layout, record)
-    assert record["errors"] == {}, record["errors"]
+    record = run_with_a_stand_in_peer(["flashinfer_fp8"],
+                                      grid.Point(B=3, L=96, H=4, q_len=1, page_size=16))
     assert record["methods_done"] == ["flashinfer_fp8"]
     for name in ("flashinfer_fa3_fp8_group", "flashinfer_fa3_fp8_tensor"):
         # e4m3 keys and values move the output by a few percent of its norm, not more, not less.
