@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_mla.fp8_cache import E4M3_MAX
+
 E4M3 = "e4m3"  # the cache format's name in jax_mla.backends
 DTYPE = jnp.dtype(jnp.float8_e4m3fn)
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def is_e4m3_cache(kv_cache) -> bool:
