@@ -14,6 +14,8 @@
 //                           is XLA FFI state (type JaxMlaPlanStaging, made by
 //                           JaxMlaFaDecodeSelfPlanInstantiate).
 //   JaxMlaTrtllmDecode      trtllm-gen (SM100/SM103); CUDA-graph safe.
+//   JaxMlaTrtllmDecodeFp8   the same on the e4m3 cache with an e4m3 query, whose softmax scale
+//                           comes from the device (it holds the query's quantisation scale).
 
 #include <cuda_runtime.h>
 
@@ -31,6 +33,7 @@
 #include "plan_info.h"
 #include "tvm/ffi/container/array.h"
 #include "tvm/ffi/container/tuple.h"
+#include "tvm/ffi/container/variant.h"
 
 namespace jax_mla {
 namespace {
@@ -223,17 +226,28 @@ ffi::Error FaDecodeSelfPlanImpl(cudaStream_t stream, int32_t device, ffi::AnyBuf
                *float_workspace, run_fn, kv_lora_rank, causal, softmax_scale, plan_info);
 }
 
-// trtllm-gen MLA decode (FlashInfer's trtllm_paged_attention_decode), bf16 in and out.
+// A device buffer lent to a callee that takes an owning tvm::ffi::Tensor: the Tensor frees nothing.
+struct BorrowedData {
+  void* data;
+  void AllocData(DLTensor* tensor) { tensor->data = data; }
+  void FreeData(DLTensor*) {}
+};
+
+// trtllm-gen's softmax scale: a number, or a device float32 [1] holding it times log2(e).
+using Bmm1Scale = tvm::ffi::Variant<double, tvm::ffi::Tensor>;
+
+// trtllm-gen MLA decode (FlashInfer's trtllm_paged_attention_decode), bf16 out; query and cache
+// both bf16, or both e4m3.
 //   query [B, q_len, H, D]; kv_cache [P, page_size, D]; block_tables [B, max_pages]; seq_lens [B];
 //   counter: multi-CTA counter buffer, zeroed once by jax_mla (the kernel leaves it zeroed).
 //   out [B, q_len, H, kv_lora_rank]; lse f32 [B, q_len, H]; workspace: scratch.
-ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer query,
-                            ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
-                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::U8> counter,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, std::string_view decode_fn,
-                            int64_t kv_lora_rank, int64_t max_seq_len, double softmax_scale,
-                            double output_scale, int64_t sm_count, bool enable_pdl) {
+ffi::Error RunTrtllm(cudaStream_t stream, int32_t device, ffi::AnyBuffer query,
+                     ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
+                     ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::U8> counter,
+                     ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                     ffi::Result<ffi::Buffer<ffi::U8>> workspace, std::string_view decode_fn,
+                     int64_t kv_lora_rank, int64_t max_seq_len, const Bmm1Scale& bmm1_scale,
+                     double output_scale, int64_t sm_count, bool enable_pdl) {
   auto q_dims = query.dimensions();
   auto kv_dims = kv_cache.dimensions();
   if (q_dims.size() != 4 || kv_dims.size() != 3) {
@@ -262,7 +276,7 @@ ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
   EnvStreamScope scope(device, stream);
   return Guarded(decode_fn, [&] {
     (*fn)(&o, /*out_scale_factor=*/nullptr, &q_flat, &kv4, &kv4, &ws, &counter_view, &tables, &lens,
-          /*max_q_len=*/q_len, /*max_kv_len=*/max_seq_len, /*bmm1_scale=*/softmax_scale,
+          /*max_q_len=*/q_len, /*max_kv_len=*/max_seq_len, bmm1_scale,
           /*bmm2_scale=*/output_scale, /*o_sf_scale=*/-1.0, /*o_sf_vec_size=*/int64_t{-1},
           /*o_sf_start_index=*/int64_t{0}, batch, /*window_left=*/int64_t{-1},
           /*sparse_mla_top_k=*/int64_t{0}, sm_count, enable_pdl,
@@ -274,6 +288,45 @@ ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
           /*enable_block_sparse_attention=*/false, /*sparse_mla_top_k_lens=*/nullptr,
           /*bf16q_fp8kv_transform_mode=*/int64_t{0}, /*use_fp16_softmax=*/nullptr);
   });
+}
+
+ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer query,
+                            ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
+                            ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::U8> counter,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                            ffi::Result<ffi::Buffer<ffi::U8>> workspace, std::string_view decode_fn,
+                            int64_t kv_lora_rank, int64_t max_seq_len, double softmax_scale,
+                            double output_scale, int64_t sm_count, bool enable_pdl) {
+  return RunTrtllm(stream, device, query, kv_cache, block_tables, seq_lens, counter, out, lse,
+                   workspace, decode_fn, kv_lora_rank, max_seq_len, Bmm1Scale(softmax_scale),
+                   output_scale, sm_count, enable_pdl);
+}
+
+// The e4m3 cache: query e4m3 too; softmax_scale_log2 f32 [1] on the device holds the softmax scale
+// (the query's and the cache's scales included) times log2(e).
+ffi::Error TrtllmDecodeFp8Impl(cudaStream_t stream, int32_t device, ffi::AnyBuffer query,
+                               ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
+                               ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::U8> counter,
+                               ffi::Buffer<ffi::F32> softmax_scale_log2,
+                               ffi::Result<ffi::AnyBuffer> out,
+                               ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                               ffi::Result<ffi::Buffer<ffi::U8>> workspace,
+                               std::string_view decode_fn, int64_t kv_lora_rank,
+                               int64_t max_seq_len, double output_scale, int64_t sm_count,
+                               bool enable_pdl) {
+  if (query.element_type() != ffi::DataType::F8E4M3FN ||
+      kv_cache.element_type() != ffi::DataType::F8E4M3FN ||
+      softmax_scale_log2.element_count() != 1) {
+    return InvalidArgument("trtllm-gen fp8 decode expects an e4m3 query and cache and one float32 "
+                           "softmax scale");
+  }
+  const int64_t one = 1;
+  tvm::ffi::Tensor scale = tvm::ffi::Tensor::FromNDAlloc(
+      BorrowedData{softmax_scale_log2.untyped_data()}, tvm::ffi::ShapeView(&one, 1), kFloat32,
+      DLDevice{kDLCUDA, device});
+  return RunTrtllm(stream, device, query, kv_cache, block_tables, seq_lens, counter, out, lse,
+                   workspace, decode_fn, kv_lora_rank, max_seq_len, Bmm1Scale(scale),
+                   output_scale, sm_count, enable_pdl);
 }
 
 // What every decode handler binds first: the stream and device, then the query (fa: [N, H, D];
@@ -343,6 +396,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecode, jax_mla::TrtllmDecodeImpl,
                                   .Attr<int64_t>("kv_lora_rank")
                                   .Attr<int64_t>("max_seq_len")
                                   .Attr<double>("softmax_scale")
+                                  .Attr<double>("output_scale")
+                                  .Attr<int64_t>("sm_count")
+                                  .Attr<bool>("enable_pdl"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecodeFp8, jax_mla::TrtllmDecodeFp8Impl,
+                              jax_mla::PagedDecodeBinding()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
+                                  .Arg<ffi::Buffer<ffi::U8>>()    // multi-CTA counter
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // softmax scale * log2(e), [1]
+                                  .Ret<ffi::AnyBuffer>()          // out
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
+                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
+                                  .Attr<std::string_view>("decode_fn")
+                                  .Attr<int64_t>("kv_lora_rank")
+                                  .Attr<int64_t>("max_seq_len")
                                   .Attr<double>("output_scale")
                                   .Attr<int64_t>("sm_count")
                                   .Attr<bool>("enable_pdl"),

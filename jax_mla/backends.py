@@ -8,8 +8,8 @@ Every backend's ``decode`` has one signature::
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
 ``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
-on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 and e4m3 caches (fa3 and fa2
-take the e4m3 cache when named: not yet run on hardware). sm90 is never that first pick, because
+on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 and e4m3 caches (trtllm-gen,
+fa3 and fa2 take the e4m3 cache when named: not yet run on hardware). sm90 is never that first pick, because
 what it takes depends on the shape of each device's shard: on Hopper without a plan each device
 takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs and is faster at
 (``auto_alternative``, ``prefers_sm90``).
@@ -131,12 +131,12 @@ def _sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, outp
 
 
 BF16 = (jnp.dtype(jnp.bfloat16),)
-FLOAT_ONLY = (FLOAT_CACHE,)
 FLOAT_OR_E4M3 = (FLOAT_CACHE, E4M3_CACHE)
 
 TABLE: tuple[Backend, ...] = (
     Backend(TRTLLM_GEN, "SM100/SM103 (B200, GB200, B300)", lambda cc: cc in ((10, 0), (10, 3)),
-            BF16, FLOAT_ONLY, takes_plan=False, applies_output_scale=True, decode=_trtllm_decode),
+            BF16, FLOAT_OR_E4M3, takes_plan=False, applies_output_scale=True,
+            decode=_trtllm_decode, named_only_formats=(E4M3_CACHE,)),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
             decode=_fa_decode(FA3), named_only_formats=(E4M3_CACHE,)),

@@ -47,8 +47,9 @@ def check_kv_scale(kv_cache, kv_scale) -> float | None:
     return kv_scale
 
 
-def quantize(rows: jax.Array, kv_scale: float) -> jax.Array:
-    """float8_e4m3fn [..., D] of float rows [..., D]: ``rows / kv_scale`` in float32, clipped to
-    [-448, 448] and rounded to the nearest e4m3 (ties to even)."""
+def quantize(rows: jax.Array, kv_scale) -> jax.Array:
+    """float8_e4m3fn [..., D] of float rows [..., D]: ``rows / kv_scale`` (a float, or a float32
+    scalar array) in float32, clipped to [-448, 448] and rounded to the nearest e4m3 (ties to
+    even)."""
     scaled = rows.astype(jnp.float32) / jnp.float32(kv_scale)
     return jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(DTYPE)

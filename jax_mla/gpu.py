@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import importlib.metadata
 import importlib.util
 import os
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla import fp8_cache, planning
+from jax_mla import e4m3_cache, fp8_cache, planning
 
 LIBRARY_NAME = "libjax_mla_ffi.so"
 # XLA custom-call target name -> exported handler symbol of each stage.
@@ -29,6 +30,7 @@ TARGETS = {
     "jax_mla_fa_decode_self_plan": {"instantiate": "JaxMlaFaDecodeSelfPlanInstantiate",
                                     "execute": "JaxMlaFaDecodeSelfPlan"},
     "jax_mla_trtllm_decode": {"execute": "JaxMlaTrtllmDecode"},
+    "jax_mla_trtllm_decode_fp8": {"execute": "JaxMlaTrtllmDecodeFp8"},
     "jax_mla_device_plan": {"execute": "JaxMlaDevicePlan"},
     "jax_mla_sm90_schedule": {"execute": "JaxMlaSm90Schedule"},
     "jax_mla_sm90_decode": {"execute": "JaxMlaSm90Decode"},
@@ -269,7 +271,9 @@ def trtllm_counter_bytes(batch: int, num_heads: int, num_sms: int) -> int:
 
 def trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
                   output_scale: float, kv_lora_rank: int):
-    """FlashInfer's trtllm-gen kernel (SM100/SM103); shapes as in ``fa_decode``.
+    """FlashInfer's trtllm-gen kernel (SM100/SM103); shapes as in ``fa_decode``. On the e4m3 cache
+    (its scale already folded into ``softmax_scale`` and ``output_scale``) the query goes in as
+    e4m3 too (``e4m3_query``), as trtllm-gen's fp8 MLA takes it.
 
     Returns out bf16 [B, q_len, H, kv_lora_rank] (scaled by ``output_scale``) and lse float32
     [B, q_len, H].
@@ -285,13 +289,29 @@ def trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: flo
         jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),
         jax.ShapeDtypeStruct((TRTLLM_WORKSPACE_BYTES,), jnp.uint8),
     )
-    out, lse, _ = jax.ffi.ffi_call("jax_mla_trtllm_decode", results)(
-        query, kv_cache, block_tables, seq_lens, counter,
-        decode_fn=trtllm_entry_point(), kv_lora_rank=np.int64(kv_lora_rank),
-        max_seq_len=np.int64(block_tables.shape[1] * kv_cache.shape[1]),
-        softmax_scale=np.float64(softmax_scale), output_scale=np.float64(output_scale),
-        sm_count=np.int64(num_sms), enable_pdl=True)
+    attrs = dict(decode_fn=trtllm_entry_point(), kv_lora_rank=np.int64(kv_lora_rank),
+                 max_seq_len=np.int64(block_tables.shape[1] * kv_cache.shape[1]),
+                 output_scale=np.float64(output_scale), sm_count=np.int64(num_sms),
+                 enable_pdl=True)
+    if e4m3_cache.is_e4m3_cache(kv_cache):
+        query, softmax_scale_log2 = e4m3_query(query, softmax_scale)
+        out, lse, _ = jax.ffi.ffi_call("jax_mla_trtllm_decode_fp8", results)(
+            query, kv_cache, block_tables, seq_lens, counter, softmax_scale_log2, **attrs)
+    else:
+        out, lse, _ = jax.ffi.ffi_call("jax_mla_trtllm_decode", results)(
+            query, kv_cache, block_tables, seq_lens, counter,
+            softmax_scale=np.float64(softmax_scale), **attrs)
     return out, lse
+
+
+def e4m3_query(query, softmax_scale: float):
+    """(the query as float8_e4m3fn over one scale, max |query| / 448 computed on the device (1 for
+    an all-zero query), and trtllm-gen's softmax scale for it: ``softmax_scale`` times that scale
+    times log2(e), float32 [1]). query: float [B, q_len, H, D]."""
+    amax = jnp.max(jnp.abs(query.astype(jnp.float32)))
+    scale = jnp.where(amax > 0, amax / e4m3_cache.E4M3_MAX, jnp.float32(1.0))
+    values = e4m3_cache.quantize(query, scale)
+    return values, (scale * np.float32(softmax_scale * math.log2(math.e))).reshape(1)
 
 
 def device_plan_call(seq_lens, *, q_len: int, num_heads: int, max_pages: int, num_sms: int,

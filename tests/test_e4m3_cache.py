@@ -208,22 +208,22 @@ def test_decode_checks_the_scale(overrides, error, message):
 
 # ---- backends ---------------------------------------------------------------------------------------
 
-def test_fa3_fa2_and_xla_take_the_e4m3_cache():
+def test_trtllm_gen_fa3_fa2_and_xla_take_the_e4m3_cache():
     assert [b.name for b in backends.TABLE if backends.E4M3_CACHE in b.cache_formats] == [
-        "fa3", "fa2", "xla"]
+        "trtllm-gen", "fa3", "fa2", "xla"]
     assert backends.cache_format_of(DECODE.kv_cache) == backends.E4M3_CACHE
 
 
 @pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
 def test_auto_runs_the_e4m3_cache_on_xla(monkeypatch, capability):
-    """fa3 and fa2 take the e4m3 cache when named only, until it has run on hardware; trtllm-gen
-    and sm90 do not take it."""
+    """trtllm-gen, fa3 and fa2 take the e4m3 cache when named only, until it has run on hardware;
+    sm90 does not take it."""
     monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
     monkeypatch.setattr(gpu, "capability", lambda device=None: capability)
     assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.E4M3_CACHE) == "xla"
     assert backends.resolve("auto", "gpu", jnp.bfloat16) != "xla"
     assert all(backends.E4M3_CACHE in backends.BY_NAME[name].named_only_formats
-               for name in ("fa3", "fa2"))
+               for name in ("trtllm-gen", "fa3", "fa2"))
 
 
 def test_fa2_takes_the_e4m3_cache_on_sm90_only(monkeypatch):
@@ -237,16 +237,15 @@ def test_fa2_takes_the_e4m3_cache_on_sm90_only(monkeypatch):
     assert backends.resolve("fa2", "gpu", jnp.bfloat16, backends.E4M3_CACHE) == "fa2"
 
 
-@pytest.mark.parametrize("backend", ["trtllm-gen", "sm90"])
-def test_trtllm_gen_and_sm90_refuse_the_e4m3_cache(monkeypatch, backend):
+def test_sm90_refuses_the_e4m3_cache(monkeypatch):
     monkeypatch.setattr(backends, "available_backends",
                         lambda platform=None: ["trtllm-gen", "fa3", "fa2", "sm90", "xla"])
     monkeypatch.setattr(gpu, "runtime_missing", lambda: "no GPU here")
-    message = (rf"backend '{backend}' takes caches of the query's dtype.* got the e4m3 cache "
-               r"\(float8_e4m3fn\) \(docs/fp8-cache.md\); backends that take it: "
-               r"\['fa3', 'fa2', 'xla'\]")
+    message = (r"backend 'sm90' takes caches of the query's dtype or the fp8 cache \(uint8\), got "
+               r"the e4m3 cache \(float8_e4m3fn\) \(docs/fp8-cache.md\); backends that take it: "
+               r"\['trtllm-gen', 'fa3', 'fa2', 'xla'\]")
     with pytest.raises(TypeError, match=message):
-        backends.resolve(backend, "gpu", jnp.bfloat16, backends.E4M3_CACHE)
+        backends.resolve("sm90", "gpu", jnp.bfloat16, backends.E4M3_CACHE)
 
 
 def test_fa_lowering_runs_the_fp8_module_with_the_scale_folded_in(monkeypatch):
@@ -271,6 +270,48 @@ def test_fa_lowering_runs_the_fp8_module_with_the_scale_folded_in(monkeypatch):
     assert "softmax_scale = 3.125000e-02" in call and "tensor<64x64x576xf8E4M3FN>" in call
     assert "stablehlo.convert" not in text.split("@jax_mla_fa_decode_self_plan")[0]
     assert "5.000000e-01" in text  # output_scale * kv_scale, multiplied after the kernel
+
+
+def test_trtllm_gen_lowering_quantises_the_query_with_its_scale_on_the_device(monkeypatch):
+    """trtllm-gen's fp8 MLA takes an e4m3 query: the program quantises it by max |query| / 448 and
+    hands the kernel that scale times softmax_scale * kv_scale * log2(e) as a device float; the
+    output scale (times kv_scale) stays an attribute."""
+    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "t.trtllm")
+    monkeypatch.setattr(gpu, "sm_count", lambda device=None: 148)
+    monkeypatch.setattr(gpu, "register_targets", lambda: None)
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
+    monkeypatch.setattr(gpu, "capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(backends, "platform_of", lambda *arrays: "gpu")
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["trtllm-gen", "xla"])
+    shapes = (jax.ShapeDtypeStruct((4, 2, 16, 576), jnp.bfloat16),
+              jax.ShapeDtypeStruct((64, 64, 576), jnp.float8_e4m3fn),
+              jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
+    decode = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=0.125, output_scale=2.0,
+                                               kv_scale=0.25, backend="trtllm-gen"))
+    text = decode.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "@jax_mla_trtllm_decode_fp8(" in line)
+    assert "tensor<4x2x16x576xf8E4M3FN>" in call and "tensor<64x64x576xf8E4M3FN>" in call
+    assert "tensor<1xf32>" in call and "softmax_scale" not in call
+    assert "output_scale = 5.000000e-01" in call and 'decode_fn = "t.trtllm"' in call
+    assert "tensor<4x2x16x512xbf16>" in call and "@jax_mla_trtllm_decode(" not in text
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e3])
+def test_the_e4m3_query_and_its_scale(magnitude):
+    rng = np.random.default_rng(8)
+    query = jnp.asarray(rng.standard_normal((2, 1, 4, 576)) * magnitude, jnp.bfloat16)
+    values, scale_log2 = jax.jit(gpu.e4m3_query, static_argnums=1)(query, 0.1)
+    scale = float(jnp.max(jnp.abs(query.astype(jnp.float32)))) / 448
+    assert values.dtype == jnp.float8_e4m3fn and scale_log2.shape == (1,)
+    assert float(scale_log2[0]) == pytest.approx(0.1 * scale * np.log2(np.e), rel=1e-6)
+    read_back = np.asarray(values, np.float32) * scale
+    exact = np.asarray(query, np.float32)
+    normal = np.abs(exact) >= 2.0**-6 * scale
+    assert float(np.abs(read_back).max()) == pytest.approx(float(np.abs(exact).max()), rel=1e-6)
+    assert (np.abs(read_back - exact) <= ROUND_TRIP_ERROR * np.abs(exact))[normal].all()
+    zeros, zero_scale = gpu.e4m3_query(jnp.zeros((1, 1, 1, 576), jnp.bfloat16), 0.1)
+    assert not np.asarray(zeros, np.float32).any()
+    assert float(zero_scale[0]) == pytest.approx(0.1 * np.log2(np.e))
 
 
 # ---- decode on fa3 and fa2 (SM90) -------------------------------------------------------------------

@@ -282,3 +282,33 @@ def test_trtllm_gen_marshalling_through_a_test_double(monkeypatch, trtllm_double
     assert record["scalars"] == (f"2 {max_pages * 64} 0.135 0.5 -1 -1 0 3 -1 0 {sm_count} 1 "
                                  "134217728 0.693147 128 1 0 0")
     assert record["absent"] == "11111111" and record["shared_paged_kv_idx"] == "1"
+
+
+def test_trtllm_gen_fp8_marshalling_through_a_test_double(monkeypatch, trtllm_double):
+    """The e4m3 cache on trtllm-gen, through the same stand-in: the query arrives in e4m3 (out holds
+    its first 512 channels as bf16, exactly), the softmax scale as a device float holding
+    softmax_scale * kv_scale * max |query| / 448 * log2(e), the output scale times kv_scale as a
+    number. The real kernel needs SM100/SM103: this path is not verified on hardware here."""
+    from jax_mla import e4m3_cache
+
+    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "jax_mla.test.trtllm_double")
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["trtllm-gen", "fa3", "fa2", "xla"])
+    problem = make_problem(17, batch=3, q_len=1, num_heads=16, page_size=64, max_len=500,
+                           dtype=jnp.bfloat16)
+    kv_scale = 0.01
+    cache = e4m3_cache.quantize(jnp.nan_to_num(problem.kv_cache), kv_scale)
+    out = jax.jit(lambda q, c, t, l: jax_mla.decode(
+        q, c, t, l, softmax_scale=0.135, output_scale=0.5, kv_scale=kv_scale,
+        backend="trtllm-gen"))(problem.query, cache, problem.block_tables, problem.seq_lens)
+    values, softmax_scale_log2 = gpu.e4m3_query(problem.query, 0.135 * kv_scale)
+    np.testing.assert_array_equal(np.asarray(out),
+                                  np.asarray(values[..., :512].astype(jnp.bfloat16)))
+    record = dict(line.split(" ", 1) for line in str(trtllm_double()).strip().splitlines())
+    assert record["query"].startswith("shape 3 16 576 strides 9216 576 1 dtype ")
+    assert record["query"].endswith(":8") and record["key_cache"].endswith(":8")
+    assert record["out"] == "shape 3 16 512 strides 8192 512 1 dtype 4:16"
+    scalars = record["scalars"].split()
+    assert float(scalars[2]) == pytest.approx(float(softmax_scale_log2[0]), rel=1e-5)
+    assert float(scalars[3]) == pytest.approx(0.5 * kv_scale)
+    assert record["bmm1_on_device"] == "1"

@@ -4,7 +4,10 @@
 // Registered as the TVM-FFI global "jax_mla.test.trtllm_double" when the library loads. It records
 // what it receives (readable as text through "jax_mla.test.trtllm_double_record") and writes
 // outputs that prove the views alias the right memory, on the stream TVM-FFI reports:
-//   out[t, h, :] = query[t, h, :kv_lora_rank]        lse[t, h] = seq_lens[t / max_q_len] + h
+//   out[t, h, :] = query[t, h, :kv_lora_rank] (an e4m3 query converted to bf16, exactly)
+//   lse[t, h] = seq_lens[t / max_q_len] + h
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <sstream>
@@ -36,6 +39,13 @@ __global__ void FillLse(float* lse, const int* seq_lens, int q_len, int heads, i
   lse[t * stride_tokens + h * stride_heads] = static_cast<float>(seq_lens[t / q_len] + h);
 }
 
+__global__ void E4m3RowsToBf16(__nv_bfloat16* out, const __nv_fp8_e4m3* query, int rows, int rank,
+                               int dim) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows * rank) return;
+  out[i] = __float2bfloat16(static_cast<float>(query[(i / rank) * dim + i % rank]));
+}
+
 void Describe(std::ostringstream& os, const char* name, const TensorView& t) {
   os << name << " shape";
   for (int i = 0; i < t.ndim(); ++i) os << ' ' << t.size(i);
@@ -44,7 +54,16 @@ void Describe(std::ostringstream& os, const char* name, const TensorView& t) {
   os << " dtype " << int(t.dtype().code) << ':' << int(t.dtype().bits) << '\n';
 }
 
-double Scalar(const Variant<double, Tensor>& v) { return v.as<double>().value_or(-1.0); }
+// A scale given as a number, or as a device float32 [1] (read back here; -1 for anything else).
+double Scalar(const Variant<double, Tensor>& v, cudaStream_t stream) {
+  if (auto value = v.as<double>()) return *value;
+  auto tensor = v.as<Tensor>();
+  if (!tensor || tensor->numel() != 1 || tensor->dtype().bits != 32) return -1.0;
+  float host = 0;
+  cudaMemcpyAsync(&host, tensor->data_ptr(), sizeof(float), cudaMemcpyDeviceToHost, stream);
+  cudaStreamSynchronize(stream);
+  return host;
+}
 
 void TrtllmDouble(TensorView out, Optional<TensorView> out_scale_factor, TensorView query,
                   TensorView key_cache, TensorView value_cache, TensorView workspace,
@@ -81,8 +100,8 @@ void TrtllmDouble(TensorView out, Optional<TensorView> out_scale_factor, TensorV
   if (lse.has_value()) Describe(os, "lse", lse.value());
   os << "same_kv " << (key_cache.data_ptr() == value_cache.data_ptr()) << '\n'
      << "counter_zero " << counter_zero << '\n'
-     << "scalars " << max_q_len << ' ' << max_kv_len << ' ' << Scalar(bmm1_scale) << ' '
-     << Scalar(bmm2_scale) << ' ' << o_sf_scale << ' ' << o_sf_vec_size << ' ' << o_sf_start_index
+     << "scalars " << max_q_len << ' ' << max_kv_len << ' ' << Scalar(bmm1_scale, stream) << ' '
+     << Scalar(bmm2_scale, stream) << ' ' << o_sf_scale << ' ' << o_sf_vec_size << ' ' << o_sf_start_index
      << ' ' << batch_size << ' ' << window_left << ' ' << sparse_mla_top_k << ' ' << sm_count
      << ' ' << enable_pdl << ' ' << workspace_size << ' ' << lse_scale << ' ' << lse_stride_tokens
      << ' ' << lse_stride_heads << ' ' << enable_block_sparse_attention << ' '
@@ -91,12 +110,21 @@ void TrtllmDouble(TensorView out, Optional<TensorView> out_scale_factor, TensorV
      << !cum_seq_lens_q.has_value() << !key_block_scales.has_value()
      << !value_block_scales.has_value() << !skip_softmax_threshold_scale_factor.has_value()
      << !sparse_mla_top_k_lens.has_value() << !use_fp16_softmax.has_value() << '\n'
-     << "shared_paged_kv_idx " << uses_shared_paged_kv_idx.value_or(false) << '\n';
+     << "shared_paged_kv_idx " << uses_shared_paged_kv_idx.value_or(false) << '\n'
+     << "bmm1_on_device " << bmm1_scale.as<Tensor>().has_value() << '\n';
   g_record = os.str();
 
   const int64_t tokens = query.size(0), heads = query.size(1), rank = out.size(2);
-  cudaMemcpy2DAsync(out.data_ptr(), rank * 2, query.data_ptr(), query.size(2) * 2, rank * 2,
-                    tokens * heads, cudaMemcpyDeviceToDevice, stream);
+  if (query.dtype().bits == 8) {
+    const int total = static_cast<int>(tokens * heads * rank);
+    E4m3RowsToBf16<<<(total + 255) / 256, 256, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(out.data_ptr()),
+        static_cast<const __nv_fp8_e4m3*>(query.data_ptr()), static_cast<int>(tokens * heads),
+        static_cast<int>(rank), static_cast<int>(query.size(2)));
+  } else {
+    cudaMemcpy2DAsync(out.data_ptr(), rank * 2, query.data_ptr(), query.size(2) * 2, rank * 2,
+                      tokens * heads, cudaMemcpyDeviceToDevice, stream);
+  }
   if (lse.has_value()) {
     int total = static_cast<int>(tokens * heads);
     FillLse<<<(total + 255) / 256, 256, 0, stream>>>(
