@@ -26,6 +26,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -295,8 +296,8 @@ ffi::Error TrtllmDecodeImpl(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::U8> counter,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                             ffi::Result<ffi::Buffer<ffi::U8>> workspace, std::string_view decode_fn,
-                            int64_t kv_lora_rank, int64_t max_seq_len, double softmax_scale,
-                            double output_scale, int64_t sm_count, bool enable_pdl) {
+                            int64_t kv_lora_rank, int64_t max_seq_len, double output_scale,
+                            int64_t sm_count, bool enable_pdl, double softmax_scale) {
   return RunTrtllm(stream, device, query, kv_cache, block_tables, seq_lens, counter, out, lse,
                    workspace, decode_fn, kv_lora_rank, max_seq_len, Bmm1Scale(softmax_scale),
                    output_scale, sm_count, enable_pdl);
@@ -338,6 +339,26 @@ auto PagedDecodeBinding() {
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// trtllm-gen's operands after those: seq_lens and the multi-CTA counter.
+auto TrtllmOperands() {
+  return PagedDecodeBinding().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::U8>>();
+}
+
+// trtllm-gen's results (out, lse, workspace) and the attributes both of its handlers take.
+template <typename Binding>
+auto TrtllmResultsAndAttributes(Binding operands) {
+  return std::move(operands)
+      .template Ret<ffi::AnyBuffer>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::U8>>()
+      .template Attr<std::string_view>("decode_fn")
+      .template Attr<int64_t>("kv_lora_rank")
+      .template Attr<int64_t>("max_seq_len")
+      .template Attr<double>("output_scale")
+      .template Attr<int64_t>("sm_count")
+      .template Attr<bool>("enable_pdl");
 }
 
 }  // namespace
@@ -386,33 +407,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaFaDecodeSelfPlan, jax_mla::FaDecodeSelfPlanI
                                   .Attr<ffi::Span<const int64_t>>("plan_info"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecode, jax_mla::TrtllmDecodeImpl,
-                              jax_mla::PagedDecodeBinding()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // multi-CTA counter
-                                  .Ret<ffi::AnyBuffer>()          // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
-                                  .Attr<std::string_view>("decode_fn")
-                                  .Attr<int64_t>("kv_lora_rank")
-                                  .Attr<int64_t>("max_seq_len")
-                                  .Attr<double>("softmax_scale")
-                                  .Attr<double>("output_scale")
-                                  .Attr<int64_t>("sm_count")
-                                  .Attr<bool>("enable_pdl"),
+                              jax_mla::TrtllmResultsAndAttributes(jax_mla::TrtllmOperands())
+                                  .Attr<double>("softmax_scale"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaTrtllmDecodeFp8, jax_mla::TrtllmDecodeFp8Impl,
-                              jax_mla::PagedDecodeBinding()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // seq_lens
-                                  .Arg<ffi::Buffer<ffi::U8>>()    // multi-CTA counter
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // softmax scale * log2(e), [1]
-                                  .Ret<ffi::AnyBuffer>()          // out
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse
-                                  .Ret<ffi::Buffer<ffi::U8>>()    // workspace
-                                  .Attr<std::string_view>("decode_fn")
-                                  .Attr<int64_t>("kv_lora_rank")
-                                  .Attr<int64_t>("max_seq_len")
-                                  .Attr<double>("output_scale")
-                                  .Attr<int64_t>("sm_count")
-                                  .Attr<bool>("enable_pdl"),
+                              jax_mla::TrtllmResultsAndAttributes(
+                                  jax_mla::TrtllmOperands()
+                                      .Arg<ffi::Buffer<ffi::F32>>()),  // softmax scale * log2(e)
                               {ffi::Traits::kCmdBufferCompatible});

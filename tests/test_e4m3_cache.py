@@ -248,23 +248,30 @@ def test_sm90_refuses_the_e4m3_cache(monkeypatch):
         backends.resolve("sm90", "gpu", jnp.bfloat16, backends.E4M3_CACHE)
 
 
-def test_fa_lowering_runs_the_fp8_module_with_the_scale_folded_in(monkeypatch):
-    """The e4m3 cache reaches FlashInfer's fp8 module as it is (no conversion in the program), with
-    softmax_scale * kv_scale as the kernel's scale and output_scale * kv_scale applied after it."""
+def lower_on_a_stand_in_gpu(monkeypatch, backend: str, capability, q_len: int, **kwargs) -> str:
+    """StableHLO text of a decode on the e4m3 cache through ``backend``, lowered for CUDA on any
+    machine: the entry points, SM count and GPU that a real one would supply are stood in."""
     monkeypatch.setattr(gpu, "fa_entry_points",
                         lambda b, r, p, kv="bfloat16": (f"t.{b}.{kv}.run", f"t.{b}.{kv}.plan"))
+    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "t.trtllm")
     monkeypatch.setattr(gpu, "sm_count", lambda device=None: 132)
     monkeypatch.setattr(gpu, "register_targets", lambda: None)
     monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
-    monkeypatch.setattr(gpu, "capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(gpu, "capability", lambda device=None: capability)
     monkeypatch.setattr(backends, "platform_of", lambda *arrays: "gpu")
-    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["fa3", "xla"])
-    shapes = (jax.ShapeDtypeStruct((4, 1, 16, 576), jnp.bfloat16),
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: [backend, "xla"])
+    shapes = (jax.ShapeDtypeStruct((4, q_len, 16, 576), jnp.bfloat16),
               jax.ShapeDtypeStruct((64, 64, 576), jnp.float8_e4m3fn),
               jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
     decode = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=0.125, output_scale=2.0,
-                                               kv_scale=0.25, backend="fa3", fail_closed=False))
-    text = decode.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+                                               kv_scale=0.25, backend=backend, **kwargs))
+    return decode.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_fa_lowering_runs_the_fp8_module_with_the_scale_folded_in(monkeypatch):
+    """The e4m3 cache reaches FlashInfer's fp8 module as it is (no conversion in the program), with
+    softmax_scale * kv_scale as the kernel's scale and output_scale * kv_scale applied after it."""
+    text = lower_on_a_stand_in_gpu(monkeypatch, "fa3", (9, 0), 1, fail_closed=False)
     call = next(line for line in text.splitlines() if "@jax_mla_fa_decode_self_plan(" in line)
     assert 'run_fn = "t.fa3.float8_e4m3fn.run"' in call
     assert "softmax_scale = 3.125000e-02" in call and "tensor<64x64x576xf8E4M3FN>" in call
@@ -276,19 +283,7 @@ def test_trtllm_gen_lowering_quantises_the_query_with_its_scale_on_the_device(mo
     """trtllm-gen's fp8 MLA takes an e4m3 query: the program quantises it by max |query| / 448 and
     hands the kernel that scale times softmax_scale * kv_scale * log2(e) as a device float; the
     output scale (times kv_scale) stays an attribute."""
-    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "t.trtllm")
-    monkeypatch.setattr(gpu, "sm_count", lambda device=None: 148)
-    monkeypatch.setattr(gpu, "register_targets", lambda: None)
-    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
-    monkeypatch.setattr(gpu, "capability", lambda device=None: (10, 0))
-    monkeypatch.setattr(backends, "platform_of", lambda *arrays: "gpu")
-    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["trtllm-gen", "xla"])
-    shapes = (jax.ShapeDtypeStruct((4, 2, 16, 576), jnp.bfloat16),
-              jax.ShapeDtypeStruct((64, 64, 576), jnp.float8_e4m3fn),
-              jax.ShapeDtypeStruct((4, 8), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32))
-    decode = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=0.125, output_scale=2.0,
-                                               kv_scale=0.25, backend="trtllm-gen"))
-    text = decode.trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+    text = lower_on_a_stand_in_gpu(monkeypatch, "trtllm-gen", (10, 0), 2)
     call = next(line for line in text.splitlines() if "@jax_mla_trtllm_decode_fp8(" in line)
     assert "tensor<4x2x16x576xf8E4M3FN>" in call and "tensor<64x64x576xf8E4M3FN>" in call
     assert "tensor<1xf32>" in call and "softmax_scale" not in call
