@@ -9,10 +9,10 @@ Every backend's ``decode`` has one signature::
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
 ``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
 on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 and e4m3 caches (trtllm-gen,
-fa3 and fa2 take the e4m3 cache when named: not yet run on hardware). sm90 is never that first pick, because
-what it takes depends on the shape of each device's shard: on Hopper without a plan each device
-takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs and is faster at
-(``auto_alternative``, ``prefers_sm90``).
+fa3 and fa2 take the e4m3 cache when named: not yet run on hardware). sm90 is never that first
+pick, because what it takes depends on the shape of each device's shard: on Hopper without a plan
+each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs and is
+faster at (``auto_alternative``, ``prefers_sm90``).
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import importlib.metadata
 import importlib.util
+import math
 import os
 import sysconfig
 from pathlib import Path
