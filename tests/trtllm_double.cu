@@ -101,8 +101,8 @@ void TrtllmDouble(TensorView out, Optional<TensorView> out_scale_factor, TensorV
   os << "same_kv " << (key_cache.data_ptr() == value_cache.data_ptr()) << '\n'
      << "counter_zero " << counter_zero << '\n'
      << "scalars " << max_q_len << ' ' << max_kv_len << ' ' << Scalar(bmm1_scale, stream) << ' '
-     << Scalar(bmm2_scale, stream) << ' ' << o_sf_scale << ' ' << o_sf_vec_size << ' ' << o_sf_start_index
-     << ' ' << batch_size << ' ' << window_left << ' ' << sparse_mla_top_k << ' ' << sm_count
+     << Scalar(bmm2_scale, stream) << ' ' << o_sf_scale << ' ' << o_sf_vec_size << ' '
+     << o_sf_start_index << ' ' << batch_size << ' ' << window_left << ' ' << sparse_mla_top_k << ' ' << sm_count
      << ' ' << enable_pdl << ' ' << workspace_size << ' ' << lse_scale << ' ' << lse_stride_tokens
      << ' ' << lse_stride_heads << ' ' << enable_block_sparse_attention << ' '
      << bf16q_fp8kv_transform_mode << '\n'
