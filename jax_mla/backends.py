@@ -91,11 +91,6 @@ class Backend:
     def runs_on_gpu(self, capability: Capability) -> bool:
         return self.runs_on_capability is not None and self.runs_on_capability(capability)
 
-    def runs_format_on(self, cache_format: str, capability: Capability | None) -> bool:
-        """Whether it runs on a cache of ``cache_format`` on a GPU of ``capability`` (None: no GPU,
-        for backends that need none)."""
-        needs = self.format_capability.get(cache_format)
-        return needs is None or (capability is not None and needs[0](capability))
 
 
 def _xla_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
@@ -203,13 +198,11 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
                         f"{type(backend).__name__}")
     available = available_backends(platform)
-    capability = (gpu.capability() if _is_cuda(platform) and gpu.runtime_missing() is None
-                  else None)
     if backend == AUTO:
         return next(name for name in available
                     if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
                     and cache_format not in BY_NAME[name].named_only_formats
-                    and BY_NAME[name].runs_format_on(cache_format, capability))
+                    and _runs_format_here(BY_NAME[name], cache_format, platform))
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")
@@ -222,15 +215,23 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
         raise TypeError(f"backend {backend!r} takes caches of {taken}, got "
                         f"{FORMAT_NAMES[cache_format]} (docs/fp8-cache.md); backends that take it: "
                         f"{takers}")
-    if not chosen.runs_format_on(cache_format, capability):
+    if not _runs_format_here(chosen, cache_format, platform):
         where = chosen.format_capability[cache_format][1]
+        major, minor = gpu.capability()
         raise ValueError(f"backend {backend!r} takes {FORMAT_NAMES[cache_format]} on {where} only, "
-                         f"not on this GPU (compute capability {capability[0]}.{capability[1]})")
+                         f"not on this GPU (compute capability {major}.{minor})")
     if not chosen.takes_dtype(dtype):
         raise TypeError(f"backend {backend!r} needs query and kv_cache of dtype "
                         f"{' or '.join(str(d) for d in chosen.dtypes)}, got {jnp.dtype(dtype)}; "
                         "use backend='xla' for other dtypes")
     return backend
+
+
+def _runs_format_here(backend: Backend, cache_format: str, platform: str) -> bool:
+    """Whether ``backend``, available here, runs on a cache of ``cache_format`` on this machine's
+    GPU; the GPU is asked only for a format that needs more than the backend's GPU."""
+    needs = backend.format_capability.get(cache_format)
+    return needs is None or (_is_cuda(platform) and needs[0](gpu.capability()))
 
 
 def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) -> bool:
