@@ -64,14 +64,13 @@ def layouts(torch, cache) -> dict:
 
 
 def decode(torch, query, cache, batch: int):
-    """Dense float32 MLA decode: query [B, H, 576], cache [B * L, 576] (request b: rows
-    [b * L, (b + 1) * L)) -> (out [B, H, 512], lse [B, H])."""
-    keys = cache.float().unflatten(0, (batch, -1))
-    logits = torch.einsum("bhd,bld->bhl", query.float(), keys) * SOFTMAX_SCALE
-    lse = torch.logsumexp(logits, -1)
-    out = torch.einsum("bhl,bld->bhd", torch.exp(logits - lse[..., None]),
-                       keys[..., :KV_LORA_RANK])
-    return out, lse
+    """jax_mla's float32 torch reference on one page per request: query [B, H, 576], cache
+    [B * L, 576] (request b: rows [b * L, (b + 1) * L)) -> (out [B, 1, H, 512], lse [B, 1, H])."""
+    from jax_mla.reference import mla_decode_reference
+
+    pages = cache.float().unflatten(0, (batch, -1))
+    return mla_decode_reference(query[:, None], pages, torch.arange(batch)[:, None],
+                                torch.full((batch,), pages.shape[1]), softmax_scale=SOFTMAX_SCALE)
 
 
 def measure(problems: int, batch: int, heads: int, length: int) -> dict:

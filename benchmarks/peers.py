@@ -14,8 +14,7 @@ import numpy as np
 
 from benchmarks.problem import KV_LORA_RANK, ROPE_DIM, SOFTMAX_SCALE, Layout, fp8_errors, work
 from benchmarks.timing import host_time_us, time_torch
-
-E4M3_MAX = 448.0
+from jax_mla.fp8_cache import E4M3_MAX
 # FlashInfer's fp8 MLA cache, scaled two ways (see flashinfer_fp8_views).
 FP8_SCALE_LAYOUTS = ("group", "tensor")
 # An fp8 output farther than this from the bf16 cache's reference is broken, not imprecise.
