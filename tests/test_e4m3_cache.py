@@ -196,14 +196,16 @@ DECODE, _, DECODE_SCALE = e4m3_problem(make_problem(0, batch=2, q_len=1, num_hea
      r"kv_cache's last dim must equal query's last dim 576"),
     (dict(kv_scale=1e308, output_scale=10.0), ValueError,
      r"output_scale \* kv_scale must be finite, got inf"),
+    (dict(kv_scale=1e308, softmax_scale=10.0), ValueError,
+     r"softmax_scale \* kv_scale must be finite, got inf"),
 ])
 def test_decode_checks_the_scale(overrides, error, message):
     args = dict(query=DECODE.query, kv_cache=DECODE.kv_cache, block_tables=DECODE.block_tables,
-                seq_lens=DECODE.seq_lens, kv_scale=DECODE_SCALE)
+                seq_lens=DECODE.seq_lens, kv_scale=DECODE_SCALE, softmax_scale=0.1)
     args.update(overrides)
     with pytest.raises(error, match=message):
         jax_mla.decode(args.pop("query"), args.pop("kv_cache"), args.pop("block_tables"),
-                       args.pop("seq_lens"), softmax_scale=0.1, **args)
+                       args.pop("seq_lens"), **args)
 
 
 # ---- backends ---------------------------------------------------------------------------------------
