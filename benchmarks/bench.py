@@ -304,14 +304,12 @@ class Bench:
         try:
             fp8_run.ref, record["check_ref_fp8"] = reference(fp8_run)
             record["fp8_floor_us"] = work(run.layout, FP8_ROW_BYTES)["floor_us"]
+            first_rows = self.time_layers(fp8_run, "jax_mla_sm90_fp8",
+                                          m.layered(_sm90_backend_layer, self.args.layers), None,
+                                          self.args.layers)
             if run.ref is not None:
-                out = _sm90_backend_layer(run.q[:run.checked], fp8_run.caches[0],
-                                          run.tables[:run.checked], run.lens[:run.checked], None)
                 record["jax_mla_sm90_fp8_vs_bf16_err"], record["jax_mla_sm90_fp8_vs_bf16_l2"] = (
-                    fp8_errors(np.asarray(out.astype(np.float32)), run.ref))
-                del out
-            self.time_layers(fp8_run, "jax_mla_sm90_fp8", m.layered(_sm90_backend_layer, self.args.layers),
-                             None, self.args.layers)
+                    fp8_errors(first_rows, run.ref))
         finally:
             fp8_run.caches.clear()
 
@@ -391,8 +389,9 @@ class Bench:
             seconds, _ = time_jax(lambda *a: fn(*a), [(tables, lens, planned)], copies, self.args)
             record[name] = seconds * 1e6
 
-    def time_layers(self, run: PointRun, method: str, fn, plan, layers: int) -> None:
-        """Check ``fn``'s first layer against the reference, then time it per layer."""
+    def time_layers(self, run: PointRun, method: str, fn, plan, layers: int) -> np.ndarray:
+        """Check ``fn``'s first layer against the reference, then time it per layer (unless the
+        check failed); returns that layer's output for the checked requests, float32."""
         import jax
 
         record = run.record
@@ -402,12 +401,13 @@ class Bench:
         first = fn(*call_args[0])
         jax.block_until_ready(first)
         record[f"{method}_first_call_s"] = time.perf_counter() - t0  # compile + one call
-        ok = run.check(method, np.asarray(first[0][:run.checked].astype(np.float32)))
+        first_rows = np.asarray(first[0][:run.checked].astype(np.float32))
+        ok = run.check(method, first_rows)
         if method == "jax_mla":
             run.outputs["jax_mla"] = first[0]
         del first
         if not ok:
-            return
+            return first_rows
         per_layer_s, rounds = time_jax(fn, call_args, layers, self.args)
         us = per_layer_s * 1e6
         record[f"{method}_us"] = us
@@ -420,6 +420,8 @@ class Bench:
             record["jax_mla_tflops"] = w["flops"] / per_layer_s / 1e12
             record["jax_mla_tbps"] = w["bytes"] / per_layer_s / 1e12
             record["jax_mla_frac_floor"] = w["floor_us"] / us
+        return first_rows
+
 
 def _naive_layer(query, cache, tables, lens, plan_):
     return m.xla_naive_decode(query, cache, tables, lens, softmax_scale=SOFTMAX_SCALE)
