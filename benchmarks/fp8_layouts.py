@@ -22,11 +22,13 @@ from benchmarks.problem import HEAD_DIM, KV_LORA_RANK, SOFTMAX_SCALE
 
 def jax_mla_rows(torch, cache):
     """uint8 [T, 656]: jax_mla's fp8 cache rows of a bf16 cache [T, 576], as write_kv writes them."""
+    import jax
     import jax.numpy as jnp
 
     from jax_mla import fp8_cache
 
-    rows = jnp.asarray(cache.float().numpy()).astype(jnp.bfloat16)
+    on_cpu = jax.device_put(cache.float().numpy(), jax.devices("cpu")[0])
+    rows = on_cpu.astype(jnp.bfloat16)
     written = fp8_cache.quantize_rows(rows[:, :KV_LORA_RANK], rows[:, KV_LORA_RANK:])
     return torch.from_dlpack(written)
 
