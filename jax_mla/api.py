@@ -26,9 +26,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         cache: uint8 [num_pages, page_size, row_bytes] from ``allocate_cache(..., dtype="fp8")``
         (656 bytes a token for a head dim of 576; docs/fp8-cache.md), taken by the xla backend and
         by sm90. Or the e4m3 cache: float8_e4m3fn [num_pages, page_size, kv_lora_rank + rope_dim]
-        whose values are multiplied by ``kv_scale``, taken by xla, and by fa3 and fa2 (on SM90)
-        and trtllm-gen when named (not yet run on hardware; docs/fp8-cache.md, "The e4m3
-        cache").
+        whose values are multiplied by ``kv_scale``, taken by xla, fa3 and fa2 (on SM90), and
+        trtllm-gen when named (not yet run on hardware; docs/fp8-cache.md, "The e4m3 cache").
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.

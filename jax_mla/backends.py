@@ -8,11 +8,11 @@ Every backend's ``decode`` has one signature::
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
 ``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
-on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 and e4m3 caches (trtllm-gen,
-fa3 and fa2 take the e4m3 cache when named: not yet run on hardware). sm90 is never that first
-pick, because what it takes depends on the shape of each device's shard: on Hopper without a plan
-each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs and is
-faster at (``auto_alternative``, ``prefers_sm90``).
+on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 cache; for the e4m3 cache fa3
+on Hopper and xla elsewhere (trtllm-gen takes it when named: not yet run on hardware). sm90 is never
+that first pick, because what it takes depends on the shape of each device's shard: on Hopper
+without a plan each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs
+and is faster at (``auto_alternative``, ``prefers_sm90``).
 """
 
 from __future__ import annotations
@@ -134,10 +134,10 @@ TABLE: tuple[Backend, ...] = (
             decode=_trtllm_decode, named_only_formats=(E4M3_CACHE,)),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
-            decode=_fa_decode(FA3), named_only_formats=(E4M3_CACHE,)),
+            decode=_fa_decode(FA3)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
             BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
-            decode=_fa_decode(FA2), named_only_formats=(E4M3_CACHE,),
+            decode=_fa_decode(FA2),
             format_capability={E4M3_CACHE: (lambda cc: cc == (9, 0),
                                             "SM90 (FlashInfer's fp8 MLA)")}),
     # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative).

@@ -216,16 +216,16 @@ def test_trtllm_gen_fa3_fa2_and_xla_take_the_e4m3_cache():
     assert backends.cache_format_of(DECODE.kv_cache) == backends.E4M3_CACHE
 
 
-@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
-def test_auto_runs_the_e4m3_cache_on_xla(monkeypatch, capability):
-    """trtllm-gen, fa3 and fa2 take the e4m3 cache when named only, until it has run on hardware;
-    sm90 does not take it."""
+@pytest.mark.parametrize("capability,expected", [((9, 0), "fa3"), ((8, 0), "xla"), ((10, 0), "xla")])
+def test_auto_runs_the_e4m3_cache_on_fa3_on_hopper_else_xla(monkeypatch, capability, expected):
+    """fa3 takes the e4m3 cache on SM90; fa2 would on SM90 only, where fa3 comes first; trtllm-gen
+    takes it only when named, until it has run on hardware; sm90 does not take it."""
     monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
     monkeypatch.setattr(gpu, "capability", lambda device=None: capability)
-    assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.E4M3_CACHE) == "xla"
+    assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.E4M3_CACHE) == expected
     assert backends.resolve("auto", "gpu", jnp.bfloat16) != "xla"
-    assert all(backends.E4M3_CACHE in backends.BY_NAME[name].named_only_formats
-               for name in ("trtllm-gen", "fa3", "fa2"))
+    assert [b.name for b in backends.TABLE if backends.E4M3_CACHE in b.named_only_formats] == [
+        "trtllm-gen"]
 
 
 def test_fa2_takes_the_e4m3_cache_on_sm90_only(monkeypatch):
@@ -343,3 +343,16 @@ def test_flashinfer_on_the_e4m3_cache(backend, plan_kind, q_len, num_heads, page
         plan = "device" if plan_kind == "device" else None
     out, _ = check_both(backend, problem, source, kv_scale, output_scale=0.5, plan=plan)
     assert not np.isnan(out).any()
+
+
+@pytest.mark.gpu
+def test_auto_runs_fa3_on_the_e4m3_cache():
+    """On an H200, "auto" on the e4m3 cache is fa3, bit for bit (sm90 does not take this cache)."""
+    if backends.FA3 not in gpu_backends_here() or gpu.capability() != (9, 0):
+        pytest.skip(f"needs an SM90 GPU that runs fa3: {gpu_blocker() or gpu_backends_here()}")
+    problem, _, kv_scale = e4m3_problem(make_problem(
+        5, batch=33, q_len=1, num_heads=16, page_size=64, max_len=700, dtype=jnp.bfloat16), 5)
+    outputs = [np.asarray(jax.jit(lambda *a, b=name: jax_mla.decode(
+        *a, softmax_scale=problem.softmax_scale, kv_scale=kv_scale, backend=b))(*problem.arrays))
+        for name in ("auto", backends.FA3)]
+    np.testing.assert_array_equal(outputs[0], outputs[1])
