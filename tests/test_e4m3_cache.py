@@ -216,7 +216,8 @@ def test_trtllm_gen_fa3_fa2_and_xla_take_the_e4m3_cache():
     assert backends.cache_format_of(DECODE.kv_cache) == backends.E4M3_CACHE
 
 
-@pytest.mark.parametrize("capability,expected", [((9, 0), "fa3"), ((8, 0), "xla"), ((10, 0), "xla")])
+@pytest.mark.parametrize("capability,expected",
+                         [((9, 0), "fa3"), ((8, 0), "xla"), ((10, 0), "xla")])
 def test_auto_runs_the_e4m3_cache_on_fa3_on_hopper_else_xla(monkeypatch, capability, expected):
     """fa3 takes the e4m3 cache on SM90; fa2 would on SM90 only, where fa3 comes first; trtllm-gen
     takes it only when named, until it has run on hardware; sm90 does not take it."""
