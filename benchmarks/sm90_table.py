@@ -19,6 +19,7 @@ import json
 import sys
 
 from benchmarks.grid import fmt_len
+from benchmarks.report import markdown_table
 
 COLUMNS = ["H", "q_len", "page", "B", "L", "floor µs", "fa3 graph µs", "fa3 eager µs", "sm90 µs",
            "sm90 / fa3 graph", "fa3 % of floor", "sm90 % of floor", "sm90 error"]
@@ -34,19 +35,28 @@ def fp8_cells(r: dict) -> list[str]:
             f"{100 * r['fp8_floor_us'] / fp8:.0f}%"]
 
 
+def _in_point_order(records: list[dict]) -> list[dict]:
+    return sorted(records, key=lambda r: (r["H"], r["q_len"], r["page_size"], r["B"], r["L"]))
+
+
+def _point_cells(r: dict) -> list[str]:
+    """A record's H, q_len, page, B and L cells."""
+    return [str(r["H"]), str(r["q_len"]), str(r["page_size"]), str(r["B"]), fmt_len(r["L"])]
+
+
 def rows(records: list[dict], with_fp8: bool = False) -> list[list[str]]:
     """One row per record with both an sm90 and an fa3 graph time, sorted; ``with_fp8`` adds the
     fp8 columns."""
     out = []
-    for r in sorted(records, key=lambda r: (r["H"], r["q_len"], r["page_size"], r["B"], r["L"])):
+    for r in _in_point_order(records):
         sm90, fa3 = r.get("jax_mla_sm90_us"), r.get("flashinfer_fa3_graph_us")
         if sm90 is None or fa3 is None:
             continue
         floor = r["floor_us"]
-        out.append([str(r["H"]), str(r["q_len"]), str(r["page_size"]), str(r["B"]), fmt_len(r["L"]),
-                    f"{floor:.1f}", f"{fa3:,.1f}", f"{r['flashinfer_fa3_us']:,.1f}", f"{sm90:,.1f}",
-                    f"**{sm90 / fa3:.2f}**", f"{100 * floor / fa3:.0f}%", f"{100 * floor / sm90:.0f}%",
-                    f"{r['jax_mla_sm90_rel_err']:.1e}"] + (fp8_cells(r) if with_fp8 else []))
+        out.append(_point_cells(r) + [
+            f"{floor:.1f}", f"{fa3:,.1f}", f"{r['flashinfer_fa3_us']:,.1f}", f"{sm90:,.1f}",
+            f"**{sm90 / fa3:.2f}**", f"{100 * floor / fa3:.0f}%", f"{100 * floor / sm90:.0f}%",
+            f"{r['jax_mla_sm90_rel_err']:.1e}"] + (fp8_cells(r) if with_fp8 else []))
     return out
 
 
@@ -67,17 +77,17 @@ def _percent(value) -> str:
 def fp8_rows(records: list[dict]) -> list[list[str]]:
     """One row per record where sm90 ran on the fp8 cache and fa3 on its own fp8 cache."""
     out = []
-    for r in sorted(records, key=lambda r: (r["H"], r["q_len"], r["page_size"], r["B"], r["L"])):
+    for r in _in_point_order(records):
         ours = r.get("jax_mla_sm90_fp8_us")
         theirs = [r.get(f"{name}_graph_us") for name in FI_FP8]
         if ours is None or all(t is None for t in theirs):
             continue
         fastest = min(t for t in theirs if t is not None)
-        out.append([str(r["H"]), str(r["q_len"]), str(r["page_size"]), str(r["B"]), fmt_len(r["L"]),
-                    f"{r['fp8_floor_us']:.1f}", _us(r.get("jax_mla_sm90_us")), _us(ours),
-                    *(_us(t) for t in theirs), f"**{ours / fastest:.2f}**",
-                    _percent(r.get("jax_mla_sm90_fp8_vs_bf16_l2")),
-                    *(_percent(r.get(f"{name}_vs_bf16_l2")) for name in FI_FP8)])
+        out.append(_point_cells(r) + [
+            f"{r['fp8_floor_us']:.1f}", _us(r.get("jax_mla_sm90_us")), _us(ours),
+            *(_us(t) for t in theirs), f"**{ours / fastest:.2f}**",
+            _percent(r.get("jax_mla_sm90_fp8_vs_bf16_l2")),
+            *(_percent(r.get(f"{name}_vs_bf16_l2")) for name in FI_FP8)])
     return out
 
 
@@ -86,8 +96,7 @@ def fp8_table(records: list[dict]) -> str:
     body = fp8_rows(records)
     if not body:
         return ""
-    lines = ["| " + " | ".join(FI_FP8_COLUMNS) + " |", "|" + "---|" * len(FI_FP8_COLUMNS)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines = markdown_table(FI_FP8_COLUMNS, body)
     faster = sum(float(row[10].strip("*")) < 1.0 for row in body)
     lines += ["", f"sm90 on the fp8 cache is faster than fa3's faster fp8 layout at {faster} of "
                   f"these {len(body)} points."]
@@ -99,8 +108,7 @@ def table(records: list[dict]) -> str:
     body = rows(records, with_fp8)
     faster = sum(float(row[9].strip("*")) < 1.0 for row in body)
     columns = COLUMNS + (FP8_COLUMNS if with_fp8 else [])
-    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(row) + " |" for row in body]
+    lines = markdown_table(columns, body)
     lines += ["", f"sm90 is faster than fa3 (graph) at {faster} of these {len(body)} points."]
     return "\n".join(lines)
 

@@ -92,7 +92,6 @@ class Backend:
         return self.runs_on_capability is not None and self.runs_on_capability(capability)
 
 
-
 def _xla_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
                 kv_lora_rank, plan):
     del plan
