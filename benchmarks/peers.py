@@ -89,9 +89,11 @@ class FlashInferPeer:
             return self.wrapper.run(q_nope=q_nope, q_pe=q_pe, ckv_cache=ckv, kpe_cache=kpe, **extra)
 
 
-def _to_e4m3(torch, x, scale):
-    """float32 ``x / scale`` as float8_e4m3fn, clipped to e4m3's finite range."""
-    return (x / scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+def _to_e4m3(torch, x, scale: float, pages_per_chunk: int):
+    """``x / scale`` (in float32) of a [P, S, C] tensor as float8_e4m3fn, clipped to e4m3's finite
+    range, a chunk of pages at a time."""
+    return torch.cat([(x[i:i + pages_per_chunk].float() / scale).clamp_(-E4M3_MAX, E4M3_MAX)
+                      .to(torch.float8_e4m3fn) for i in range(0, x.shape[0], pages_per_chunk)])
 
 
 def _per_tensor_scale(torch, x, pages_per_chunk: int) -> float:
@@ -115,8 +117,7 @@ def flashinfer_fp8_views(torch, bf16_cache, fp8_cache, scales: str,
         raise ValueError(f"scales must be one of {FP8_SCALE_LAYOUTS}, got {scales!r}")
     latent, rope = bf16_cache[..., :KV_LORA_RANK], bf16_cache[..., KV_LORA_RANK:]
     kpe_scale = _per_tensor_scale(torch, rope, pages_per_chunk)
-    kpe = torch.cat([_to_e4m3(torch, rope[i:i + pages_per_chunk].float(), kpe_scale)
-                     for i in range(0, rope.shape[0], pages_per_chunk)])
+    kpe = _to_e4m3(torch, rope, kpe_scale, pages_per_chunk)
     if scales == "group":
         groups = KV_LORA_RANK // 128
         ckv = fp8_cache[..., :KV_LORA_RANK].contiguous().view(torch.float8_e4m3fn)
@@ -124,8 +125,7 @@ def flashinfer_fp8_views(torch, bf16_cache, fp8_cache, scales: str,
         return ckv, kpe, {"ckv_scale_arr": scale_bytes.view(torch.float32),
                           "kpe_scale": kpe_scale}
     ckv_scale = _per_tensor_scale(torch, latent, pages_per_chunk)
-    ckv = torch.cat([_to_e4m3(torch, latent[i:i + pages_per_chunk].float(), ckv_scale)
-                     for i in range(0, latent.shape[0], pages_per_chunk)])
+    ckv = _to_e4m3(torch, latent, ckv_scale, pages_per_chunk)
     return ckv, kpe, {"ckv_scale": ckv_scale, "kpe_scale": kpe_scale}
 
 
