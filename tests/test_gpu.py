@@ -312,3 +312,22 @@ def test_trtllm_gen_fp8_marshalling_through_a_test_double(monkeypatch, trtllm_do
     assert float(scalars[2]) == pytest.approx(float(softmax_scale_log2[0]), rel=1e-5)
     assert float(scalars[3]) == pytest.approx(0.5 * kv_scale)
     assert record["bmm1_on_device"] == "1"
+
+
+def test_trtllm_gen_fp8_handler_refuses_a_query_that_is_not_e4m3(monkeypatch, trtllm_double):
+    """JaxMlaTrtllmDecodeFp8 checks its operands before it reaches the kernel: a bf16 query (here
+    let through by skipping the query's quantisation) is an error that names what it expects."""
+    from jax_mla import e4m3_cache
+
+    del trtllm_double  # registers the stand-in the handler would call
+    monkeypatch.setattr(gpu, "trtllm_entry_point", lambda: "jax_mla.test.trtllm_double")
+    monkeypatch.setattr(gpu, "e4m3_query",
+                        lambda query, scale: (query, jnp.full((1,), scale, jnp.float32)))
+    problem = make_problem(17, batch=2, q_len=1, num_heads=16, page_size=64, max_len=300,
+                           dtype=jnp.bfloat16)
+    cache = e4m3_cache.quantize(jnp.nan_to_num(problem.kv_cache), 0.01)
+    with pytest.raises(Exception, match="trtllm-gen fp8 decode expects an e4m3 query and cache "
+                                        "and one float32 softmax scale"):
+        jax.block_until_ready(jax.jit(lambda q, c, t, l: gpu.trtllm_decode(
+            q, c, t, l, softmax_scale=0.1, output_scale=1.0, kv_lora_rank=512))(
+            problem.query, cache, problem.block_tables, problem.seq_lens))
