@@ -647,15 +647,6 @@ static std::vector<Variant> ClusterVariants() {
   return {{"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
 }
 
-static std::vector<Variant> SplitRowVariants() {
-  return {{"split-rows", With([](LaunchOptions& o) { o.transposed_scores = 2; })},
-          {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })},
-          {"split-rows-cluster-2", With([](LaunchOptions& o) {
-             o.transposed_scores = 2;
-             o.cluster = 2;
-           })}};
-}
-
 // Timing experiments: kernels that skip parts of the work (results wrong by design).
 static std::vector<Variant> ExperimentVariants() {
   std::vector<Variant> v;
@@ -685,7 +676,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   if (which == "combine") append(CombineVariants());
   else if (which == "transposed") append(TransposedVariants());
   else if (which == "cluster") append(ClusterVariants());
-  else if (which == "split") append(SplitRowVariants());
   else if (which == "exp") append(ExperimentVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
@@ -816,7 +806,6 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--plain-scores") g_transposed = 0;
-    else if (a == "--split-rows") g_transposed = 2;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);

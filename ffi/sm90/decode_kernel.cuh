@@ -145,32 +145,6 @@ __device__ __forceinline__ void StoreWarpTile16x32(uint8_t* chunk, int row0, int
   }
 }
 
-// A warp's 16 tokens x 32 query rows of a 64 x 32 S^T fragment (its probabilities st, fragment
-// order: st[4 j + 2 h + e] is token Fragment::Row(., h), query row 8 j + 2 (lane % 4) + e), stored
-// transposed into the P tile (P[row][token], a 128-byte-swizzled bf16 chunk) at query rows
-// [row0, row0 + 32) and tokens [tok0, tok0 + 16): two stmatrix.trans, each of four 8 x 8 matrices
-// (query rows 8 j .. 8 j + 7 x tokens tok0 + 8 h .. + 7 for j = 2 c + m / 2, h = m % 2).
-__device__ __forceinline__ void StoreWarpTileTransposed32x16(uint8_t* chunk, int row0, int tok0,
-                                                             int lane, const float (&st)[16]) {
-#pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const int m = lane / 8;  // the matrix whose row lane % 8 this lane addresses
-    const int j = 2 * c + m / 2;
-    const uint32_t addr = SmemAddr(chunk + SwizzledOffset(row0 + 8 * j + lane % 8,
-                                                          tok0 + 8 * (m % 2)));
-    uint32_t r[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int jq = 2 * c + q / 2, hq = q % 2;
-      r[q] = PackBf16x2(st[4 * jq + 2 * hq], st[4 * jq + 2 * hq + 1]);
-    }
-    asm volatile("stmatrix.sync.aligned.x4.trans.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                     addr),
-                 "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
-                 : "memory");
-  }
-}
-
 // Cache row of the 32 tokens starting at token0 (a multiple of 32) of request b, or -1 when they
 // are beyond the length or their page id is out of range.
 __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, int len) {
@@ -246,20 +220,21 @@ __device__ __forceinline__ void WarpgroupSync(int wg) {
 }
 
 // Transposed scores: writes a segment's results from this thread's O^T values (kOTiles tiles of 64
-// output columns from col_base x kScoreN query rows) and its rows' sums l and maxima m (query rows
-// row_base + TransposedScores::QueryRow(lane, i) of the request; the LSE where writes_lse): bf16
-// out and LSE for a request handled whole, fp32 partial out and LSE in the workspace for a split
-// one. Rows >= rows are padding, not written.
+// of the warpgroup's columns x kScoreN query rows) and its rows' sums l and maxima m (query rows
+// TransposedScores::QueryRow(lane, i)): bf16 out and LSE for a request handled whole, fp32
+// partial out and LSE in the workspace for a split one. Rows >= rows are padding, not written.
 template <int kScoreN, int kOTiles, int kOPerTile>
 __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Segment& seg,
-                                                int part, int num_parts, int rows, int row_base,
-                                                int col_base, bool writes_lse, int wg_tid,
-                                                const float (&o)[kOTiles][kOPerTile],
+                                                int part, int num_parts, int rows, int wg,
+                                                int wg_tid, const float (&o)[kOTiles][kOPerTile],
                                                 const float (&l)[kScoreN / 4],
                                                 const float (&m)[kScoreN / 4], float scale_log2) {
   constexpr int kRowsT = kScoreN / 4;
   constexpr float kLn2 = 0.6931471805599453f;
   const int lane = wg_tid % 32;
+  const int col_base = wg * (kLatentDim / kConsumerWarpgroups);
+  // Lanes 0-3 of the warpgroup's first warp hold every query row once.
+  const bool writes_lse = wg == 0 && wg_tid < 4;
   const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
   uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
   float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
@@ -268,7 +243,7 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   const size_t slot_row0 = static_cast<size_t>(seg.b + part) * ws.rows_pad;
 #pragma unroll
   for (int i = 0; i < kRowsT; ++i) {
-    const int row = row_base + TransposedScores::QueryRow(lane, i);
+    const int row = TransposedScores::QueryRow(lane, i);
     if (row >= rows) continue;
     const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
     const float lse = l[i] > 0.f ? (m[i] * scale_log2 + __log2f(l[i])) * kLn2 : kNegInf;
@@ -878,19 +853,15 @@ template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, 
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
-  // kScoreN 64: the transposed products on a 64-row tile, each consumer warpgroup its own 32 rows.
-  constexpr bool kSplitRows = kScoreN == 64;
-  constexpr int kWgN = kSplitRows ? kScoreN / kConsumerWarpgroups : kScoreN;  // MMA N per warpgroup
-  static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && (kCluster == 1 || kSplitRows)),
-                "transposed scores need early release, no experiment and (below 64 rows) no "
-                "cluster");
+  static_assert(kScoreN == 0 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
+                "transposed scores need early release, no experiment and no cluster");
   static_assert(!kFp8 || (kEarlyRelease && kSkip == 0 && kCluster == 1),
                 "the fp8 cache needs early release, no experiment and no cluster");
   static_assert(!kFp8 || kScoreN == 0 || kScoreN <= kFp8TransposedRows,
                 "the fp8 cache's transposed scores fit its query tile");
   using Layout = KernelSmemLayout<kFp8, kScoreN>;
-  static_assert(4 * kWgN <= kConsumerWarpgroups * kBlockM,
-                "a warpgroup's exchange buffer, f32 [4][kWgN], must fit its 64 x 2 floats");
+  static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
+                "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
   using Barrier = cutlass::arch::ClusterBarrier;
 
@@ -943,11 +914,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const float sl2 = args.scale_log2;
 
   // Output accumulator of this warpgroup's 256 columns: O, 64 rows x 256 fp32 in one tile; with
-  // transposed scores O^T, four tiles of 64 columns x kScoreN rows (fragment_layout.h), or with
-  // split rows all eight column tiles of the warpgroup's 32 rows.
-  constexpr int kOTiles =
-      kScoreN > 0 ? (kSplitRows ? kNumVChunks : kNumVChunks / kConsumerWarpgroups) : 1;
-  constexpr int kOPerTile = kScoreN > 0 ? kWgN / 2 : kLatentDim / kConsumerWarpgroups / 2;
+  // transposed scores O^T, four tiles of 64 columns x kScoreN rows (fragment_layout.h).
+  constexpr int kOTiles = kScoreN > 0 ? kNumVChunks / kConsumerWarpgroups : 1;
+  constexpr int kOPerTile = kScoreN > 0 ? kScoreN / 2 : kLatentDim / kConsumerWarpgroups / 2;
   float o_tiles[kOTiles][kOPerTile];
   float (&o)[kOPerTile] = o_tiles[0];
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
@@ -955,26 +924,18 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // Transposed scores (kScoreN > 0): a consumer thread holds tokens tok_a and tok_b of the block
   // for the query rows RowT(i), i < kRowsT; st is its part of S^T (64 x kScoreN)
   // (fragment_layout.h).
-  constexpr int kRowsT = kScoreN > 0 ? kWgN / 4 : 1;
-  constexpr int kStN = kScoreN > 0 ? kWgN / 2 : 1;
-  using QkT = typename TransposedMmaFor<kWgN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>::type;
-  using PvT = typename TransposedMmaFor<kWgN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>::type;
-  using QkRs = typename TransposedRsMmaFor<kWgN == 16 ? 16 : 32>::type;
-  // The warpgroup's first query row in the tile (its rows in the query tile and in P) and in the
-  // request.
-  const int wg_row0 = kSplitRows ? kWgN * wg : 0;
-  const int row_base_t = mtile * kBlockM + wg_row0;
+  constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
+  constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
+  using QkT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>::type;
+  using PvT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>::type;
+  using QkRs = typename TransposedRsMmaFor<kScoreN == 16 ? 16 : 32>::type;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
   auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
   float st[kStN], m_t[kRowsT], l_t[kRowsT];
-  // Row RowT(i) sees kv positions [0, limit_base_t + its query token]; the token is nibble i of
-  // limit_tokens_t (15: a padding row, which sees none). Packed to spare registers.
-  int limit_base_t = 0;
-  uint32_t limit_tokens_t = 0;
-  static_assert(kRowsT <= 8, "a nibble per row");
-  // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kWgN].
+  int limit_t[kRowsT];
+  // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
       reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
   // fp8 cache, 64-row tiles: this thread's (row, part) of its warpgroup's half of each block.
@@ -991,12 +952,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 #pragma unroll
       for (int i = 0; i < kOPerTile; ++i) o_tiles[t][i] = 0.f;
     }
-    limit_base_t = seg_info.len - p.q_len;
-    limit_tokens_t = 0;
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) {
-      const int row = row_base_t + RowT(i);
-      limit_tokens_t |= static_cast<uint32_t>(row < rows ? row / p.num_heads : 15) << (4 * i);
+      const int row = RowT(i);
+      limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
       m_t[i] = kNegInf;
       l_t[i] = 0.f;
     }
@@ -1059,19 +1018,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // columns (with the fp8 cache: its two latent groups and half the rope), then each adds
         // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
         // both warpgroups hold the same S^T.
-        if constexpr (kSplitRows) {
-          // Split rows: the whole contraction for the warpgroup's own rows.
-          FenceRegisters(st);
-          cute::warpgroup_arrive();
-#pragma unroll
-          for (int g = 0; g < kQkSteps; ++g) {
-            Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
-                      KMajorDesc(q_addr + wg_row0 * kRowBytes + QkStepOffset(g)), st, g != 0);
-          }
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-          FenceRegisters(st);
-        } else if constexpr (kFp8 && kScoreN == 16) {
+        if constexpr (kFp8 && kScoreN == 16) {
           ScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, st);
         } else if constexpr (kFp8) {
           ScoresFp8Smem<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, st);
@@ -1089,77 +1036,77 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           FenceRegisters(st);
         }
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
-        if constexpr (!kSplitRows) {
 #pragma unroll
-          for (int v = 0; v < kStN / 4; ++v) {
-            *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
-                make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
-          }
-          ConsumerSync();
+        for (int v = 0; v < kStN / 4; ++v) {
+          *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
+              make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
+        }
+        ConsumerSync();
 #pragma unroll
-          for (int v = 0; v < kStN / 4; ++v) {
-            const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
-            st[4 * v] += other.x;
-            st[4 * v + 1] += other.y;
-            st[4 * v + 2] += other.z;
-            st[4 * v + 3] += other.w;
-          }
+        for (int v = 0; v < kStN / 4; ++v) {
+          const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
+          st[4 * v] += other.x;
+          st[4 * v + 1] += other.y;
+          st[4 * v + 2] += other.z;
+          st[4 * v + 3] += other.w;
         }
         // Masked online softmax over tokens: maxima over the thread's two tokens, the eight lanes
         // sharing its query rows, then the warpgroup's four warps.
         const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
         const int ta = token_base + tok_a, tb = token_base + tok_b;
+        float mx[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
           const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
-          const int token = (limit_tokens_t >> (4 * i)) & 15;
-          const int limit = token == 15 ? -1 : limit_base_t + token;
-          const float a = (half_ok && ta <= limit) ? st[ea] : kNegInf;
-          const float b = (half_ok && tb <= limit) ? st[eb] : kNegInf;
+          const float a = (half_ok && ta <= limit_t[i]) ? st[ea] : kNegInf;
+          const float b = (half_ok && tb <= limit_t[i]) ? st[eb] : kNegInf;
           st[ea] = a;
           st[eb] = b;
-          float mx = fmaxf(a, b);
+          mx[i] = fmaxf(a, b);
 #pragma unroll
-          for (int d = 4; d < 32; d <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-          if (lane < 4) wg_exchange[warp_in_wg * kWgN + RowT(i)] = mx;
+          for (int d = 4; d < 32; d <<= 1) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+          }
+        }
+        if (lane < 4) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = mx[i];
         }
         WarpgroupSync(wg);
-        // O^T's columns are query rows laid out as S^T's: this thread's rows are its own.
-#pragma unroll
-        for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
+        float alpha[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
           const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
           const int row = RowT(i);
           float m_blk = wg_exchange[row];
 #pragma unroll
-          for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, wg_exchange[w * kWgN + row]);
+          for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, wg_exchange[w * kScoreN + row]);
           const float m_new = fmaxf(m_t[i], m_blk);
           const float mu = m_new == kNegInf ? 0.f : m_new;
-          const float alpha = Exp2((m_t[i] - mu) * sl2);
+          alpha[i] = Exp2((m_t[i] - mu) * sl2);
           m_t[i] = m_new;
           const float nb = -mu * sl2;
           st[ea] = Exp2(fmaf(st[ea], sl2, nb));
           st[eb] = Exp2(fmaf(st[eb], sl2, nb));
-          l_t[i] = l_t[i] * alpha + st[ea] + st[eb];
+          l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
+        }
+        // O^T's columns are query rows laid out as S^T's: this thread's rows are its own.
 #pragma unroll
-          for (int t = 0; t < kOTiles; ++t) {
-            o_tiles[t][ea] *= alpha;
-            o_tiles[t][eb] *= alpha;
+        for (int t = 0; t < kOTiles; ++t) {
+          FenceRegisters(o_tiles[t]);
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            o_tiles[t][TransposedScores::Element(i, 0)] *= alpha[i];
+            o_tiles[t][TransposedScores::Element(i, 1)] *= alpha[i];
           }
         }
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
-        // writes the probabilities of tokens [32w, 32w + 32); with split rows those of its own
-        // rows (its own PV, waited for, was the last reader).
-        if constexpr (!kSplitRows) {
-          cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
-        }
-        if constexpr (kSplitRows) {
-          StoreWarpTileTransposed32x16(p_tile, wg_row0, 16 * warp_in_wg, lane, st);
-        } else if (TransposedScores::WritesToken(wg, tok_a)) {
+        // writes the probabilities of tokens [32w, 32w + 32).
+        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
+        if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
-            const int row = wg_row0 + RowT(i);
+            const int row = RowT(i);
             *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
                 __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
             *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
@@ -1267,11 +1214,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
       }  // kScoreN == 0
       cutlass::arch::fence_view_async_shared();
-      if constexpr (kSplitRows) {
-        WarpgroupSync(wg);
-      } else {
-        ConsumerSync();
-      }
+      ConsumerSync();
 
       if constexpr (kScoreN > 0) {
         // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
@@ -1282,11 +1225,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #pragma unroll
           for (int t = 0; t < kOTiles; ++t) {
-            const int col_tile = kSplitRows ? t : wg * kOTiles + t;
-            const uint64_t da = MNMajorDesc(kv_addr + col_tile * kChunkBytes +
+            const uint64_t da = MNMajorDesc(kv_addr + (wg * kOTiles + t) * kChunkBytes +
                                             kk * 16 * kRowBytes);
-            Gmma<PvT>(da, KMajorDesc(p_addr + wg_row0 * kRowBytes + kk * 32), o_tiles[t],
-                      true);
+            Gmma<PvT>(da, KMajorDesc(p_addr + kk * 32), o_tiles[t], true);
           }
         }
       } else {
@@ -1323,21 +1264,18 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
       if (lane < 4) {
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kWgN + RowT(i)] = l[i];
+        for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = l[i];
       }
       WarpgroupSync(wg);
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) {
         const int row = RowT(i);
-        l[i] = ((wg_exchange[row] + wg_exchange[kWgN + row]) + wg_exchange[2 * kWgN + row]) +
-               wg_exchange[3 * kWgN + row];
+        l[i] = ((wg_exchange[row] + wg_exchange[kScoreN + row]) + wg_exchange[2 * kScoreN + row]) +
+               wg_exchange[3 * kScoreN + row];
       }
       WarpgroupSync(wg);  // the exchange buffer is free for the next segment
-      // Lanes 0-3 of a warpgroup's first warp hold each of its query rows once.
-      const int col_base = kSplitRows ? 0 : wg * (kLatentDim / kConsumerWarpgroups);
-      const bool writes_lse = (kSplitRows || wg == 0) && wg_tid < 4;
-      StoreTransposed<kWgN>(p, seg_info, part, args.num_parts, rows, row_base_t, col_base,
-                            writes_lse, wg_tid, o_tiles, l, m_t, sl2);
+      StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
+                               m_t, sl2);
     } else {
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
                sl2, row_sum);

@@ -35,9 +35,8 @@ struct LaunchOptions {
   int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
                               // even number of M tiles)
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
-                              // <= 32 (N = 16 up to 16 rows, else 32); 2: that, and split rows
-                              // (kScoreN 64) in 64-row tiles of the bf16 cache; 0 never; other
-                              // values rejected
+                              // <= 32 (N = 16 up to 16 rows, else 32); 0 never; other values
+                              // rejected
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
@@ -192,12 +191,11 @@ inline cudaError_t Prepare(const void* kernel, int cluster, int smem_bytes, Kern
 }
 
 // kScoreN of DecodeKernel for these options and q_len * num_heads rows (0: scores not transposed).
-inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int rows, bool fp8) {
-  if (options.transposed_scores == 0 || options.experiment != 0 || !options.early_release) {
+inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int rows) {
+  if (options.transposed_scores == 0 || cluster != 1 || options.experiment != 0 ||
+      !options.early_release) {
     return 0;
   }
-  if (rows > 32) return options.transposed_scores == 2 && !fp8 ? 64 : 0;
-  if (cluster != 1) return 0;
   if (rows <= 16) return 16;
   return rows <= 32 ? 32 : 0;
 }
@@ -222,18 +220,15 @@ inline int KernelSmemBytes(bool fp8, int score_n) {
 inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8) {
   if (fp8) {
     if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
-    switch (TransposedScoreRows(options, cluster, rows, fp8)) {
+    switch (TransposedScoreRows(options, cluster, rows)) {
       case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
       case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32, true>);
       default: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true>);
     }
   }
-  switch (TransposedScoreRows(options, cluster, rows, fp8)) {
+  switch (TransposedScoreRows(options, cluster, rows)) {
     case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16>);
     case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32>);
-    case 64:
-      return cluster == 2 ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 64>)
-                          : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 64>);
     default: break;
   }
   if (cluster == 2) {
@@ -266,16 +261,14 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  if (options.transposed_scores < -1 || options.transposed_scores == 1 ||
-      options.transposed_scores > 2 ||
+  if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
       options.wide_combine < -1 || options.wide_combine > 1) {
     return cudaErrorInvalidValue;
   }
   const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int smem_bytes =
-      detail::KernelSmemBytes(p.kv_fp8,
-                              detail::TransposedScoreRows(options, cluster, rows, p.kv_fp8));
+      detail::KernelSmemBytes(p.kv_fp8, detail::TransposedScoreRows(options, cluster, rows));
   detail::KernelInfo info;
   cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;
