@@ -3,22 +3,25 @@
 // CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads), one CTA per SM; grid (parts, M
 // tiles). Each CTA walks the (request, KV block) range that the schedule gives its part:
 //  - one producer thread loads the 64-row query tile once per request segment and every 64-token
-//    KV tile (64 x 576 bf16) as 32-token x 64-column bulk-tensor pieces (one page of 32, or half a
-//    page of 64, per piece row) into a 2-stage mbarrier pipeline; a stage goes back to the
-//    producer as soon as both warpgroups' PV on it is done;
-//  - QK^T: consumer warpgroup w computes the scores of tokens [32w, 32w + 32) for all 64 rows
-//    (WGMMA 64x32x16, both operands in shared memory);
-//  - the warpgroups exchange row maxima through shared memory, each writes its bf16
-//    probabilities into the shared P tile, then both run PV over all 64 tokens for their own 256
-//    output columns (WGMMA 64x256x16, V read as the transposed view of the KV tile in place);
+//    KV tile (64 x 576 bf16) as 64-column bulk-tensor pieces of one page (64 rows) or of two
+//    pages of 32 into a 2-stage mbarrier pipeline; a stage goes back to the producer as soon as
+//    both warpgroups' PV on it is done;
+//  - QK^T: consumer warpgroup 0 computes the scores of all 64 tokens for all 64 rows (WGMMA
+//    64x64x16, both operands in shared memory) and their online softmax, and writes the bf16
+//    probabilities P over the block's rope chunk (which only QK^T reads) and each row's rescale
+//    factor to shared memory;
+//  - both warpgroups run PV over the 64 tokens for their own 256 output columns (WGMMA 64x256x16,
+//    V read as the transposed view of the KV tile in place), warpgroup 1 after rescaling its half
+//    of the output by warpgroup 0's factors;
 //  - a request handled whole writes bf16 output and LSE; a split one writes fp32 partial output
 //    and LSE to the workspace for the combine kernel.
 // Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
 // Up to 32 query rows the scores and PV are computed transposed (kScoreN). With the fp8 cache
 // (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile per
 // block.
-// Safety: tokens at or beyond the (clamped) length, and 32-token halves whose page id is out of
-// range, are never loaded from the cache; their shared-memory rows are zeroed (so 0 * NaN never
+// Safety: only pages whose id is in range and that hold tokens below the (clamped) length are
+// loaded from the cache (with pages of 64 the whole page, its tail included); the shared-memory
+// rows of tokens at or beyond the length or of pages not loaded are zeroed (so 0 * NaN never
 // enters PV) and their scores masked to -inf by select.
 #pragma once
 
@@ -55,6 +58,8 @@ namespace detail {
 
 using QkMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                              cute::SM90::GMMA::Major::K>;
+using QkMma64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                               cute::SM90::GMMA::Major::K>;
 using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
 // The transposed products, m64 x kScoreN x k16 with B K-major and N = the query rows (16 or 32):
@@ -109,6 +114,16 @@ __device__ __forceinline__ float Exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+
+// The running maximum (score units) a row keeps after a block whose own maximum is m_blk: the
+// old one, m, unless m_blk exceeds it by more than kLazyRescaleLog2 in exp2 units. Most blocks then
+// leave the output accumulator unscaled, and the probabilities stay below 2^kLazyRescaleLog2
+// (bf16 and the fp32 sums hold them as well as any). -inf while the row has seen no token.
+constexpr float kLazyRescaleLog2 = 8.f;
+
+__device__ __forceinline__ float NextRowMax(float m, float m_blk, float scale_log2) {
+  return (m_blk - m) * scale_log2 > kLazyRescaleLog2 ? m_blk : m;
 }
 
 // Multiplies a warpgroup's 64 x 256 accumulator fragment by its two rows' factors.
@@ -556,6 +571,7 @@ template <class QkRs, int kQChunkBytes, int kStN>
 __device__ __forceinline__ void ScoresFp8Registers(KFragments& frag, uint32_t q_addr, int wg,
                                                    float (&st)[kStN]) {
   constexpr int kRopeStep0 = kNumVChunks * kQkStepsPerChunk;
+  const uint64_t q_desc = KMajorDesc(q_addr);
   FenceRegisters(st);
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
@@ -571,12 +587,12 @@ __device__ __forceinline__ void ScoresFp8Registers(KFragments& frag, uint32_t q_
 #pragma unroll
   for (int k = 0; k < 16; ++k) {
     const int g = 16 * wg + k;  // chunk 4 wg + k / 4, its k step k % 4
-    GmmaRs<QkRs>(frag.latent[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), st, k != 0);
+    GmmaRs<QkRs>(frag.latent[k], DescAdd(q_desc, QkStepOffset<kQChunkBytes>(g)), st, k != 0);
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int g = kRopeStep0 + 2 * wg + k;
-    GmmaRs<QkRs>(frag.rope[k], KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), st, true);
+    GmmaRs<QkRs>(frag.rope[k], DescAdd(q_desc, QkStepOffset<kQChunkBytes>(g)), st, true);
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
@@ -591,14 +607,15 @@ __device__ __forceinline__ void ScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr,
                                               float (&st)[kStN]) {
   constexpr int kLatentSteps = 2 * kFp8GroupSize / 16;
   constexpr int kRopeSteps = kRopeDim / kConsumerWarpgroups / 16;
+  const uint64_t kv_desc = KMajorDesc(kv_addr), q_desc = KMajorDesc(q_addr);
   FenceRegisters(st);
   cute::warpgroup_arrive();
 #pragma unroll
   for (int j = 0; j < kLatentSteps + kRopeSteps; ++j) {
     const int g = j < kLatentSteps ? wg * kLatentSteps + j
                                    : kLatentDim / 16 + wg * kRopeSteps + (j - kLatentSteps);
-    Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
-              KMajorDesc(q_addr + QkStepOffset<kQChunkBytes>(g)), st, j != 0);
+    Gmma<QkT>(DescAdd(kv_desc, QkStepOffset(g)), DescAdd(q_desc, QkStepOffset<kQChunkBytes>(g)),
+              st, j != 0);
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
@@ -712,6 +729,7 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         }
         continue;
       }
+      if (!kFp8 && p.page_size == kBlockN) bytes = kv_rows[0] >= 0 ? kTileBytes : 0;
       if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
       TxBarrier::arrive_and_expect_tx(full, bytes);
       if constexpr (kFp8) {
@@ -727,6 +745,25 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         continue;
       }
       uint8_t* stage_base = smem + Layout::kKv + stage * kTileBytes;
+      if (p.page_size == kBlockN) {
+        // Pages of 64: one 64-row box per chunk (the map's box), the page's tail past the length
+        // included (it lies inside the page; the consumers zero and mask it).
+        if (kv_rows[0] < 0) continue;
+#pragma unroll 1
+        for (int c = 0; c < kNumChunks; ++c) {
+          uint8_t* dst = stage_base + c * kChunkBytes;
+          if (kCluster == 1) {
+            cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint, dst, c * kChunkCols,
+                                         kv_rows[0]);
+          } else if (c % kCluster == static_cast<int>(cta_rank)) {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, full,
+                                                   static_cast<uint16_t>((1 << kCluster) - 1),
+                                                   args.kv_cache_hint, dst, c * kChunkCols,
+                                                   kv_rows[0]);
+          }
+        }
+        continue;
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int kv_row = kv_rows[h];
@@ -837,6 +874,13 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
+// 64-row tiles of the bf16 cache (kWg0Scores below): warpgroup 0 alone computes QK^T (N = 64, all
+// 576 columns) and the softmax; its rows' rescale factors go to warpgroup 1 through shared memory
+// (the half of row_max of the block's parity), P over the stage's rope chunk, so that one barrier
+// per block hands both over and nothing warpgroup 0 writes for a block meets warpgroup 1's reads
+// of the block before.
+// Every path rescales the output only when a row's running maximum grows by more than
+// 2^kLazyRescaleLog2 (NextRowMax).
 // kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
 // convert them into the one bf16 KV tile, which QK^T and PV read.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
@@ -848,7 +892,8 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 //    with 32 rows QK^T reads the tile (DequantiseRow).
 //  - 64-row tiles (kScoreN 0): once both warpgroups' PV of the block before is done, warpgroup w
 //    converts half w of the block (its QK^T's tokens, all columns) from its 32-token stage
-//    (HalfSlot).
+//    (HalfSlot); each warpgroup computes the scores of its half (WGMMA 64x32x16) and the two
+//    exchange row maxima.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
@@ -860,6 +905,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   static_assert(!kFp8 || kScoreN == 0 || kScoreN <= kFp8TransposedRows,
                 "the fp8 cache's transposed scores fit its query tile");
   using Layout = KernelSmemLayout<kFp8, kScoreN>;
+  // 64-row tiles of the bf16 cache: warpgroup 0 computes the scores and the softmax of the whole
+  // block, both warpgroups PV.
+  constexpr bool kWg0Scores = !kFp8 && kScoreN == 0 && kEarlyRelease;
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -898,7 +946,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  const int wg = warp / 4;
+  // Warp-uniform as far as the compiler knows (broadcast from lane 0), so that the WGMMA
+  // descriptors built from it stay in uniform registers.
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int wg_tid = tid % 128;
   const int r0 = Fragment::Row(wg_tid, 0);
   const int r1 = Fragment::Row(wg_tid, 1);
@@ -1012,6 +1062,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
+      // kWg0Scores: P of the block goes over the stage's rope chunk (only warpgroup 0's QK^T reads
+      // it), and the rows' factors into the half of row_max of the block's parity, so that what
+      // warpgroup 0 writes for a block never meets warpgroup 1's reads of the block before.
+      uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + stage * kTileBytes +
+                                                kNumVChunks * kChunkBytes
+                                          : p_tile;
 
       if constexpr (kScoreN > 0) {
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
@@ -1025,11 +1081,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         } else {
           FenceRegisters(st);
           cute::warpgroup_arrive();
+          const uint64_t kv_desc = KMajorDesc(kv_addr), q_desc = KMajorDesc(q_addr);
 #pragma unroll
           for (int s = 0; s < kQkStepsPerWarpgroup; ++s) {
             const int g = wg * kQkStepsPerWarpgroup + s;
-            Gmma<QkT>(KMajorDesc(kv_addr + QkStepOffset(g)),
-                      KMajorDesc(q_addr + QkStepOffset<Layout::kQChunkBytes>(g)), st, s != 0);
+            Gmma<QkT>(DescAdd(kv_desc, QkStepOffset(g)),
+                      DescAdd(q_desc, QkStepOffset<Layout::kQChunkBytes>(g)), st, s != 0);
           }
           cute::warpgroup_commit_batch();
           cute::warpgroup_wait<0>();
@@ -1081,7 +1138,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           float m_blk = wg_exchange[row];
 #pragma unroll
           for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, wg_exchange[w * kScoreN + row]);
-          const float m_new = fmaxf(m_t[i], m_blk);
+          const float m_new = NextRowMax(m_t[i], m_blk, sl2);
           const float mu = m_new == kNegInf ? 0.f : m_new;
           alpha[i] = Exp2((m_t[i] - mu) * sl2);
           m_t[i] = m_new;
@@ -1091,13 +1148,19 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
         }
         // O^T's columns are query rows laid out as S^T's: this thread's rows are its own.
+        bool rescale = false;
 #pragma unroll
-        for (int t = 0; t < kOTiles; ++t) {
-          FenceRegisters(o_tiles[t]);
+        for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
 #pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            o_tiles[t][TransposedScores::Element(i, 0)] *= alpha[i];
-            o_tiles[t][TransposedScores::Element(i, 1)] *= alpha[i];
+        for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int t = 0; t < kOTiles; ++t) {
+#pragma unroll
+            for (int i = 0; i < kRowsT; ++i) {
+              o_tiles[t][TransposedScores::Element(i, 0)] *= alpha[i];
+              o_tiles[t][TransposedScores::Element(i, 1)] *= alpha[i];
+            }
           }
         }
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
@@ -1113,6 +1176,111 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
           }
         }
+      } else if constexpr (kWg0Scores) {
+        // Warpgroup 0 computes the block's scores S = Q K^T (all 64 tokens, N = 64) and its
+        // softmax, writes P and the rows' rescale factors; warpgroup 1 waits for them, rescales its
+        // half of O, and both run PV.
+        float* row_alpha = row_max + (it & 1) * kBlockM;  // f32 [64]: the block's row factors
+        if (wg == 0) {
+          float s_full[kBlockM * kBlockN / 128];
+          FenceRegisters(s_full);
+          cute::warpgroup_arrive();
+          if (kSkip & 1) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s_full[i] = 0.f;
+          }
+          const uint64_t q_desc = KMajorDesc(q_addr), k_desc = KMajorDesc(kv_addr);
+#pragma unroll
+          for (int g = 0; g < ((kSkip & 1) ? 0 : kQkSteps); ++g) {
+            Gmma<QkMma64>(DescAdd(q_desc, QkStepOffset(g)), DescAdd(k_desc, QkStepOffset(g)),
+                          s_full, g != 0);
+          }
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          FenceRegisters(s_full);
+          FenceRegisters(o);
+          if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
+          // Masked online softmax of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e); element
+          // (j, e) is token 8 j + quad_col + e of the block.
+          float alpha0 = 1.f, alpha1 = 1.f;
+          float sum0 = 0.f, sum1 = 0.f;
+          uint32_t p_lo[8], p_hi[8];  // P of rows r0, r1 x tokens 0-31 and 32-63, bf16 pairs
+          if (kSkip & 4) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              uint32_t(&dst)[8] = j < 4 ? p_lo : p_hi;
+              dst[2 * (j % 4)] = PackBf16x2(s_full[4 * j], s_full[4 * j + 1]);
+              dst[2 * (j % 4) + 1] = PackBf16x2(s_full[4 * j + 2], s_full[4 * j + 3]);
+            }
+            sum0 = sum1 = 1.f;
+            m0 = m1 = 0.f;
+          } else {
+            const int tok0 = token_base + quad_col;
+            float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+              const bool half_ok = j < kHalfN / 8 ? half_ok0 : half_ok1;
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int tok = tok0 + 8 * j + e;
+                const float a = (half_ok && tok <= limit0) ? s_full[4 * j + e] : kNegInf;
+                const float c = (half_ok && tok <= limit1) ? s_full[4 * j + 2 + e] : kNegInf;
+                s_full[4 * j + e] = a;
+                s_full[4 * j + 2 + e] = c;
+                mx0 = fmaxf(mx0, a);
+                mx1 = fmaxf(mx1, c);
+              }
+            }
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+            const float m_new0 = NextRowMax(m0, mx0, sl2);
+            const float m_new1 = NextRowMax(m1, mx1, sl2);
+            const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
+            const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
+            alpha0 = Exp2((m0 - mu0) * sl2);
+            alpha1 = Exp2((m1 - mu1) * sl2);
+            m0 = m_new0;
+            m1 = m_new1;
+            const float nb0 = -mu0 * sl2;
+            const float nb1 = -mu1 * sl2;
+#pragma unroll
+            for (int j = 0; j < kBlockN / 8; ++j) {
+              const float p00 = Exp2(fmaf(s_full[4 * j + 0], sl2, nb0));
+              const float p01 = Exp2(fmaf(s_full[4 * j + 1], sl2, nb0));
+              const float p10 = Exp2(fmaf(s_full[4 * j + 2], sl2, nb1));
+              const float p11 = Exp2(fmaf(s_full[4 * j + 3], sl2, nb1));
+              sum0 += p00 + p01;
+              sum1 += p10 + p11;
+              uint32_t(&dst)[8] = j < 4 ? p_lo : p_hi;
+              dst[2 * (j % 4)] = PackBf16x2(p00, p01);
+              dst[2 * (j % 4) + 1] = PackBf16x2(p10, p11);
+            }
+          }
+          StoreWarpTile16x32(p_block, r0 - lane / 4, 0, lane, p_lo);
+          StoreWarpTile16x32(p_block, r0 - lane / 4, kHalfN, lane, p_hi);
+          if ((lane & 3) == 0) {
+            row_alpha[r0] = alpha0;
+            row_alpha[r1] = alpha1;
+          }
+          l0 = l0 * alpha0 + sum0;
+          l1 = l1 * alpha1 + sum1;
+          if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+            RescaleRows(o, alpha0, alpha1);
+          }
+        } else if (k == seg_info.kv_end - 1 && wg_tid == 0) {
+          Barrier::arrive(pipe.QEmpty());  // warpgroup 1 never reads the query tile
+        }
+        cutlass::arch::fence_view_async_shared();
+        ConsumerSync();
+        if (wg == 1) {
+          const float alpha0 = row_alpha[r0], alpha1 = row_alpha[r1];
+          FenceRegisters(o);
+          if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+            RescaleRows(o, alpha0, alpha1);
+          }
+        }
       } else {
       // S = Q K^T for this warpgroup's 32 tokens.
       FenceRegisters(s_acc);
@@ -1121,14 +1289,14 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 #pragma unroll
         for (int i = 0; i < 16; ++i) s_acc[i] = 0.f;
       }
+      const uint64_t q_desc = KMajorDesc(q_addr);
+      const uint64_t k_desc = KMajorDesc(kv_addr + wg * kHalfN * kRowBytes);
 #pragma unroll
       for (int c = 0; c < ((kSkip & 1) ? 0 : kNumChunks); ++c) {
 #pragma unroll
         for (int kk = 0; kk < kChunkCols / 16; ++kk) {
-          const uint64_t da = KMajorDesc(q_addr + c * kChunkBytes + kk * 32);
-          const uint64_t db =
-              KMajorDesc(kv_addr + c * kChunkBytes + wg * kHalfN * kRowBytes + kk * 32);
-          Gmma<QkMma>(da, db, s_acc, (c | kk) != 0);
+          const uint32_t offset = c * kChunkBytes + kk * 32;
+          Gmma<QkMma>(DescAdd(q_desc, offset), DescAdd(k_desc, offset), s_acc, (c | kk) != 0);
         }
       }
       cute::warpgroup_commit_batch();
@@ -1184,8 +1352,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       ConsumerSync();
       mx0 = fmaxf(mx0, row_max[(wg ^ 1) * kBlockM + r0]);
       mx1 = fmaxf(mx1, row_max[(wg ^ 1) * kBlockM + r1]);
-      const float m_new0 = fmaxf(m0, mx0);
-      const float m_new1 = fmaxf(m1, mx1);
+      const float m_new0 = NextRowMax(m0, mx0, sl2);
+      const float m_new1 = NextRowMax(m1, mx1, sl2);
       const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
       const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
       const float alpha0 = Exp2((m0 - mu0) * sl2);
@@ -1210,36 +1378,38 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       StoreWarpTile16x32(p_tile, r0 - lane / 4, wg * kHalfN, lane, p_packed);
       l0 = l0 * alpha0 + sum0;
       l1 = l1 * alpha1 + sum1;
-      RescaleRows(o, alpha0, alpha1);
+      if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) RescaleRows(o, alpha0, alpha1);
       }
       }  // kScoreN == 0
-      cutlass::arch::fence_view_async_shared();
-      ConsumerSync();
+      if constexpr (!kWg0Scores) {
+        cutlass::arch::fence_view_async_shared();
+        ConsumerSync();
+      }
 
       if constexpr (kScoreN > 0) {
         // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
 #pragma unroll
         for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
         cute::warpgroup_arrive();
+        const uint64_t v_desc = MNMajorDesc(kv_addr + wg * kOTiles * kChunkBytes);
+        const uint64_t p_desc = KMajorDesc(p_addr);
 #pragma unroll
         for (int kk = 0; kk < kBlockN / 16; ++kk) {
 #pragma unroll
           for (int t = 0; t < kOTiles; ++t) {
-            const uint64_t da = MNMajorDesc(kv_addr + (wg * kOTiles + t) * kChunkBytes +
-                                            kk * 16 * kRowBytes);
-            Gmma<PvT>(da, KMajorDesc(p_addr + kk * 32), o_tiles[t], true);
+            Gmma<PvT>(DescAdd(v_desc, t * kChunkBytes + kk * 16 * kRowBytes),
+                      DescAdd(p_desc, kk * 32), o_tiles[t], true);
           }
         }
       } else {
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
       cute::warpgroup_arrive();
+      const uint64_t p_desc = KMajorDesc(SmemAddr(p_block));
+      const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
 #pragma unroll
       for (int kk = 0; kk < ((kSkip & 2) ? 0 : kBlockN / 16); ++kk) {
-        const uint64_t da = KMajorDesc(p_addr + kk * 32);
-        const uint64_t db = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes +
-                                        kk * 16 * kRowBytes);
-        Gmma<PvMma>(da, db, o, true);
+        Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
       }
       }  // kScoreN == 0
       cute::warpgroup_commit_batch();

@@ -294,7 +294,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                             args.q_box_rows) ||
       (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
                                           static_cast<uint64_t>(p.num_pages) * p.page_size,
-                                          kHalfN, options.kv_l2_promotion))) {
+                                          p.page_size == kBlockN ? kBlockN : kHalfN,
+                                          options.kv_l2_promotion))) {
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};

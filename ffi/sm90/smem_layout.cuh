@@ -8,7 +8,8 @@
 //  - PV reads the same KV tile as V (B) MN-major (transposed view): 64 columns of a chunk are
 //    contiguous, chunks are kChunkBytes apart (leading byte offset), 8-token groups 1024 bytes
 //    apart (stride byte offset); a k step of 16 tokens advances the start by 2048 bytes.
-//  - P (64 rows x 64 tokens, bf16) is one K-major chunk written by the consumer warpgroups.
+//  - P (64 rows x 64 tokens, bf16) is one K-major chunk written by the consumer warpgroups (the
+//    bf16 cache's 64-row tiles write it over the KV stage's rope chunk instead).
 #pragma once
 
 #include <cstdint>
@@ -105,6 +106,14 @@ __device__ __forceinline__ uint64_t KMajorDesc(uint32_t smem_addr) {
 // MN-major operand (V): 64-column chunks kChunkBytes apart, 8-token groups 1024 B apart.
 __device__ __forceinline__ uint64_t MNMajorDesc(uint32_t smem_addr) {
   return MakeSmemDesc(smem_addr, kChunkBytes, 8 * kRowBytes);
+}
+
+// desc with its start address `bytes` further (a multiple of 16). Only the low word changes: the
+// 14-bit address field holds any shared-memory address of the CTA (below 256 KB) and does not
+// carry into the next field.
+__device__ __forceinline__ uint64_t DescAdd(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
 }
 
 // Byte offset of element (row, col) inside a 128-byte-swizzled chunk of bf16 (col < 64).
