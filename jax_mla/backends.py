@@ -237,15 +237,18 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
     heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
     fa3 where the committed benchmark (benchmarks/results/h200-sm90.md) has it faster, a batch of
-    32 or more with up to 64 heads at q_len 1, or with up to 32 query rows (q_len x heads) below a
-    batch of 512."""
+    32 or more with up to 64 heads at q_len 1, with up to 32 query rows (q_len x heads) below a
+    batch of 512, or with more than 64 heads and up to 64 query tokens (batch x q_len; measured
+    at 32, slower at 128 with short lengths)."""
     if instead_of == XLA:
         return True
     if batch < 32:
         return False
-    if q_len == 1:
-        return num_heads <= 64
-    return q_len * num_heads <= 32 and batch < 512
+    if q_len == 1 and num_heads <= 64:
+        return True
+    if q_len * num_heads <= 32:
+        return batch < 512
+    return num_heads > 64 and batch * q_len <= 64
 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,
