@@ -142,6 +142,69 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+constexpr float kNegInf = -__builtin_huge_valf();
+
+// 64-row tiles: masks this thread's scores of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e) in
+// kGroups groups of eight tokens (element (j, e) is token tok0 + 8 j + e; half_ok(j): its page was
+// loaded) to -inf past each row's causal limit, and returns the rows' maxima over the quad's lanes.
+template <int kGroups, class HalfOk>
+__device__ __forceinline__ void MaskRows(float (&s)[4 * kGroups], int tok0, HalfOk half_ok,
+                                         int limit0, int limit1, float& mx0, float& mx1) {
+  mx0 = kNegInf;
+  mx1 = kNegInf;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = tok0 + 8 * j + e;
+      const float a = (half_ok(j) && tok <= limit0) ? s[4 * j + e] : kNegInf;
+      const float c = (half_ok(j) && tok <= limit1) ? s[4 * j + 2 + e] : kNegInf;
+      s[4 * j + e] = a;
+      s[4 * j + 2 + e] = c;
+      mx0 = fmaxf(mx0, a);
+      mx1 = fmaxf(mx1, c);
+    }
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+}
+
+// 64-row tiles: the online softmax of rows r0 and r1 (the scores s as in MaskRows) whose block
+// maxima are mx0 and mx1: moves the running maxima m0, m1 (NextRowMax), returns the rows' rescale
+// factors and the sums of the probabilities, and packs these as bf16 pairs for
+// StoreWarpTile16x32 (packed[j / 4][2 (j % 4)]: row r0, [.. + 1]: row r1, of group j).
+template <int kGroups>
+__device__ __forceinline__ void SoftmaxRows(const float (&s)[4 * kGroups], float mx0, float mx1,
+                                            float scale_log2, float& m0, float& m1,
+                                            float& alpha0, float& alpha1, float& sum0,
+                                            float& sum1, uint32_t (&packed)[kGroups / 4][8]) {
+  const float m_new0 = NextRowMax(m0, mx0, scale_log2);
+  const float m_new1 = NextRowMax(m1, mx1, scale_log2);
+  const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
+  const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
+  alpha0 = Exp2((m0 - mu0) * scale_log2);
+  alpha1 = Exp2((m1 - mu1) * scale_log2);
+  m0 = m_new0;
+  m1 = m_new1;
+  const float nb0 = -mu0 * scale_log2;
+  const float nb1 = -mu1 * scale_log2;
+  sum0 = 0.f;
+  sum1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    const float p00 = Exp2(fmaf(s[4 * j + 0], scale_log2, nb0));
+    const float p01 = Exp2(fmaf(s[4 * j + 1], scale_log2, nb0));
+    const float p10 = Exp2(fmaf(s[4 * j + 2], scale_log2, nb1));
+    const float p11 = Exp2(fmaf(s[4 * j + 3], scale_log2, nb1));
+    sum0 += p00 + p01;
+    sum1 += p10 + p11;
+    packed[j / 4][2 * (j % 4)] = PackBf16x2(p00, p01);
+    packed[j / 4][2 * (j % 4) + 1] = PackBf16x2(p10, p11);
+  }
+}
+
 // A warp's 16 rows x 32 columns of a 64 x 32 WGMMA accumulator (fragment_layout.h), packed as bf16
 // pairs (packed[2 j + h]: rows Fragment::Row(., h), columns of eight-column group j), stored into a
 // 128-byte-swizzled bf16 chunk at rows [row0, row0 + 16) and columns [col0, col0 + 32) with two
@@ -170,7 +233,6 @@ __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, i
   return page * p.page_size + (token0 & (p.page_size - 1));
 }
 
-constexpr float kNegInf = -__builtin_huge_valf();
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
 constexpr int kWarpgroupBarrier = 4;  // + warpgroup: its own four warps
 constexpr int kPvDoneBarrier = 3;  // both consumer warpgroups: the previous PV is done with P
@@ -1204,62 +1266,26 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           // (j, e) is token 8 j + quad_col + e of the block.
           float alpha0 = 1.f, alpha1 = 1.f;
           float sum0 = 0.f, sum1 = 0.f;
-          uint32_t p_lo[8], p_hi[8];  // P of rows r0, r1 x tokens 0-31 and 32-63, bf16 pairs
+          uint32_t p_packed[2][8];  // P of rows r0, r1 x tokens 0-31 and 32-63, bf16 pairs
           if (kSkip & 4) {
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
-              uint32_t(&dst)[8] = j < 4 ? p_lo : p_hi;
-              dst[2 * (j % 4)] = PackBf16x2(s_full[4 * j], s_full[4 * j + 1]);
-              dst[2 * (j % 4) + 1] = PackBf16x2(s_full[4 * j + 2], s_full[4 * j + 3]);
+              p_packed[j / 4][2 * (j % 4)] = PackBf16x2(s_full[4 * j], s_full[4 * j + 1]);
+              p_packed[j / 4][2 * (j % 4) + 1] =
+                  PackBf16x2(s_full[4 * j + 2], s_full[4 * j + 3]);
             }
             sum0 = sum1 = 1.f;
             m0 = m1 = 0.f;
           } else {
-            const int tok0 = token_base + quad_col;
-            float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j) {
-              const bool half_ok = j < kHalfN / 8 ? half_ok0 : half_ok1;
-#pragma unroll
-              for (int e = 0; e < 2; ++e) {
-                const int tok = tok0 + 8 * j + e;
-                const float a = (half_ok && tok <= limit0) ? s_full[4 * j + e] : kNegInf;
-                const float c = (half_ok && tok <= limit1) ? s_full[4 * j + 2 + e] : kNegInf;
-                s_full[4 * j + e] = a;
-                s_full[4 * j + 2 + e] = c;
-                mx0 = fmaxf(mx0, a);
-                mx1 = fmaxf(mx1, c);
-              }
-            }
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-            mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-            const float m_new0 = NextRowMax(m0, mx0, sl2);
-            const float m_new1 = NextRowMax(m1, mx1, sl2);
-            const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
-            const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
-            alpha0 = Exp2((m0 - mu0) * sl2);
-            alpha1 = Exp2((m1 - mu1) * sl2);
-            m0 = m_new0;
-            m1 = m_new1;
-            const float nb0 = -mu0 * sl2;
-            const float nb1 = -mu1 * sl2;
-#pragma unroll
-            for (int j = 0; j < kBlockN / 8; ++j) {
-              const float p00 = Exp2(fmaf(s_full[4 * j + 0], sl2, nb0));
-              const float p01 = Exp2(fmaf(s_full[4 * j + 1], sl2, nb0));
-              const float p10 = Exp2(fmaf(s_full[4 * j + 2], sl2, nb1));
-              const float p11 = Exp2(fmaf(s_full[4 * j + 3], sl2, nb1));
-              sum0 += p00 + p01;
-              sum1 += p10 + p11;
-              uint32_t(&dst)[8] = j < 4 ? p_lo : p_hi;
-              dst[2 * (j % 4)] = PackBf16x2(p00, p01);
-              dst[2 * (j % 4) + 1] = PackBf16x2(p10, p11);
-            }
+            float mx0, mx1;
+            MaskRows<kBlockN / 8>(s_full, token_base + quad_col,
+                                  [&](int j) { return j < kHalfN / 8 ? half_ok0 : half_ok1; },
+                                  limit0, limit1, mx0, mx1);
+            SoftmaxRows<kBlockN / 8>(s_full, mx0, mx1, sl2, m0, m1, alpha0, alpha1, sum0, sum1,
+                                     p_packed);
           }
-          StoreWarpTile16x32(p_block, r0 - lane / 4, 0, lane, p_lo);
-          StoreWarpTile16x32(p_block, r0 - lane / 4, kHalfN, lane, p_hi);
+          StoreWarpTile16x32(p_block, r0 - lane / 4, 0, lane, p_packed[0]);
+          StoreWarpTile16x32(p_block, r0 - lane / 4, kHalfN, lane, p_packed[1]);
           if ((lane & 3) == 0) {
             row_alpha[r0] = alpha0;
             row_alpha[r1] = alpha1;
@@ -1326,25 +1352,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         m1 = 0.f;
       } else {
       const bool half_ok = wg == 0 ? half_ok0 : half_ok1;
-      const int tok0 = token_base + wg * kHalfN + quad_col;
-      float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-      for (int j = 0; j < kHalfN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int tok = tok0 + 8 * j + e;
-          const float a = (half_ok && tok <= limit0) ? s_acc[4 * j + e] : kNegInf;
-          const float c = (half_ok && tok <= limit1) ? s_acc[4 * j + 2 + e] : kNegInf;
-          s_acc[4 * j + e] = a;
-          s_acc[4 * j + 2 + e] = c;
-          mx0 = fmaxf(mx0, a);
-          mx1 = fmaxf(mx1, c);
-        }
-      }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      float mx0, mx1;
+      MaskRows<kHalfN / 8>(s_acc, token_base + wg * kHalfN + quad_col,
+                           [&](int) { return half_ok; }, limit0, limit1, mx0, mx1);
       if ((lane & 3) == 0) {
         row_max[wg * kBlockM + r0] = mx0;
         row_max[wg * kBlockM + r1] = mx1;
@@ -1352,30 +1362,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       ConsumerSync();
       mx0 = fmaxf(mx0, row_max[(wg ^ 1) * kBlockM + r0]);
       mx1 = fmaxf(mx1, row_max[(wg ^ 1) * kBlockM + r1]);
-      const float m_new0 = NextRowMax(m0, mx0, sl2);
-      const float m_new1 = NextRowMax(m1, mx1, sl2);
-      const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
-      const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
-      const float alpha0 = Exp2((m0 - mu0) * sl2);
-      const float alpha1 = Exp2((m1 - mu1) * sl2);
-      m0 = m_new0;
-      m1 = m_new1;
-      const float nb0 = -mu0 * sl2;
-      const float nb1 = -mu1 * sl2;
-      float sum0 = 0.f, sum1 = 0.f;
-      uint32_t p_packed[kHalfN / 4];  // P of rows r0, r1 x the thread's tokens, bf16 pairs
-#pragma unroll
-      for (int j = 0; j < kHalfN / 8; ++j) {
-        const float p00 = Exp2(fmaf(s_acc[4 * j + 0], sl2, nb0));
-        const float p01 = Exp2(fmaf(s_acc[4 * j + 1], sl2, nb0));
-        const float p10 = Exp2(fmaf(s_acc[4 * j + 2], sl2, nb1));
-        const float p11 = Exp2(fmaf(s_acc[4 * j + 3], sl2, nb1));
-        sum0 += p00 + p01;
-        sum1 += p10 + p11;
-        p_packed[2 * j] = PackBf16x2(p00, p01);
-        p_packed[2 * j + 1] = PackBf16x2(p10, p11);
-      }
-      StoreWarpTile16x32(p_tile, r0 - lane / 4, wg * kHalfN, lane, p_packed);
+      float alpha0, alpha1, sum0, sum1;
+      uint32_t p_packed[1][8];  // P of rows r0, r1 x the thread's tokens, bf16 pairs
+      SoftmaxRows<kHalfN / 8>(s_acc, mx0, mx1, sl2, m0, m1, alpha0, alpha1, sum0, sum1, p_packed);
+      StoreWarpTile16x32(p_tile, r0 - lane / 4, wg * kHalfN, lane, p_packed[0]);
       l0 = l0 * alpha0 + sum0;
       l1 = l1 * alpha1 + sum1;
       if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) RescaleRows(o, alpha0, alpha1);
