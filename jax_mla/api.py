@@ -38,9 +38,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format
         (sm90 aside); on Hopper, with ``plan=None``, a device whose shard has a batch of 32 or more
         with up to 64 heads at q_len 1 (or up to 32 query rows below a batch of 512, or more than
-        64 heads with up to 64 query tokens) takes sm90 instead of fa3 (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it
-        faster), and with the fp8 cache every device whose shard sm90 runs takes sm90 instead of
-        xla.
+        64 heads with up to 64 query tokens) takes sm90 instead of fa3
+        (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it faster), and with
+        the fp8 cache every device whose shard sm90 runs takes sm90 instead of xla.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared

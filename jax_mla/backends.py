@@ -238,8 +238,7 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
     fa3 where the committed benchmark (benchmarks/results/h200-sm90.md) has it faster, a batch of
     32 or more with up to 64 heads at q_len 1, with up to 32 query rows (q_len x heads) below a
-    batch of 512, or with more than 64 heads and up to 64 query tokens (batch x q_len; measured
-    at 32, slower at 128 with short lengths)."""
+    batch of 512, or with more than 64 heads and up to 64 query tokens (batch x q_len)."""
     if instead_of == XLA:
         return True
     if batch < 32:
