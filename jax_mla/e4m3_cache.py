@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla.fp8_cache import E4M3_MAX
+from jax_mla.fp8_cache import to_e4m3
 
 E4M3 = "e4m3"  # the cache format's name in jax_mla.backends
 DTYPE = jnp.dtype(jnp.float8_e4m3fn)
@@ -51,5 +51,4 @@ def quantize(rows: jax.Array, kv_scale) -> jax.Array:
     """float8_e4m3fn [..., D] of float rows [..., D]: ``rows / kv_scale`` (a float, or a float32
     scalar array) in float32, clipped to [-448, 448] and rounded to the nearest e4m3 (ties to
     even)."""
-    scaled = rows.astype(jnp.float32) / jnp.float32(kv_scale)
-    return jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(DTYPE)
+    return to_e4m3(rows, jnp.float32(kv_scale))

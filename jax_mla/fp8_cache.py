@@ -95,6 +95,14 @@ def group_scales(amax: jax.Array) -> jax.Array:
     return jnp.where(amax > 0, scales, 1.0).astype(jnp.float32)
 
 
+def to_e4m3(values: jax.Array, scale) -> jax.Array:
+    """float8_e4m3fn of ``values / scale`` in float32 (``scale``: a float32 array broadcasting
+    against ``values``, or a float), clipped to e4m3's finite range and rounded to the nearest
+    e4m3 (ties to even)."""
+    scaled = values.astype(jnp.float32) / scale
+    return jnp.clip(scaled, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
 def quantize_rows(latent: jax.Array, rope: jax.Array) -> jax.Array:
     """Cache rows for ``T`` tokens.
 
@@ -110,7 +118,7 @@ def quantize_rows(latent: jax.Array, rope: jax.Array) -> jax.Array:
     row = layout(kv_lora_rank, rope.shape[-1])
     groups = latent.astype(jnp.float32).reshape(num_tokens, row.num_groups, GROUP_SIZE)
     scales = group_scales(jnp.max(jnp.abs(groups), axis=-1))  # [T, G]
-    values = jnp.clip(groups / scales[..., None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+    values = to_e4m3(groups, scales[..., None])
     parts = (values.reshape(num_tokens, kv_lora_rank), scales, rope.astype(jnp.bfloat16))
     return jnp.concatenate([_bytes_of(part) for part in parts], axis=-1)
 

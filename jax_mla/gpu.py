@@ -309,7 +309,7 @@ def e4m3_query(query, softmax_scale: float):
     an all-zero query), and trtllm-gen's softmax scale for it: ``softmax_scale`` times that scale
     times log2(e), float32 [1]). query: float [B, q_len, H, D]."""
     amax = jnp.max(jnp.abs(query.astype(jnp.float32)))
-    scale = jnp.where(amax > 0, amax / e4m3_cache.E4M3_MAX, jnp.float32(1.0))
+    scale = jnp.where(amax > 0, amax / fp8_cache.E4M3_MAX, jnp.float32(1.0))
     values = e4m3_cache.quantize(query, scale)
     return values, (scale * np.float32(softmax_scale * math.log2(math.e))).reshape(1)
 
