@@ -651,7 +651,8 @@ static std::vector<Variant> ClusterVariants() {
 static std::vector<Variant> ExperimentVariants() {
   std::vector<Variant> v;
   const std::pair<const char*, int> exps[] = {{"x-noqk", 1}, {"x-nopv", 2}, {"x-nosoftmax", 4},
-                                              {"x-nomma", 3}, {"x-none", 7}};
+                                              {"x-nomma", 3}, {"x-none", 7},
+                                              {"x-noload", 32}};
   for (auto [name, bits] : exps) {
     LaunchOptions e;
     e.experiment = bits;

@@ -740,7 +740,7 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
 // slot of the ring, once the warpgroup that read it before released it); halves that are past the
 // length or whose page id is out of range are not loaded and not counted. With kCluster == 2 this
 // CTA issues every other piece, multicast into both CTAs of the cluster.
-template <int kCluster, bool kFp8, class Layout>
+template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false>
 __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
                                              const DecodeKernelArgs& args, uint8_t* smem,
                                              SegmentWalker& walker, int mtile, uint32_t cta_rank) {
@@ -793,6 +793,10 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       }
       if (!kFp8 && p.page_size == kBlockN) bytes = kv_rows[0] >= 0 ? kTileBytes : 0;
       if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
+      if constexpr (kNoLoad) {
+        TxBarrier::arrive_and_expect_tx(full, 0);
+        continue;
+      }
       TxBarrier::arrive_and_expect_tx(full, bytes);
       if constexpr (kFp8) {
         uint8_t* stage_base = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
@@ -806,30 +810,15 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         }
         continue;
       }
+      // One box per page of the block and chunk: a 64-row box for pages of 64 (the page's tail
+      // past the length included: it lies inside the page, and the consumers zero and mask it),
+      // two 32-row boxes for pages of 32 (the map's box rows follow the page size).
       uint8_t* stage_base = smem + Layout::kKv + stage * kTileBytes;
-      if (p.page_size == kBlockN) {
-        // Pages of 64: one 64-row box per chunk (the map's box), the page's tail past the length
-        // included (it lies inside the page; the consumers zero and mask it).
-        if (kv_rows[0] < 0) continue;
-#pragma unroll 1
-        for (int c = 0; c < kNumChunks; ++c) {
-          uint8_t* dst = stage_base + c * kChunkBytes;
-          if (kCluster == 1) {
-            cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint, dst, c * kChunkCols,
-                                         kv_rows[0]);
-          } else if (c % kCluster == static_cast<int>(cta_rank)) {
-            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, full,
-                                                   static_cast<uint16_t>((1 << kCluster) - 1),
-                                                   args.kv_cache_hint, dst, c * kChunkCols,
-                                                   kv_rows[0]);
-          }
-        }
-        continue;
-      }
+      const int boxes = p.page_size == kBlockN ? 1 : 2;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int kv_row = kv_rows[h];
-        if (kv_row < 0) continue;
+        if (h >= boxes || kv_row < 0) continue;
 #pragma unroll 1
         for (int c = 0; c < kNumChunks; ++c) {
           uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
@@ -923,8 +912,9 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // block); otherwise only once the next block's QK^T has been issued (PV overlaps that issue, but
 // the refill of a stage then starts only after the next block has landed).
 // kSkip (timing experiments only; results are wrong when non-zero): bit 0 skips the QK^T MMAs,
-// bit 1 the PV MMAs, bit 2 the softmax arithmetic and the row-max exchange.
-// kCluster == 2: the two CTAs of a cluster are consecutive M tiles of the same part (grid y), so
+// bit 1 the PV MMAs, bit 2 the softmax arithmetic and the row-max exchange, bit 5 the KV loads (the
+// producer completes each stage with no bytes: the consumers compute on what the stage held).
+// kCluster == 2: the two CTAs of a cluster are consecutive M tiles of the same part, so
 // they walk the same KV blocks: each issues half of every KV tile's pieces, multicast into both
 // CTAs' shared memory, and a stage is refilled only once the consumers of both CTAs released it.
 // kScoreN (16 or 32; 0: off), for q_len * num_heads <= kScoreN: the scores are computed
@@ -985,8 +975,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int rows = p.q_len * p.num_heads;
-  const int mtile = blockIdx.y;
-  const int part = blockIdx.x;
+  const int m_tiles = NumMTiles(p.q_len, p.num_heads);
+  const int mtile = blockIdx.x % m_tiles;
+  const int part = blockIdx.x / m_tiles;
 
   SetUpCta<kCluster, Layout>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
@@ -1003,7 +994,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      ProduceTiles<kCluster, kFp8, Layout>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
+      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups

@@ -92,7 +92,7 @@ inline bool ValidShape(const DecodeParams& p) {
 }
 
 inline cudaError_t LaunchEx(const void* kernel, dim3 grid, dim3 block, size_t smem, bool pdl,
-                            cudaStream_t stream, void** args, int cluster_y = 1) {
+                            cudaStream_t stream, void** args, int cluster = 1) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -105,10 +105,10 @@ inline cudaError_t LaunchEx(const void* kernel, dim3 grid, dim3 block, size_t sm
     attr[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;
   }
-  if (cluster_y > 1) {
+  if (cluster > 1) {
     attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = 1;
-    attr[n].val.clusterDim.y = cluster_y;
+    attr[n].val.clusterDim.x = cluster;
+    attr[n].val.clusterDim.y = 1;
     attr[n].val.clusterDim.z = 1;
     ++n;
   }
@@ -167,13 +167,13 @@ inline cudaError_t Prepare(const void* kernel, int cluster, int smem_bytes, Kern
   if (cluster > 1) {
     status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0);
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(1, cluster);
+    config.gridDim = dim3(cluster);
     config.blockDim = dim3(kThreads);
     config.dynamicSmemBytes = smem_bytes;
     cudaLaunchAttribute attr[1];
     attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = cluster;
+    attr[0].val.clusterDim.x = cluster;
+    attr[0].val.clusterDim.y = 1;
     attr[0].val.clusterDim.z = 1;
     config.attrs = attr;
     config.numAttrs = 1;
@@ -247,6 +247,7 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     case 3: return reinterpret_cast<const void*>(&DecodeKernel<true, 3>);
     case 4: return reinterpret_cast<const void*>(&DecodeKernel<true, 4>);
     case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7>);
+    case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 32>);
     default: return nullptr;
   }
 }
@@ -299,7 +300,9 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
-  err = detail::LaunchEx(kernel, dim3(parts, m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
+  // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
+  // same KV tiles, start side by side (and a cluster of two is a pair of them).
+  err = detail::LaunchEx(kernel, dim3(parts * m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
                          stream, decode_args, cluster);
   if (err != cudaSuccess) return err;
 
