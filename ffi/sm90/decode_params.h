@@ -97,7 +97,7 @@ __host__ __device__ inline int NumMTiles(int q_len, int num_heads) {
   return CeilDivInt(q_len * num_heads, kBlockM);
 }
 
-// Parts (CTAs along grid x) of the persistent split-KV grid; grid y is the M tile.
+// Parts of the persistent split-KV grid: it has parts x M tiles CTAs, CTA part x M tiles + M tile.
 __host__ __device__ inline int NumParts(int num_sms, int q_len, int num_heads) {
   int parts = num_sms / NumMTiles(q_len, num_heads);
   return parts < 1 ? 1 : parts;
