@@ -994,7 +994,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0>(q_map, kv_map, args, smem, walker, mtile, cta_rank);
+      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0>(q_map, kv_map, args, smem, walker,
+                                                              mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
