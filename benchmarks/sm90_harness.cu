@@ -7,21 +7,22 @@
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
-//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
 //                                      # take the plain-score kernel also where q_len * H <= 32)
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
-//                         [--variants default|cluster|exp|transposed|combine|all]
+//                         [--variants default|cluster|exp|transposed|combine|release|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
 //   number of M tiles is even.
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
-//   --plain-scores, --wide-combine, --narrow-combine (checks only): LaunchOptions'
-//   transposed_scores = 0, wide_combine = 1, wide_combine = 0.
+//   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release (checks
+//   only): LaunchOptions' transposed_scores = 0, wide_combine = 1, wide_combine = 0,
+//   split_release = 1, split_release = 0.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -52,6 +53,8 @@ static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
+static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--split-release": 1,
+                                  // "--whole-release": 0)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -410,6 +413,7 @@ static void RunOnce(const Problem& pb, int copy) {
   if (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0) opt.cluster = 2;
   opt.transposed_scores = g_transposed;
   opt.wide_combine = g_wide_combine;
+  opt.split_release = g_split_release;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -639,6 +643,11 @@ static std::vector<Variant> CombineVariants() {
           {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })}};
 }
 
+static std::vector<Variant> ReleaseVariants() {
+  return {{"release-whole", With([](LaunchOptions& o) { o.split_release = 0; })},
+          {"release-split", With([](LaunchOptions& o) { o.split_release = 1; })}};
+}
+
 static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
 }
@@ -676,6 +685,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   if (which == "default") return v;
   if (which == "combine") append(CombineVariants());
   else if (which == "transposed") append(TransposedVariants());
+  else if (which == "release") append(ReleaseVariants());
   else if (which == "cluster") append(ClusterVariants());
   else if (which == "exp") append(ExperimentVariants());
   else {
@@ -692,6 +702,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     append({{"evict-flip", With([](LaunchOptions& o) { o.kv_evict_first = 2; })}});
     append(TransposedVariants());
     append(CombineVariants());
+    append(ReleaseVariants());
   }
   return v;
 }
@@ -809,6 +820,8 @@ int main(int argc, char** argv) {
     else if (a == "--plain-scores") g_transposed = 0;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
+    else if (a == "--split-release") g_split_release = 1;
+    else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);

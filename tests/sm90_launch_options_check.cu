@@ -57,6 +57,8 @@ int main() {
   Run("transposed_scores=-2", [](DecodeParams&, LaunchOptions& o) { o.transposed_scores = -2; });
   Run("wide_combine=2", [](DecodeParams&, LaunchOptions& o) { o.wide_combine = 2; });
   Run("wide_combine=-2", [](DecodeParams&, LaunchOptions& o) { o.wide_combine = -2; });
+  Run("split_release=2", [](DecodeParams&, LaunchOptions& o) { o.split_release = 2; });
+  Run("split_release=-2", [](DecodeParams&, LaunchOptions& o) { o.split_release = -2; });
   Run("cluster=3", [](DecodeParams& p, LaunchOptions& o) {
     p.num_heads = 128;
     o.cluster = 3;

@@ -3,7 +3,9 @@
 // CombineKernel: one warp per output row (grid: row groups x requests). A request with no KV
 // blocks (length 0 after clamping) gets zeros and LSE -inf here; a request handled by one part
 // was written whole by the decode kernel and is skipped. The splits are merged in part order:
-// deterministic.
+// deterministic. Both kernels let the next kernel in the stream launch as soon as they start
+// (programmatic dependent launch): its CTAs set up while the merge runs and wait for its results
+// in their own GridDependencyWait.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -49,6 +51,7 @@ struct SplitRequest {
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
   GridDependencyWait();
+  GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = blockIdx.y;
   const int rows = p.q_len * p.num_heads;
@@ -127,11 +130,12 @@ CombineKernel(const DecodeParams p, int num_parts) {
 // columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
 // over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
 // j + 32, ...) and reduced across the warp in a fixed order; the outputs are accumulated in part
-// order, each lane with four partial rows in flight. Deterministic; grid: (ceil(rows /
+// order, each lane with kCombineRowsInFlight partial rows in flight. Deterministic; grid: (ceil(rows /
 // kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock * kCombineWarpsPerRow warps.
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
   GridDependencyWait();
+  GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = blockIdx.y;
   const int rows = p.q_len * p.num_heads;
@@ -147,6 +151,7 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
                        (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
   float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
   constexpr float kNegInf = -__builtin_huge_valf();
+  constexpr int kCombineRowsInFlight = 8;
 
   struct alignas(8) Bf16x4 {
     __nv_bfloat162 lo, hi;
@@ -165,8 +170,10 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   if (first == last) return;
   auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
 
-  float max_lse = kNegInf;
-  for (int s = first + lane; s <= last; s += 32) {
+  // Lane j's LSE of split first + j (the common case of at most 32 splits reads each once).
+  const float lse_first = first + lane <= last ? req.part_lse[slot_row(first + lane)] : kNegInf;
+  float max_lse = lse_first;
+  for (int s = first + 32 + lane; s <= last; s += 32) {
     max_lse = fmaxf(max_lse, req.part_lse[slot_row(s)]);
   }
 #pragma unroll
@@ -175,8 +182,10 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
     write(zero, kNegInf);
     return;
   }
-  float sum = 0.f;
-  for (int s = first + lane; s <= last; s += 32) sum += __expf(req.part_lse[slot_row(s)] - max_lse);
+  float sum = __expf(lse_first - max_lse);
+  for (int s = first + 32 + lane; s <= last; s += 32) {
+    sum += __expf(req.part_lse[slot_row(s)] - max_lse);
+  }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   const float lse = max_lse + __logf(sum);
@@ -184,19 +193,32 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   float4 acc = zero;
   for (int base = first; base <= last; base += 32) {
     // Lane j holds the weight of split base + j.
-    const float w_lane =
-        base + lane <= last ? __expf(req.part_lse[slot_row(base + lane)] - lse) : 0.f;
+    const float lse_lane = base == first ? lse_first
+                           : base + lane <= last ? req.part_lse[slot_row(base + lane)]
+                                                 : kNegInf;
+    const float w_lane = __expf(lse_lane - lse);
     const int count = min(32, last - base + 1);
-#pragma unroll 4
-    for (int j = 0; j < count; ++j) {
-      const float w = __shfl_sync(0xffffffffu, w_lane, j);
-      const float4 v =
-          *reinterpret_cast<const float4*>(req.part_out + slot_row(base + j) * kLatentDim + col0);
+    auto accumulate = [&](float w, float4 v) {
       acc.x = fmaf(w, v.x, acc.x);
       acc.y = fmaf(w, v.y, acc.y);
       acc.z = fmaf(w, v.z, acc.z);
       acc.w = fmaf(w, v.w, acc.w);
+    };
+    auto partial = [&](int j) {
+      return *reinterpret_cast<const float4*>(req.part_out + slot_row(base + j) * kLatentDim +
+                                              col0);
+    };
+    int j = 0;
+    for (; j + kCombineRowsInFlight <= count; j += kCombineRowsInFlight) {
+      float4 v[kCombineRowsInFlight];
+#pragma unroll
+      for (int i = 0; i < kCombineRowsInFlight; ++i) v[i] = partial(j + i);
+#pragma unroll
+      for (int i = 0; i < kCombineRowsInFlight; ++i) {
+        accumulate(__shfl_sync(0xffffffffu, w_lane, j + i), v[i]);
+      }
     }
+    for (; j < count; ++j) accumulate(__shfl_sync(0xffffffffu, w_lane, j), partial(j));
   }
   const float f = p.output_scale;
   write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);

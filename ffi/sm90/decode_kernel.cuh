@@ -353,31 +353,46 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
 
 // The pipeline's barriers in shared memory: the query tile's pair, then for each slot (a KV stage,
 // or with half stages a 32-token stage) "full" (the producer's pieces landed) and "empty" (its
-// consumer warpgroups, of every CTA that multicasts into it, released it).
+// consumer warpgroups, of every CTA that multicasts into it, released it). When a bf16 stage is
+// released in two parts (DecodeKernel's kSplitRelease), Full/Empty guard its chunks from
+// kWg0VChunks on and V0Full/V0Empty warpgroup 0's V chunks [0, kWg0VChunks).
 struct Pipeline {
   uint64_t* base;
+  uint64_t* v0;
 
   template <class Layout>
   __device__ __forceinline__ static Pipeline At(uint8_t* smem) {
-    return {reinterpret_cast<uint64_t*>(smem + Layout::kBarriers)};
+    uint64_t* base = reinterpret_cast<uint64_t*>(smem + Layout::kBarriers);
+    return {base, base + 2 + 2 * Layout::kStageSlots};
   }
   __device__ __forceinline__ uint64_t* QFull() const { return base; }
   __device__ __forceinline__ uint64_t* QEmpty() const { return base + 1; }
   __device__ __forceinline__ uint64_t* Full(int slot) const { return base + 2 + 2 * slot; }
   __device__ __forceinline__ uint64_t* Empty(int slot) const { return base + 3 + 2 * slot; }
+  __device__ __forceinline__ uint64_t* V0Full(int stage) const { return v0 + 2 * stage; }
+  __device__ __forceinline__ uint64_t* V0Empty(int stage) const { return v0 + 1 + 2 * stage; }
 };
 
-// Hands a KV stage back to the producer of every CTA that multicasts into it (called by one
-// thread of each consumer warpgroup, or with half stages by every thread of the one that read it).
+// Warpgroup 0's V columns (its 256 output columns) are the stage's first chunks.
+constexpr int kWg0VChunks = kNumVChunks / kConsumerWarpgroups;
+
+// Arrives on an empty barrier in every CTA that multicasts into the stage it guards.
 template <int kCluster>
-__device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
-  uint64_t* empty = pipe.Empty(stage);
+__device__ __forceinline__ void ReleaseBarrier(uint64_t* empty) {
   if (kCluster == 1) {
     cutlass::arch::ClusterBarrier::arrive(empty);
   } else {
 #pragma unroll
     for (int r = 0; r < kCluster; ++r) cutlass::arch::ClusterBarrier::arrive(empty, r, 1u);
   }
+}
+
+// Hands a KV stage (with kSplitRelease: its chunks from kWg0VChunks on) back to the producer of
+// every CTA that multicasts into it (called by one thread of each consumer warpgroup that releases
+// it, or with half stages by every thread of the one that read it).
+template <int kCluster>
+__device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
+  ReleaseBarrier<kCluster>(pipe.Empty(stage));
 }
 
 // fp8 cache, 64-row tiles: the ring slot of half h of the it-th block a CTA loads, and how many
@@ -687,8 +702,9 @@ __device__ __forceinline__ void ScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr,
 // Zeroes the query tile's rows that the bulk copy never writes (q_len * num_heads < 64; they stay
 // zero for the whole kernel), initialises the pipeline barriers and synchronises the CTA (the
 // cluster when kCluster > 1: the peer multicasts into this CTA's stages and arrives on its
-// barriers).
-template <int kCluster, class Layout>
+// barriers). kSplitRelease: each stage is released in two parts, warpgroup 0's V chunks by
+// warpgroup 0 and the rest by warpgroup 1 (Pipeline).
+template <int kCluster, class Layout, bool kSplitRelease = false>
 __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
   using Barrier = cutlass::arch::ClusterBarrier;
   const Pipeline pipe = Pipeline::At<Layout>(smem);
@@ -707,8 +723,14 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
     for (int s = 0; s < Layout::kStageSlots; ++s) {
       Barrier::init(pipe.Full(s), 1);
       // A half stage goes back once every thread of its warpgroup read it.
-      const int releasers = Layout::kHalfStages ? kHalfStageReleasers : kConsumerWarpgroups;
+      const int releasers = Layout::kHalfStages ? kHalfStageReleasers
+                            : kSplitRelease         ? 1
+                                                    : kConsumerWarpgroups;
       Barrier::init(pipe.Empty(s), releasers * kCluster);
+      if (kSplitRelease) {
+        Barrier::init(pipe.V0Full(s), 1);
+        Barrier::init(pipe.V0Empty(s), kCluster);
+      }
     }
     Barrier::init(pipe.QFull(), 1);
     Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
@@ -735,12 +757,13 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
 
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
-// consumers released it), as 32-token x 64-column bulk-tensor pieces, or with the fp8 cache as
+// consumers released it; with kSplitRelease each of the stage's two parts once its warpgroup
+// released it), as one bulk-tensor box per page and 64-column chunk, or with the fp8 cache as
 // one bulk copy of each half's 32 contiguous cache rows (with half stages, each half into the next
 // slot of the ring, once the warpgroup that read it before released it); halves that are past the
 // length or whose page id is out of range are not loaded and not counted. With kCluster == 2 this
 // CTA issues every other piece, multicast into both CTAs of the cluster.
-template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false>
+template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false, bool kSplitRelease = false>
 __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
                                              const DecodeKernelArgs& args, uint8_t* smem,
                                              SegmentWalker& walker, int mtile, uint32_t cta_rank) {
@@ -770,11 +793,9 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       uint64_t* full = pipe.Full(stage);
       // The block table is read before waiting for the stage, so the read overlaps the wait.
       int kv_rows[2];
-      uint32_t bytes = 0;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
-        if (kv_rows[h] >= 0) bytes += kFp8 ? kFp8HalfStageBytes : kHalfTileBytes;
       }
       if constexpr (Layout::kHalfStages) {
         const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
@@ -791,14 +812,10 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         }
         continue;
       }
-      if (!kFp8 && p.page_size == kBlockN) bytes = kv_rows[0] >= 0 ? kTileBytes : 0;
       if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
-      if constexpr (kNoLoad) {
-        TxBarrier::arrive_and_expect_tx(full, 0);
-        continue;
-      }
-      TxBarrier::arrive_and_expect_tx(full, bytes);
       if constexpr (kFp8) {
+        TxBarrier::arrive_and_expect_tx(
+            full, ((kv_rows[0] >= 0) + (kv_rows[1] >= 0)) * kFp8HalfStageBytes);
         uint8_t* stage_base = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
         const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
 #pragma unroll
@@ -812,26 +829,40 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       }
       // One box per page of the block and chunk: a 64-row box for pages of 64 (the page's tail
       // past the length included: it lies inside the page, and the consumers zero and mask it),
-      // two 32-row boxes for pages of 32 (the map's box rows follow the page size).
+      // two 32-row boxes for pages of 32 (the map's box rows follow the page size). A barrier
+      // expects the bytes of the boxes issued under it.
       uint8_t* stage_base = smem + Layout::kKv + stage * kTileBytes;
       const int boxes = p.page_size == kBlockN ? 1 : 2;
+      const uint32_t bytes_per_chunk =
+          ((kv_rows[0] >= 0) + (boxes > 1 && kv_rows[1] >= 0)) * (kChunkBytes / boxes);
+      auto load_chunks = [&](int c_begin, int c_end, uint64_t* barrier) {
+        TxBarrier::arrive_and_expect_tx(barrier, kNoLoad ? 0 : (c_end - c_begin) * bytes_per_chunk);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int kv_row = kv_rows[h];
-        if (h >= boxes || kv_row < 0) continue;
+        for (int h = 0; h < (kNoLoad ? 0 : 2); ++h) {
+          const int kv_row = kv_rows[h];
+          if (h >= boxes || kv_row < 0) continue;
 #pragma unroll 1
-        for (int c = 0; c < kNumChunks; ++c) {
-          uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
-          if (kCluster == 1) {
-            cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint, dst,
-                                         c * kChunkCols, kv_row);
-          } else if ((h * kNumChunks + c) % kCluster == static_cast<int>(cta_rank)) {
-            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, full,
-                                                   static_cast<uint16_t>((1 << kCluster) - 1),
-                                                   args.kv_cache_hint, dst, c * kChunkCols,
-                                                   kv_row);
+          for (int c = c_begin; c < c_end; ++c) {
+            uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
+            if (kCluster == 1) {
+              cute::SM90_TMA_LOAD_2D::copy(&kv_map, barrier, args.kv_cache_hint, dst,
+                                           c * kChunkCols, kv_row);
+            } else if ((h * kNumChunks + c) % kCluster == static_cast<int>(cta_rank)) {
+              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&kv_map, barrier,
+                                                     static_cast<uint16_t>((1 << kCluster) - 1),
+                                                     args.kv_cache_hint, dst, c * kChunkCols,
+                                                     kv_row);
+            }
           }
         }
+      };
+      if constexpr (kSplitRelease) {
+        // Warpgroup 1 releases its part of a stage one block before warpgroup 0 releases its V.
+        load_chunks(kWg0VChunks, kNumChunks, full);
+        if (round > 0) Barrier::wait(pipe.V0Empty(stage), (round - 1) & 1);
+        load_chunks(0, kWg0VChunks, pipe.V0Full(stage));
+      } else {
+        load_chunks(0, kNumChunks, full);
       }
     }
     ++seg;
@@ -933,6 +964,11 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // of the block before.
 // Every path rescales the output only when a row's running maximum grows by more than
 // 2^kLazyRescaleLog2 (NextRowMax).
+// kSplitRelease (64-row tiles of the bf16 cache, no cluster): warpgroup 0 leaves its PV in flight
+// under the next block's QK^T, so a stage goes back to the producer in two parts: warpgroup 1
+// releases the chunks from kWg0VChunks on (its V, and the rope chunk that holds P) once its PV is
+// done, warpgroup 0 its V chunks once the next QK^T is issued and its PV is done; warpgroup 0's PV
+// reads its own copy of P (the P tile), since the rope chunk may be refilled under it.
 // kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
 // convert them into the one bf16 KV tile, which QK^T and PV read.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
@@ -946,7 +982,8 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 //    converts half w of the block (its QK^T's tokens, all columns) from its 32-token stage
 //    (HalfSlot); each warpgroup computes the scores of its half (WGMMA 64x32x16) and the two
 //    exchange row maxima.
-template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false>
+template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false,
+          bool kSplitRelease = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
@@ -960,6 +997,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // 64-row tiles of the bf16 cache: warpgroup 0 computes the scores and the softmax of the whole
   // block, both warpgroups PV.
   constexpr bool kWg0Scores = !kFp8 && kScoreN == 0 && kEarlyRelease;
+  static_assert(!kSplitRelease || (kWg0Scores && kCluster == 1),
+                "a stage is released in two parts only by the bf16 cache's 64-row tiles, no cluster");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -979,7 +1018,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int mtile = blockIdx.x % m_tiles;
   const int part = blockIdx.x / m_tiles;
 
-  SetUpCta<kCluster, Layout>(smem, args.q_box_rows, tid);
+  SetUpCta<kCluster, Layout, kSplitRelease>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
 
   // Everything below reads inputs that earlier kernels in the stream may write.
@@ -994,8 +1033,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0>(q_map, kv_map, args, smem, walker,
-                                                              mtile, cta_rank);
+      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease>(
+          q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
@@ -1045,6 +1084,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // fp8 cache, 64-row tiles: this thread's (row, part) of its warpgroup's half of each block.
   const int half_row = wg * kHalfN + wg_tid % kHalfN;
   const int half_part = wg_tid / kHalfN;
+  // kSplitRelease: the stage whose V chunks warpgroup 0's PV, still in flight, reads (-1: none).
+  int v0_pending = -1;
 
   while (walker.Next(seg_info)) {
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
@@ -1075,6 +1116,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const int stage = it % kStages;  // with half stages (kFp8, kScoreN 0) see HalfSlot
       const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
       if (!Layout::kHalfStages) Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
+      // With kSplitRelease warpgroup 1 reads warpgroup 0's V chunks only to zero unloaded rows.
+      if (kSplitRelease && (wg == 0 || !load.Complete())) {
+        Barrier::wait(pipe.V0Full(stage), (it / kStages) & 1);
+      }
       const uint32_t kv_addr = kv_addr0 + (kFp8 ? 0 : stage * kTileBytes);
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
@@ -1250,6 +1295,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                           s_full, g != 0);
           }
           cute::warpgroup_commit_batch();
+          if (kSplitRelease && v0_pending >= 0) {
+            // The previous block's PV, issued before this QK^T, is done with its V chunks.
+            cute::warpgroup_wait<1>();
+            if (wg_tid == 0) ReleaseBarrier<kCluster>(pipe.V0Empty(v0_pending));
+            v0_pending = -1;
+          }
           cute::warpgroup_wait<0>();
           FenceRegisters(s_full);
           FenceRegisters(o);
@@ -1278,6 +1329,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
           StoreWarpTile16x32(p_block, r0 - lane / 4, 0, lane, p_packed[0]);
           StoreWarpTile16x32(p_block, r0 - lane / 4, kHalfN, lane, p_packed[1]);
+          if (kSplitRelease) {
+            // Warpgroup 0's own copy of P: its PV is still reading it after warpgroup 1 has
+            // released the rope chunk.
+            StoreWarpTile16x32(p_tile, r0 - lane / 4, 0, lane, p_packed[0]);
+            StoreWarpTile16x32(p_tile, r0 - lane / 4, kHalfN, lane, p_packed[1]);
+          }
           if ((lane & 3) == 0) {
             row_alpha[r0] = alpha0;
             row_alpha[r1] = alpha1;
@@ -1294,6 +1351,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         ConsumerSync();
         if (wg == 1) {
           const float alpha0 = row_alpha[r0], alpha1 = row_alpha[r1];
+          // No PV of warpgroup 1 is in flight here; the wait tells ptxas so (with kSplitRelease
+          // warpgroup 0's is, on a path it cannot tell apart).
+          if (kSplitRelease) cute::warpgroup_wait<0>();
           FenceRegisters(o);
           if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
             RescaleRows(o, alpha0, alpha1);
@@ -1387,7 +1447,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
       cute::warpgroup_arrive();
-      const uint64_t p_desc = KMajorDesc(SmemAddr(p_block));
+      const uint64_t p_desc = KMajorDesc(SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block));
       const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
 #pragma unroll
       for (int kk = 0; kk < ((kSkip & 2) ? 0 : kBlockN / 16); ++kk) {
@@ -1395,12 +1455,18 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       }
       }  // kScoreN == 0
       cute::warpgroup_commit_batch();
-      if (kEarlyRelease) {
+      if (kSplitRelease && wg == 0) {
+        v0_pending = stage;  // its PV runs on under the next block's QK^T
+      } else if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
         if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
     }
     cute::warpgroup_wait<0>();
+    if (kSplitRelease && v0_pending >= 0) {
+      if (wg_tid == 0) ReleaseBarrier<kCluster>(pipe.V0Empty(v0_pending));
+      v0_pending = -1;
+    }
 #pragma unroll
     for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
     if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);

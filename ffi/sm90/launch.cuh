@@ -40,6 +40,9 @@ struct LaunchOptions {
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
+  int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles
+                              // without cluster: -1 (default) with two or more M tiles, 1 always,
+                              // 0 never
 };
 
 namespace detail {
@@ -215,9 +218,17 @@ inline int KernelSmemBytes(bool fp8, int score_n) {
                      : KernelSmemLayout<true, 0>::kBytes;
 }
 
+// Whether the bf16 cache's 64-row tiles release each stage in two parts (DecodeKernel's
+// kSplitRelease): by default where a part has two or more M tiles, whose CTAs share each KV tile.
+inline bool UseSplitRelease(const LaunchOptions& options, int m_tiles) {
+  if (options.split_release >= 0) return options.split_release != 0;
+  return m_tiles >= 2;
+}
+
 // The decode kernel for these options, rows and cache format; nullptr for a combination that has
 // none (the fp8 cache has no experiments, clusters or late release).
-inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8) {
+inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8,
+                                int m_tiles) {
   if (fp8) {
     if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
     switch (TransposedScoreRows(options, cluster, rows)) {
@@ -237,6 +248,13 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
       case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
       case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7, 2>);
       default: return nullptr;
+    }
+  }
+  if (options.early_release && UseSplitRelease(options, m_tiles)) {
+    switch (options.experiment) {
+      case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, false, true>);
+      case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 32, 1, 0, false, true>);
+      default: break;
     }
   }
   switch (options.experiment) {
@@ -263,10 +281,11 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int cluster = options.cluster >= 1 ? options.cluster : 1;
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
-      options.wide_combine < -1 || options.wide_combine > 1) {
+      options.wide_combine < -1 || options.wide_combine > 1 || options.split_release < -1 ||
+      options.split_release > 1) {
     return cudaErrorInvalidValue;
   }
-  const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8);
+  const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int smem_bytes =
       detail::KernelSmemBytes(p.kv_fp8, detail::TransposedScoreRows(options, cluster, rows));

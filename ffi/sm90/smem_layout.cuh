@@ -22,7 +22,6 @@ namespace sm90 {
 constexpr int kRowBytes = kChunkCols * 2;                 // 128
 constexpr int kChunkBytes = kBlockN * kRowBytes;          // 8192 (64 rows)
 constexpr int kTileBytes = kNumChunks * kChunkBytes;      // 73728
-constexpr int kHalfTileBytes = kTileBytes / 2;            // bytes of 32 tokens
 
 constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemBytes = 232448;  // per block on SM90 (227 KB)
@@ -69,8 +68,10 @@ struct SmemLayout {
   static constexpr int kRowMax = kExchange + (kFp8 && !kHalfStages ? kFp8ExchangeBytes : 0);
   static constexpr int kRowSum = kRowMax + kConsumerWarpgroups * kBlockM * 4;  // f32 [2][64]
   static constexpr int kBarriers = kRowSum + kConsumerWarpgroups * kBlockM * 4;
-  // q_full, q_empty, then full and empty of each slot (Pipeline in decode_kernel.cuh).
-  static constexpr int kNumBarriers = 2 + 2 * kStageSlots;
+  // q_full, q_empty, then full and empty of each slot, then (bf16 cache) full and empty of each
+  // stage's warpgroup-0 V chunks when a stage is released in two parts (Pipeline in
+  // decode_kernel.cuh).
+  static constexpr int kNumBarriers = 2 + 2 * kStageSlots + (kFp8 ? 0 : 2 * kStages);
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
