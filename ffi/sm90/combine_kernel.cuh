@@ -130,10 +130,15 @@ CombineKernel(const DecodeParams p, int num_parts) {
 // columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
 // over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
 // j + 32, ...) and reduced across the warp in a fixed order; the outputs are accumulated in part
-// order, each lane with kCombineRowsInFlight partial rows in flight. Deterministic; grid: (ceil(rows /
-// kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock * kCombineWarpsPerRow warps.
+// order, each lane loading kRowsInFlight partial rows at a time, the first ones before the LSEs
+// are reduced. 32 rows in flight take more registers than several CTAs per SM leave: for grids
+// that fit the SMs in one wave of one CTA each (LaunchDecode). Deterministic; grid:
+// (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
+// kCombineWarpsPerRow warps.
+template <int kRowsInFlight>
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
+  static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
   GridDependencyWait();
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -151,7 +156,6 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
                        (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
   float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
   constexpr float kNegInf = -__builtin_huge_valf();
-  constexpr int kCombineRowsInFlight = 8;
 
   struct alignas(8) Bf16x4 {
     __nv_bfloat162 lo, hi;
@@ -169,6 +173,18 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   }
   if (first == last) return;
   auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
+  // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last).
+  float4 v[kRowsInFlight];
+  auto load_rows = [&](int s0) {
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      if (s0 + i <= last) {
+        v[i] = *reinterpret_cast<const float4*>(req.part_out + slot_row(s0 + i) * kLatentDim +
+                                                col0);
+      }
+    }
+  };
+  load_rows(first);
 
   // Lane j's LSE of split first + j (the common case of at most 32 splits reads each once).
   const float lse_first = first + lane <= last ? req.part_lse[slot_row(first + lane)] : kNegInf;
@@ -197,28 +213,19 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
                            : base + lane <= last ? req.part_lse[slot_row(base + lane)]
                                                  : kNegInf;
     const float w_lane = __expf(lse_lane - lse);
-    const int count = min(32, last - base + 1);
-    auto accumulate = [&](float w, float4 v) {
-      acc.x = fmaf(w, v.x, acc.x);
-      acc.y = fmaf(w, v.y, acc.y);
-      acc.z = fmaf(w, v.z, acc.z);
-      acc.w = fmaf(w, v.w, acc.w);
-    };
-    auto partial = [&](int j) {
-      return *reinterpret_cast<const float4*>(req.part_out + slot_row(base + j) * kLatentDim +
-                                              col0);
-    };
-    int j = 0;
-    for (; j + kCombineRowsInFlight <= count; j += kCombineRowsInFlight) {
-      float4 v[kCombineRowsInFlight];
+    for (int sub = 0; sub < 32 && base + sub <= last; sub += kRowsInFlight) {
+      if (base + sub != first) load_rows(base + sub);
 #pragma unroll
-      for (int i = 0; i < kCombineRowsInFlight; ++i) v[i] = partial(j + i);
-#pragma unroll
-      for (int i = 0; i < kCombineRowsInFlight; ++i) {
-        accumulate(__shfl_sync(0xffffffffu, w_lane, j + i), v[i]);
+      for (int i = 0; i < kRowsInFlight; ++i) {
+        if (base + sub + i <= last) {
+          const float w = __shfl_sync(0xffffffffu, w_lane, sub + i);
+          acc.x = fmaf(w, v[i].x, acc.x);
+          acc.y = fmaf(w, v[i].y, acc.y);
+          acc.z = fmaf(w, v[i].z, acc.z);
+          acc.w = fmaf(w, v[i].w, acc.w);
+        }
       }
     }
-    for (; j < count; ++j) accumulate(__shfl_sync(0xffffffffu, w_lane, j), partial(j));
   }
   const float f = p.output_scale;
   write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);

@@ -329,8 +329,13 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   int num_parts = parts;
   void* combine_args[] = {&cp, &num_parts};
   if (detail::UseWideCombine(options, p.batch, parts)) {
-    return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernelWide),
-                            dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
+    // 32 partial rows in flight per lane where the grid fits the SMs with one CTA each.
+    const int row_blocks = CeilDivInt(rows, kCombineWideRowsPerBlock);
+    const void* combine =
+        static_cast<long long>(row_blocks) * p.batch <= p.num_sms
+            ? reinterpret_cast<const void*>(&CombineKernelWide<32>)
+            : reinterpret_cast<const void*>(&CombineKernelWide<8>);
+    return detail::LaunchEx(combine, dim3(row_blocks, p.batch),
                             dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
                             p.enable_pdl, stream, combine_args);
   }
