@@ -994,9 +994,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   static_assert(!kFp8 || kScoreN == 0 || kScoreN <= kFp8TransposedRows,
                 "the fp8 cache's transposed scores fit its query tile");
   using Layout = KernelSmemLayout<kFp8, kScoreN>;
-  // 64-row tiles of the bf16 cache: warpgroup 0 computes the scores and the softmax of the whole
-  // block, both warpgroups PV.
-  constexpr bool kWg0Scores = !kFp8 && kScoreN == 0 && kEarlyRelease;
+  // 64-row tiles: warpgroup 0 computes the scores and the softmax of the whole block, both
+  // warpgroups PV.
+  constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
   static_assert(!kSplitRelease || (kWg0Scores && kCluster == 1),
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles, no cluster");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
@@ -1138,7 +1138,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                       load.RowLoaded(half_row), half_part, smem + Layout::kKv, half_row);
         cutlass::arch::fence_view_async_shared();
         ReleaseStage<kCluster>(pipe, slot.index);
-        WarpgroupSync(wg);
+        ConsumerSync();  // warpgroup 0's QK^T reads both halves
       } else if constexpr (kFp8) {
         // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
         // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
@@ -1164,7 +1164,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       // kWg0Scores: P of the block goes over the stage's rope chunk (only warpgroup 0's QK^T reads
       // it), and the rows' factors into the half of row_max of the block's parity, so that what
       // warpgroup 0 writes for a block never meets warpgroup 1's reads of the block before.
-      uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + stage * kTileBytes +
+      uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + (kFp8 ? 0 : stage * kTileBytes) +
                                                 kNumVChunks * kChunkBytes
                                           : p_tile;
 
