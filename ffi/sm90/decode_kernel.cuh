@@ -262,16 +262,6 @@ __device__ __forceinline__ uint32_t QkStepOffset(int g) {
   return (g / kQkStepsPerChunk) * kTileChunkBytes + (g % kQkStepsPerChunk) * 32;
 }
 
-// 64-row tiles: issues QK^T k steps [kBegin, kEnd) of the whole block (N = 64) into s; step 0
-// overwrites s, the others accumulate.
-template <int kBegin, int kEnd>
-__device__ __forceinline__ void IssueQkSteps(uint64_t q_desc, uint64_t k_desc, float (&s)[32]) {
-#pragma unroll
-  for (int g = kBegin; g < kEnd; ++g) {
-    Gmma<QkMma64>(DescAdd(q_desc, QkStepOffset(g)), DescAdd(k_desc, QkStepOffset(g)), s, g != 0);
-  }
-}
-
 // Transposed scores: slot v (four floats per thread) of warpgroup wg's partial S^T, which the
 // other warpgroup adds. With the bf16 cache the slots live in the query tile's rows kScoreN..63,
 // which the scores never read (the bulk copy writes at most kScoreN rows); with the fp8 cache in
@@ -538,52 +528,6 @@ __device__ __forceinline__ void DequantiseRow(const uint8_t* row_bytes, bool loa
     const uint4 v = loaded ? *reinterpret_cast<const uint4*>(row_bytes + kFp8RopeOffset + 16 * unit)
                            : make_uint4(0, 0, 0, 0);
     *reinterpret_cast<uint4*>(rope_chunk + SwizzledOffset(row, 8 * unit)) = v;
-  }
-}
-
-// fp8 cache, 64-row tiles: converts chunks [kBegin, kEnd) of the bf16 KV tile's row `row` from
-// its staged token row (row_bytes; `loaded`: whether it holds a token below the length; scales:
-// its four group scales, zero when not loaded). Each row has four threads; thread `quarter` of
-// them converts latent unit `quarter` (16 channels) of each latent chunk (times its group's scale,
-// as DequantiseRow) and copies units 2 quarter and 2 quarter + 1 of the rope chunk. Callers give
-// the eight threads of a 16-byte access phase eight consecutive rows (conflict-free, as
-// DequantiseRow), then fence and synchronise the threads that wrote before the chunks are read.
-template <int kBegin, int kEnd>
-__device__ __forceinline__ void DequantiseChunks(const uint8_t* row_bytes, bool loaded,
-                                                 const float4& scales, int quarter, uint8_t* tile,
-                                                 int row) {
-  static_assert(0 <= kBegin && kBegin < kEnd && kEnd <= kNumChunks, "chunks of the tile");
-  constexpr int kLatentChunkBytes = kChunkCols;  // e4m3 bytes of a chunk's 64 latent channels
-  uint4 raw[kEnd - kBegin][2];
-#pragma unroll
-  for (int c = kBegin; c < kEnd; ++c) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int offset = c < kNumVChunks ? c * kLatentChunkBytes + 16 * quarter
-                                         : kFp8RopeOffset + 16 * (2 * quarter + i);
-      // e4m3 zero bytes are +0; the rope's zero bytes are bf16 +0.
-      raw[c - kBegin][i] = (loaded && (i == 0 || c == kNumVChunks))
-                               ? *reinterpret_cast<const uint4*>(row_bytes + offset)
-                               : make_uint4(0, 0, 0, 0);
-    }
-  }
-#pragma unroll
-  for (int c = kBegin; c < kEnd; ++c) {
-    uint8_t* chunk = tile + c * kChunkBytes;
-    if (c < kNumVChunks) {
-      const float scale = c / 2 == 0 ? scales.x : c / 2 == 1 ? scales.y : c / 2 == 2 ? scales.z
-                                                                                    : scales.w;
-      uint4 lo, hi;
-      E4m3x16ToBf16(raw[c - kBegin][0], __float2bfloat162_rn(scale), lo, hi);
-      *reinterpret_cast<uint4*>(chunk + SwizzledOffset(row, 16 * quarter)) = lo;
-      *reinterpret_cast<uint4*>(chunk + SwizzledOffset(row, 16 * quarter + 8)) = hi;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        *reinterpret_cast<uint4*>(chunk + SwizzledOffset(row, 8 * (2 * quarter + i))) =
-            raw[c - kBegin][i];
-      }
-    }
   }
 }
 
@@ -1137,6 +1081,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
       reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
+  // fp8 cache, 64-row tiles: this thread's (row, part) of its warpgroup's half of each block.
+  const int half_row = wg * kHalfN + wg_tid % kHalfN;
+  const int half_part = wg_tid / kHalfN;
   // kSplitRelease: the stage whose V chunks warpgroup 0's PV, still in flight, reads (-1: none).
   int v0_pending = -1;
 
@@ -1178,21 +1125,20 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
       KFragments frag;  // fp8 cache, up to 16 rows: the block's keys as QK^T's A operand
-      // fp8 cache, 64-row tiles: this thread converts row fp8_row of the block (in the half stage
-      // fp8_slot) into the bf16 tile, a quarter of its columns (DequantiseChunks).
-      const int fp8_row = tid % kBlockN;
-      const HalfSlot fp8_slot = HalfSlot::Of<Layout>(it, fp8_row / kHalfN);
-      const uint8_t* fp8_row_bytes = smem + Layout::kFp8Stages +
-                                     fp8_slot.index * kFp8HalfStageBytes +
-                                     (fp8_row % kHalfN) * kFp8RowBytes;
-      float4 fp8_scales = make_float4(0.f, 0.f, 0.f, 0.f);
       if constexpr (kFp8 && kScoreN == 0) {
-        // Both warpgroups' PV of the previous block are done with the bf16 tile.
+        // Both warpgroups' PV of the previous block are done with the bf16 tile. Warpgroup wg
+        // converts half wg of the block (its own QK^T's tokens) from that half's stage, and each
+        // thread hands the stage back after its reads; the fence orders the stage's reads before
+        // its refill (async proxy) and the tile's writes before QK^T's WGMMAs.
         ConsumerSync();
-        Barrier::wait(pipe.Full(fp8_slot.index), fp8_slot.round & 1);
-        if (load.RowLoaded(fp8_row)) {
-          fp8_scales = *reinterpret_cast<const float4*>(fp8_row_bytes + kFp8ScalesOffset);
-        }
+        const HalfSlot slot = HalfSlot::Of<Layout>(it, wg);
+        Barrier::wait(pipe.Full(slot.index), slot.round & 1);
+        DequantiseRow(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes +
+                          (wg_tid % kHalfN) * kFp8RowBytes,
+                      load.RowLoaded(half_row), half_part, smem + Layout::kKv, half_row);
+        cutlass::arch::fence_view_async_shared();
+        ReleaseStage<kCluster>(pipe, slot.index);
+        ConsumerSync();  // warpgroup 0's QK^T reads both halves
       } else if constexpr (kFp8) {
         // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
         // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
@@ -1334,53 +1280,19 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // softmax, writes P and the rows' rescale factors; warpgroup 1 waits for them, rescales its
         // half of O, and both run PV.
         float* row_alpha = row_max + (it & 1) * kBlockM;  // f32 [64]: the block's row factors
-        float s_full[kBlockM * kBlockN / 128];
-        const uint64_t q_desc = KMajorDesc(q_addr), k_desc = KMajorDesc(kv_addr);
-        if constexpr (kFp8) {
-          // Both warpgroups convert the block into the tile in three column phases; warpgroup 0
-          // issues each phase's QK^T steps as soon as the phase is in the tile, so the later
-          // phases convert under the earlier ones' MMAs. Each thread hands its half stage back
-          // after its last reads (the fence orders them before the refill, and the tile's writes
-          // before the WGMMAs).
-          const bool loaded = load.RowLoaded(fp8_row);
-          const int quarter = tid / kBlockN;
-          uint8_t* tile = smem + Layout::kKv;
-          DequantiseChunks<0, 2>(fp8_row_bytes, loaded, fp8_scales, quarter, tile, fp8_row);
-          cutlass::arch::fence_view_async_shared();
-          ConsumerSync();
-          if (wg == 0) {
-            FenceRegisters(s_full);
-            cute::warpgroup_arrive();
-            IssueQkSteps<0, 2 * kQkStepsPerChunk>(q_desc, k_desc, s_full);
-            cute::warpgroup_commit_batch();
-          }
-          DequantiseChunks<2, 6>(fp8_row_bytes, loaded, fp8_scales, quarter, tile, fp8_row);
-          cutlass::arch::fence_view_async_shared();
-          ConsumerSync();
-          if (wg == 0) {
-            cute::warpgroup_arrive();
-            IssueQkSteps<2 * kQkStepsPerChunk, 6 * kQkStepsPerChunk>(q_desc, k_desc, s_full);
-            cute::warpgroup_commit_batch();
-          }
-          DequantiseChunks<6, kNumChunks>(fp8_row_bytes, loaded, fp8_scales, quarter, tile,
-                                          fp8_row);
-          cutlass::arch::fence_view_async_shared();
-          ReleaseStage<kCluster>(pipe, fp8_slot.index);
-          ConsumerSync();
-        }
         if (wg == 0) {
-          if constexpr (kFp8) {
-            cute::warpgroup_arrive();
-            IssueQkSteps<6 * kQkStepsPerChunk, kQkSteps>(q_desc, k_desc, s_full);
-          } else {
-            FenceRegisters(s_full);
-            cute::warpgroup_arrive();
-            if (kSkip & 1) {
+          float s_full[kBlockM * kBlockN / 128];
+          FenceRegisters(s_full);
+          cute::warpgroup_arrive();
+          if (kSkip & 1) {
 #pragma unroll
-              for (int i = 0; i < 32; ++i) s_full[i] = 0.f;
-            } else {
-              IssueQkSteps<0, kQkSteps>(q_desc, k_desc, s_full);
-            }
+            for (int i = 0; i < 32; ++i) s_full[i] = 0.f;
+          }
+          const uint64_t q_desc = KMajorDesc(q_addr), k_desc = KMajorDesc(kv_addr);
+#pragma unroll
+          for (int g = 0; g < ((kSkip & 1) ? 0 : kQkSteps); ++g) {
+            Gmma<QkMma64>(DescAdd(q_desc, QkStepOffset(g)), DescAdd(k_desc, QkStepOffset(g)),
+                          s_full, g != 0);
           }
           cute::warpgroup_commit_batch();
           if (kSplitRelease && v0_pending >= 0) {
