@@ -274,8 +274,7 @@ __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int 
   constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
   const int slot = wg * kSlotsPerWarpgroup + v;
   if constexpr (kFp8) {
-    static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <=
-                      Fp8ExchangeBytes(Layout::kQChunkRows),
+    static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <= kFp8ExchangeBytes,
                   "the exchange slots fit in their area");
     return reinterpret_cast<float4*>(smem + Layout::kExchange + slot * kSlotBytes + wg_tid * 16);
   } else {
@@ -626,136 +625,6 @@ __device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* t
   }
 }
 
-// fp8 cache, e4m3 scores: splits the query's latent columns into kFp8QueryTerms e4m3 tiles,
-// t1 + t2 + t3 = q s per query row (s, a power of two, puts the row's largest |q s| in [128, 256);
-// each term is the e4m3 nearest to what the ones before it left, so the three hold the bf16 query
-// exactly down to far below its largest value), and writes 1 / s per row to q_scale. The consumer
-// threads tid (16 per row) each take 32 columns of a row; rows past the query's are zero.
-__device__ __forceinline__ void BuildQueryTerms(const uint8_t* q_tile, uint8_t* terms,
-                                                float* q_scale, int tid) {
-  constexpr int kCols = kLatentDim / 16;  // 32 columns per thread
-  const int row = tid / 16;
-  const int col0 = (tid % 16) * kCols;
-  const uint8_t* chunk = q_tile + (col0 / kChunkCols) * kFp8DirectRows * kRowBytes;
-  float x[kCols];
-#pragma unroll
-  for (int u = 0; u < kCols / 8; ++u) {
-    const uint4 v =
-        *reinterpret_cast<const uint4*>(chunk + SwizzledOffset(row, col0 % kChunkCols + 8 * u));
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-      x[8 * u + 2 * i] = f.x;
-      x[8 * u + 2 * i + 1] = f.y;
-    }
-  }
-  float mx = 0.f;
-#pragma unroll
-  for (int i = 0; i < kCols; ++i) mx = fmaxf(mx, fabsf(x[i]));
-#pragma unroll
-  for (int d = 1; d < 16; d <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, d));
-  // mx < 2^(e - 126) for its biased exponent e: s = 2^(134 - e) (e clamped to normal scales).
-  const int e = min(max((__float_as_int(mx) >> 23) & 0xFF, 8), 253);
-  const float s = __int_as_float((261 - e) << 23);
-  if (tid % 16 == 0) q_scale[row] = __int_as_float((e - 7) << 23);
-  const int group = col0 / kFp8GroupSize;
-  uint8_t* dst = terms + group * kFp8TermChunkBytes + row * kRowBytes;
-#pragma unroll
-  for (int i = 0; i < kCols; ++i) x[i] *= s;
-#pragma unroll
-  for (int t = 0; t < kFp8QueryTerms; ++t) {
-    uint32_t packed[kCols / 4];
-#pragma unroll
-    for (int i = 0; i < kCols; i += 2) {
-      const __nv_fp8x2_storage_t q8 =
-          __nv_cvt_float2_to_fp8x2(make_float2(x[i], x[i + 1]), __NV_SATFINITE, __NV_E4M3);
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(q8, __NV_E4M3);
-      const float2 back = __half22float2(*reinterpret_cast<const __half2*>(&h));
-      x[i] -= back.x;
-      x[i + 1] -= back.y;
-      if (i % 4 == 0) packed[i / 4] = q8;
-      else packed[i / 4] |= static_cast<uint32_t>(q8) << 16;
-    }
-#pragma unroll
-    for (int u = 0; u < kCols / 16; ++u) {
-      const int unit = (col0 % kFp8GroupSize) / 16 + u;
-      *reinterpret_cast<uint4*>(dst + t * kFp8TermBytes + ((unit ^ (row % 8)) << 4)) =
-          make_uint4(packed[4 * u], packed[4 * u + 1], packed[4 * u + 2], packed[4 * u + 3]);
-    }
-  }
-}
-
-// fp8 cache, e4m3 scores: issues this warpgroup's QK^T of a staged block (not waited for). Latent
-// groups 2 wg and 2 wg + 1 as e4m3 WGMMAs of the staged chunks against the query's terms (acc[g]:
-// group 2 wg + g, unscaled), rope k steps 2 wg and 2 wg + 1 as bf16 WGMMAs of the staged rope chunk
-// against the query tile (rope).
-template <class QkF8, class QkT, int kQChunkBytes, int N>
-__device__ __forceinline__ void IssueScoresFp8(uint32_t stage_addr, uint32_t terms_addr,
-                                               uint32_t q_addr, int wg, float (&acc)[2][N],
-                                               float (&rope)[N]) {
-  constexpr int kStepsPerGroup = kFp8GroupSize / 32;  // e4m3 k steps of 32 columns
-  FenceRegisters(acc[0]);
-  FenceRegisters(acc[1]);
-  FenceRegisters(rope);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int g = 0; g < 2; ++g) {
-    const int group = 2 * wg + g;
-    const uint64_t k_desc = KMajorDesc(stage_addr + group * kChunkBytes);
-    const uint64_t q_desc = KMajorDesc(terms_addr + group * kFp8TermChunkBytes);
-#pragma unroll
-    for (int ks = 0; ks < kStepsPerGroup; ++ks) {
-#pragma unroll
-      for (int t = 0; t < kFp8QueryTerms; ++t) {
-        Gmma<QkF8>(DescAdd(k_desc, 32 * ks), DescAdd(q_desc, t * kFp8TermBytes + 32 * ks), acc[g],
-                   ks != 0 || t != 0);
-      }
-    }
-  }
-  const uint64_t rope_desc = KMajorDesc(stage_addr + kFp8DirectRopeChunk * kChunkBytes);
-  const uint64_t q_rope_desc = KMajorDesc(q_addr + kNumVChunks * kQChunkBytes);
-#pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    const int step = 2 * wg + k;
-    Gmma<QkT>(DescAdd(rope_desc, 32 * step), DescAdd(q_rope_desc, 32 * step), rope, k != 0);
-  }
-  cute::warpgroup_commit_batch();
-}
-
-// fp8 cache, e4m3 scores: where the four group scales of staged row `row` sit (the row's first
-// 16-byte unit of the scale chunk, swizzled).
-__device__ __forceinline__ const float* StagedScales(const uint8_t* stage, int row) {
-  return reinterpret_cast<const float*>(stage + kFp8DirectScaleChunk * kChunkBytes +
-                                        row * kRowBytes + ((row % 8) << 4));
-}
-
-// fp8 cache, e4m3 scores: converts latent group `group` of staged row `row` (`loaded`: whether it
-// holds a token below the length) times its scale into the bf16 tile, where PV reads it (zero when
-// not loaded). Eight threads with eight consecutive rows of a group are conflict-free.
-__device__ __forceinline__ void DequantiseStagedGroup(const uint8_t* stage, int row, int group,
-                                                      bool loaded, uint8_t* tile) {
-  constexpr int kUnits = kFp8GroupSize / 16;
-  const float scale = loaded ? StagedScales(stage, row)[group] : 0.f;
-  const __nv_bfloat162 scale2 = __float2bfloat162_rn(scale);
-  const uint8_t* src = stage + group * kChunkBytes + row * kRowBytes;
-  uint4 raw[kUnits];
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) {
-    raw[u] = loaded ? *reinterpret_cast<const uint4*>(src + ((u ^ (row % 8)) << 4))
-                    : make_uint4(0, 0, 0, 0);
-  }
-  uint8_t* group_chunk = tile + group * (kFp8GroupSize / kChunkCols) * kChunkBytes;
-#pragma unroll
-  for (int u = 0; u < kUnits; ++u) {
-    uint4 lo, hi;
-    E4m3x16ToBf16(raw[u], scale2, lo, hi);
-    uint8_t* dst = group_chunk + (u / 4) * kChunkBytes;
-    *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4))) = lo;
-    *reinterpret_cast<uint4*>(dst + SwizzledOffset(row, 16 * (u % 4) + 8)) = hi;
-  }
-}
-
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaRsImpl(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
                                           cute::SM90::GMMA::ScaleOut scale,
@@ -944,26 +813,6 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         continue;
       }
       if (round > 0) Barrier::wait(pipe.Empty(stage), (round - 1) & 1);
-      if constexpr (Layout::kDirect) {
-        // One box of the fp8 cache's map per page of the block and chunk (kFp8DirectChunks).
-        uint8_t* stage_base = smem + Layout::kFp8Stages + stage * kFp8DirectStageBytes;
-        const int boxes = p.page_size == kBlockN ? 1 : 2;
-        const int box_bytes = kChunkBytes / boxes;
-        TxBarrier::arrive_and_expect_tx(
-            full, ((kv_rows[0] >= 0) + (boxes > 1 && kv_rows[1] >= 0)) * kFp8DirectChunks *
-                      box_bytes);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (h >= boxes || kv_rows[h] < 0) continue;
-#pragma unroll 1
-          for (int c = 0; c < kFp8DirectChunks; ++c) {
-            cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint,
-                                         stage_base + c * kChunkBytes + h * box_bytes,
-                                         Fp8DirectChunkColumn(c), kv_rows[h]);
-          }
-        }
-        continue;
-      }
       if constexpr (kFp8) {
         TxBarrier::arrive_and_expect_tx(
             full, ((kv_rows[0] >= 0) + (kv_rows[1] >= 0)) * kFp8HalfStageBytes);
@@ -1148,8 +997,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // 64-row tiles: warpgroup 0 computes the scores and the softmax of the whole block, both
   // warpgroups PV.
   constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
-  // fp8 cache up to kFp8DirectRows rows: QK^T as e4m3 WGMMAs on the staged rows.
-  constexpr bool kFp8Direct = kFp8 && kScoreN > 0 && kScoreN <= kFp8DirectRows;
   static_assert(!kSplitRelease || (kWg0Scores && kCluster == 1),
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles, no cluster");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
@@ -1224,16 +1071,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
   using QkT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>::type;
   using PvT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>::type;
-  using QkF8 = cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_SS_TN<>;
+  using QkRs = typename TransposedRsMmaFor<kScoreN == 16 ? 16 : 32>::type;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
   auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
   float st[kStN], m_t[kRowsT], l_t[kRowsT];
-  // fp8 cache, e4m3 scores: the two latent groups' and the rope's partial S^T, and the scales of
-  // the thread's tokens (TransposedScores::Token(wg_tid, h)) in its warpgroup's groups.
-  float acc8[2][kStN], acc_rope[kStN];
-  float2 token_scales[2];
   int limit_t[kRowsT];
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
@@ -1263,9 +1106,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     }
 
     Barrier::wait(pipe.QFull(), seg & 1);
-    if constexpr (kFp8Direct) {
-      BuildQueryTerms(smem + Layout::kQ, smem + Layout::kQTerms,
-                      reinterpret_cast<float*>(smem + Layout::kQScale), tid);
+    if constexpr (kFp8 && kScoreN == 16) {
+      PermuteQueryColumns<Layout::kQChunkRows>(smem + Layout::kQ, tid);
       cutlass::arch::fence_view_async_shared();
       ConsumerSync();
     }
@@ -1282,6 +1124,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
+      KFragments frag;  // fp8 cache, up to 16 rows: the block's keys as QK^T's A operand
       if constexpr (kFp8 && kScoreN == 0) {
         // Both warpgroups' PV of the previous block are done with the bf16 tile. Warpgroup wg
         // converts half wg of the block (its own QK^T's tokens) from that half's stage, and each
@@ -1296,39 +1139,21 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ReleaseStage<kCluster>(pipe, slot.index);
         ConsumerSync();  // warpgroup 0's QK^T reads both halves
-      } else if constexpr (kFp8Direct) {
-        // QK^T reads the staged block itself (IssueScoresFp8); under it the warpgroup converts
-        // the V columns of its PV (latent groups 2 wg and 2 wg + 1, which its PV of the previous
-        // block is done with) into the bf16 tile and reads its tokens' scales. The stage goes back
-        // once both are done.
-        const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8DirectStageBytes;
-        IssueScoresFp8<QkF8, QkT, Layout::kQChunkBytes>(
-            SmemAddr(staged), SmemAddr(smem + Layout::kQTerms), q_addr, wg, acc8, acc_rope);
-        const int row = wg_tid % kBlockN;
-        DequantiseStagedGroup(staged, row, 2 * wg + wg_tid / kBlockN, load.RowLoaded(row),
-                              smem + Layout::kKv);
-        cutlass::arch::fence_view_async_shared();
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          token_scales[h] = *reinterpret_cast<const float2*>(
-              StagedScales(staged, TransposedScores::Token(wg_tid, h)) + 2 * wg);
-        }
-        cute::warpgroup_wait<0>();
-        FenceRegisters(acc8[0]);
-        FenceRegisters(acc8[1]);
-        FenceRegisters(acc_rope);
-        WarpgroupSync(wg);
-        if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       } else if constexpr (kFp8) {
         // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
-        // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them.
+        // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
+        // (32 rows), else by the fence before PV.
         const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
         WarpgroupSync(wg);
-        const int row = wg_tid % kBlockN;
-        const int part = 2 * wg + wg_tid / kBlockN;
-        DequantiseRow<8>(staged + row * kFp8RowBytes, load.RowLoaded(row), part,
-                         smem + Layout::kKv, row);
-        cutlass::arch::fence_view_async_shared();
+        if constexpr (kScoreN == 16) {
+          LoadKFragments(staged, smem + Layout::kKv, load, wg, wg_tid, frag);
+        } else {
+          const int row = wg_tid % kBlockN;
+          const int part = 2 * wg + wg_tid / kBlockN;
+          DequantiseRow<8>(staged + row * kFp8RowBytes, load.RowLoaded(row), part,
+                           smem + Layout::kKv, row);
+        }
+        if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
         WarpgroupSync(wg);
         if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       } else if (!load.Complete()) {
@@ -1348,19 +1173,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // columns (with the fp8 cache: its two latent groups and half the rope), then each adds
         // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
         // both warpgroups hold the same S^T.
-        if constexpr (kFp8Direct) {
-          // Each group's sums times its token's scale and the row's 1 / s, plus the rope's.
-          const float* q_scale = reinterpret_cast<const float*>(smem + Layout::kQScale);
-#pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            const float inv = q_scale[RowT(i)];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int e = TransposedScores::Element(i, h);
-              st[e] = fmaf(fmaf(token_scales[h].x, acc8[0][e], token_scales[h].y * acc8[1][e]),
-                           inv, acc_rope[e]);
-            }
-          }
+        if constexpr (kFp8 && kScoreN == 16) {
+          ScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, st);
         } else if constexpr (kFp8) {
           ScoresFp8Smem<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, st);
         } else {

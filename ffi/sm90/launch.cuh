@@ -78,22 +78,6 @@ inline bool EncodeRowMap(CUtensorMap* map, const void* base, uint64_t rows, uint
   return r == CUDA_SUCCESS;
 }
 
-// 2-D map over the fp8 cache viewed as uint8 [rows, kFp8RowBytes], box of 128 bytes x box_rows
-// rows, 128-byte swizzle (the e4m3-score kernel's staged chunks).
-inline bool EncodeFp8RowMap(CUtensorMap* map, const void* base, uint64_t rows, uint32_t box_rows,
-                            CUtensorMapL2promotion promotion) {
-  auto encode = TensorMapEncoder();
-  if (encode == nullptr) return false;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(kFp8RowBytes), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(kFp8RowBytes)};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(kRowBytes), box_rows};
-  cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
-                      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      CU_TENSOR_MAP_SWIZZLE_128B, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
-}
-
 inline bool ValidShape(const DecodeParams& p) {
   if (p.batch < 1 || p.q_len < 1 || p.num_heads < 1 || p.num_pages < 1 || p.max_pages < 1) {
     return false;
@@ -230,11 +214,8 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
 inline int KernelSmemBytes(bool fp8, int score_n) {
   if (!fp8) return SmemLayout<false>::kBytes;
-  switch (score_n) {
-    case 16: return KernelSmemLayout<true, 16>::kBytes;
-    case 32: return KernelSmemLayout<true, 32>::kBytes;
-    default: return KernelSmemLayout<true, 0>::kBytes;
-  }
+  return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
+                     : KernelSmemLayout<true, 0>::kBytes;
 }
 
 // Whether the bf16 cache's 64-row tiles release each stage in two parts (DecodeKernel's
@@ -327,22 +308,16 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                                                          : cute::TMA::CacheHintSm90::EVICT_NORMAL);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
-  // The fp8 cache's e4m3-score kernel stages its rows by bulk-tensor copies of a uint8 map; its
-  // other kernels by plain bulk copies (no cache map).
+  // The fp8 cache's rows are staged by plain bulk copies: its kernel reads no cache tensor map.
   CUtensorMap q_map, kv_map = {};
-  const uint64_t cache_rows = static_cast<uint64_t>(p.num_pages) * p.page_size;
-  const uint32_t box_rows = p.page_size == kBlockN ? kBlockN : kHalfN;
-  const int score_n = detail::TransposedScoreRows(options, cluster, rows);
-  bool maps_ok = detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
-                                      args.q_box_rows);
-  if (!p.kv_fp8) {
-    maps_ok = maps_ok && detail::EncodeRowMap(&kv_map, p.kv_cache, cache_rows, box_rows,
-                                              options.kv_l2_promotion);
-  } else if (KernelQueryRows(true, score_n) == kFp8DirectRows) {
-    maps_ok = maps_ok && detail::EncodeFp8RowMap(&kv_map, p.kv_cache, cache_rows, box_rows,
-                                                 options.kv_l2_promotion);
+  if (!detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
+                            args.q_box_rows) ||
+      (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
+                                          static_cast<uint64_t>(p.num_pages) * p.page_size,
+                                          p.page_size == kBlockN ? kBlockN : kHalfN,
+                                          options.kv_l2_promotion))) {
+    return cudaErrorInvalidValue;
   }
-  if (!maps_ok) return cudaErrorInvalidValue;
   void* decode_args[] = {&q_map, &kv_map, &args};
   // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
   // same KV tiles, start side by side (and a cluster of two is a pair of them).

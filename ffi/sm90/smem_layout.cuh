@@ -27,30 +27,12 @@ constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemBytes = 232448;  // per block on SM90 (227 KB)
 
 // fp8 cache: a staged 64-token block of raw cache rows (docs/fp8-cache.md), and the exchange area
-// of the transposed scores' partial S^T for kQRows query rows (two warpgroups x kQRows / 8 slots of
-// 128 x 16 bytes).
+// of the transposed scores' partial S^T (two warpgroups x kFp8TransposedRows / 8 slots of 128 x 16
+// bytes).
 constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;  // 41984
 constexpr int kFp8HalfStageBytes = kFp8StageBytes / 2;  // 32 tokens, one bulk copy
-constexpr int Fp8ExchangeBytes(int q_rows) { return kConsumerWarpgroups * (q_rows / 8) * 128 * 16; }
+constexpr int kFp8ExchangeBytes = kConsumerWarpgroups * (kFp8TransposedRows / 8) * 128 * 16;
 constexpr int kFp8ScaleGroups = kLatentDim / kFp8GroupSize;  // 4
-// fp8 cache, up to kFp8DirectRows query rows (e4m3 scores, DecodeKernel's kFp8Direct): a staged
-// block is kFp8DirectChunks bulk-tensor chunks of 64 rows x 128 bytes with the 128-byte swizzle,
-// chunk c holding cache-row bytes [Fp8DirectChunkColumn(c), + 128): the four latent groups (e4m3),
-// then the bytes from the scales on (only the first 16 of each row, the four scales, are read),
-// then the rope (bf16). The query's latent columns are held as kFp8QueryTerms e4m3 tiles (rows x
-// 512 e4m3, one 128-column chunk per group).
-constexpr int kFp8DirectRows = 16;
-constexpr int kFp8DirectChunks = kFp8ScaleGroups + 2;
-constexpr int kFp8DirectScaleChunk = kFp8ScaleGroups;
-constexpr int kFp8DirectRopeChunk = kFp8ScaleGroups + 1;
-constexpr int kFp8DirectStageBytes = kFp8DirectChunks * kBlockN * kRowBytes;  // 49152
-constexpr int kFp8QueryTerms = 3;
-constexpr int kFp8TermChunkBytes = kFp8DirectRows * kRowBytes;       // 2048: one group
-constexpr int kFp8TermBytes = kFp8ScaleGroups * kFp8TermChunkBytes;  // 8192
-__host__ __device__ constexpr int Fp8DirectChunkColumn(int c) {
-  return c < kFp8ScaleGroups ? c * kFp8GroupSize
-                             : (c == kFp8DirectScaleChunk ? kFp8ScalesOffset : kFp8RopeOffset);
-}
 // fp8 cache, 64-row tiles: 32-token stages in a ring (one and a half blocks in flight), each
 // released by every thread of the warpgroup that read it.
 constexpr int kFp8HalfStages = 3;
@@ -63,35 +45,27 @@ constexpr int kHalfStageReleasers = kConsumerThreads / kConsumerWarpgroups;
 //  - fp8 cache, transposed scores (kQRows = kFp8TransposedRows): the query tile, one bf16 KV tile
 //    that the consumers dequantise each block into, kStages stages of a block's raw fp8 rows that
 //    the producer fills, P, the exchange area, the row statistics and the barriers.
-//  - fp8 cache, e4m3 scores (kQRows = kFp8DirectRows): the query tile, its kFp8QueryTerms e4m3
-//    tiles, the bf16 KV tile (V only), kStages stages of kFp8DirectChunks swizzled chunks, P, the
-//    exchange area, the query rows' inverse scales, the row statistics and the barriers.
 //  - fp8 cache, 64-row tiles (kQRows 64): the query tile, the bf16 KV tile, a ring of
-//    kFp8HalfStages stages of 32 tokens, P, the row statistics and the barriers.
+//    kFp8HalfStages stages of 32 tokens (a block's half h is converted by warpgroup h), P, the row
+//    statistics and the barriers.
 template <bool kFp8, int kQRows = kBlockM>
 struct SmemLayout {
-  static_assert(kQRows == kBlockM ||
-                    (kFp8 && (kQRows == kFp8TransposedRows || kQRows == kFp8DirectRows)),
-                "query tile rows");
+  static_assert(kQRows == kBlockM || (kFp8 && kQRows == kFp8TransposedRows), "query tile rows");
   static constexpr bool kHalfStages = kFp8 && kQRows == kBlockM;
-  static constexpr bool kDirect = kFp8 && kQRows == kFp8DirectRows;
   // Pipeline slots, each with a full and an empty barrier: the KV stages, or the half stages.
   static constexpr int kStageSlots = kHalfStages ? kFp8HalfStages : kStages;
   static constexpr int kQChunkRows = kQRows;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
   static constexpr int kQ = 0;
-  static constexpr int kQTerms = kQ + kNumChunks * kQChunkBytes;
-  static constexpr int kKv = kQTerms + (kDirect ? kFp8QueryTerms * kFp8TermBytes : 0);
+  static constexpr int kKv = kQ + kNumChunks * kQChunkBytes;
   static constexpr int kKvTiles = kFp8 ? 1 : kStages;
   static constexpr int kFp8Stages = kKv + kKvTiles * kTileBytes;
-  static constexpr int kFp8StageSize =
-      kHalfStages ? kFp8HalfStageBytes : (kDirect ? kFp8DirectStageBytes : kFp8StageBytes);
+  static constexpr int kFp8StageSize = kHalfStages ? kFp8HalfStageBytes : kFp8StageBytes;
   static constexpr int kP =
       (kFp8Stages + (kFp8 ? kStageSlots * kFp8StageSize : 0) + 1023) / 1024 * 1024;
   static constexpr int kPTileBytes = kQRows * kRowBytes;  // P: kQRows rows x 64 tokens, bf16
   static constexpr int kExchange = kP + kPTileBytes;
-  static constexpr int kQScale = kExchange + (kFp8 && !kHalfStages ? Fp8ExchangeBytes(kQRows) : 0);
-  static constexpr int kRowMax = kQScale + (kDirect ? kQRows * 4 : 0);  // f32 [kQRows]
+  static constexpr int kRowMax = kExchange + (kFp8 && !kHalfStages ? kFp8ExchangeBytes : 0);
   static constexpr int kRowSum = kRowMax + kConsumerWarpgroups * kBlockM * 4;  // f32 [2][64]
   static constexpr int kBarriers = kRowSum + kConsumerWarpgroups * kBlockM * 4;
   // q_full, q_empty, then full and empty of each slot, then (bf16 cache) full and empty of each
@@ -101,20 +75,14 @@ struct SmemLayout {
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
-  static_assert(kQTerms % 1024 == 0 && kKv % 1024 == 0 && kP % 1024 == 0 &&
-                    kFp8Stages % (kDirect ? 1024 : 16) == 0,
+  static_assert(kKv % 1024 == 0 && kP % 1024 == 0 && kFp8Stages % 16 == 0,
                 "swizzled tiles need 1024-byte alignment, bulk copies 16");
 };
 
-// The query tile rows of DecodeKernel<..., kScoreN, kFp8>: the fp8 cache's transposed scores have
-// their own query tile, of kFp8DirectRows rows up to that many (e4m3 scores), else of
-// kFp8TransposedRows.
-constexpr int KernelQueryRows(bool fp8, int score_n) {
-  return !fp8 || score_n == 0 ? kBlockM
-                              : (score_n <= kFp8DirectRows ? kFp8DirectRows : kFp8TransposedRows);
-}
+// The layout of DecodeKernel<..., kScoreN, kFp8>: the fp8 cache's transposed scores have their own
+// query tile of kFp8TransposedRows rows.
 template <bool kFp8, int kScoreN>
-using KernelSmemLayout = SmemLayout<kFp8, KernelQueryRows(kFp8, kScoreN)>;
+using KernelSmemLayout = SmemLayout<kFp8, (kFp8 && kScoreN > 0) ? kFp8TransposedRows : kBlockM>;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
