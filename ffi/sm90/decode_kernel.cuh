@@ -487,8 +487,8 @@ __device__ __forceinline__ void E4m3x16ToBf16(const uint4& raw, __nv_bfloat162 s
 //    registers, which do not fit beside 32 rows' accumulators): warpgroup wg reads latent groups
 //    2 wg and 2 wg + 1 and rope columns [32 wg, 32 wg + 32) of the tile, in QK^T and in PV alike,
 //    so its thread wg_tid converts row wg_tid % 64, part 2 wg + wg_tid / 64.
-//  - 64-row tiles: warpgroup wg's QK^T reads all columns of tokens [32 wg, 32 wg + 32), so its
-//    thread wg_tid converts row 32 wg + wg_tid % 32, part wg_tid / 32.
+//  - 64-row tiles: warpgroup wg converts tokens [32 wg, 32 wg + 32) of the block, all columns (its
+//    32-token stage), so its thread wg_tid converts row 32 wg + wg_tid % 32, part wg_tid / 32.
 template <int kUnitsInFlight = 4>
 __device__ __forceinline__ void DequantiseRow(const uint8_t* row_bytes, bool loaded, int part,
                                               uint8_t* tile, int row) {
@@ -957,11 +957,11 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
 // warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
 // either and a thread's output rows are the query rows whose softmax state it holds.
-// 64-row tiles of the bf16 cache (kWg0Scores below): warpgroup 0 alone computes QK^T (N = 64, all
-// 576 columns) and the softmax; its rows' rescale factors go to warpgroup 1 through shared memory
-// (the half of row_max of the block's parity), P over the stage's rope chunk, so that one barrier
-// per block hands both over and nothing warpgroup 0 writes for a block meets warpgroup 1's reads
-// of the block before.
+// 64-row tiles (kWg0Scores below): warpgroup 0 alone computes QK^T (N = 64, all 576 columns) and
+// the softmax; its rows' rescale factors go to warpgroup 1 through shared memory (the half of
+// row_max of the block's parity), P over the KV tile's rope chunk, so that one barrier per block
+// hands both over and nothing warpgroup 0 writes for a block meets warpgroup 1's reads of the
+// block before.
 // Every path rescales the output only when a row's running maximum grows by more than
 // 2^kLazyRescaleLog2 (NextRowMax).
 // kSplitRelease (64-row tiles of the bf16 cache, no cluster): warpgroup 0 leaves its PV in flight
@@ -979,9 +979,9 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 //    registers (LoadKFragments) and QK^T runs from them against the column-permuted query tile;
 //    with 32 rows QK^T reads the tile (DequantiseRow).
 //  - 64-row tiles (kScoreN 0): once both warpgroups' PV of the block before is done, warpgroup w
-//    converts half w of the block (its QK^T's tokens, all columns) from its 32-token stage
-//    (HalfSlot); each warpgroup computes the scores of its half (WGMMA 64x32x16) and the two
-//    exchange row maxima.
+//    converts half w of the block (32 tokens, all columns) from its 32-token stage (HalfSlot);
+//    once both halves are in the tile, warpgroup 0 scores the block as in the bf16 cache's 64-row
+//    tiles (kWg0Scores), with P over the tile's rope chunk.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false,
           bool kSplitRelease = false>
 __global__ void __launch_bounds__(kThreads, 1)
@@ -1081,7 +1081,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
       reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
-  // fp8 cache, 64-row tiles: this thread's (row, part) of its warpgroup's half of each block.
+  // fp8 cache, 64-row tiles: the (row, part) this thread converts (DequantiseRow).
   const int half_row = wg * kHalfN + wg_tid % kHalfN;
   const int half_part = wg_tid / kHalfN;
   // kSplitRelease: the stage whose V chunks warpgroup 0's PV, still in flight, reads (-1: none).
@@ -1161,9 +1161,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
-      // kWg0Scores: P of the block goes over the stage's rope chunk (only warpgroup 0's QK^T reads
-      // it), and the rows' factors into the half of row_max of the block's parity, so that what
-      // warpgroup 0 writes for a block never meets warpgroup 1's reads of the block before.
+      // kWg0Scores: P of the block goes over the rope chunk of its KV tile (the stage's, or the
+      // fp8 cache's one bf16 tile's; only warpgroup 0's QK^T reads it), and the rows' factors into
+      // the half of row_max of the block's parity, so that what warpgroup 0 writes for a block
+      // never meets warpgroup 1's reads of the block before.
       uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + (kFp8 ? 0 : stage * kTileBytes) +
                                                 kNumVChunks * kChunkBytes
                                           : p_tile;

@@ -8,8 +8,8 @@
 //  - PV reads the same KV tile as V (B) MN-major (transposed view): 64 columns of a chunk are
 //    contiguous, chunks are kChunkBytes apart (leading byte offset), 8-token groups 1024 bytes
 //    apart (stride byte offset); a k step of 16 tokens advances the start by 2048 bytes.
-//  - P (64 rows x 64 tokens, bf16) is one K-major chunk written by the consumer warpgroups (the
-//    bf16 cache's 64-row tiles write it over the KV stage's rope chunk instead).
+//  - P (64 rows x 64 tokens, bf16) is one K-major chunk written by the consumer warpgroups (64-row
+//    tiles write it over the KV tile's rope chunk instead).
 #pragma once
 
 #include <cstdint>
