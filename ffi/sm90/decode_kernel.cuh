@@ -171,28 +171,25 @@ __device__ __forceinline__ void MaskRows(float (&s)[4 * kGroups], int tok0, Half
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
 }
 
-// 64-row tiles: the rows' rescale factors alpha and exp2 offsets nb (-maximum x scale_log2) for
-// the new running maxima m_new0, m_new1 (NextRowMax) of rows whose maxima were m0, m1; moves m0, m1.
-__device__ __forceinline__ void RowFactors(float m_new0, float m_new1, float scale_log2,
-                                           float& m0, float& m1, float& alpha0, float& alpha1,
-                                           float& nb0, float& nb1) {
+// 64-row tiles: the online softmax of rows r0 and r1 (the scores s as in MaskRows) whose block
+// maxima are mx0 and mx1: moves the running maxima m0, m1 (NextRowMax), returns the rows' rescale
+// factors and the sums of the probabilities, and packs these as bf16 pairs for
+// StoreWarpTile16x32 (packed[j / 4][2 (j % 4)]: row r0, [.. + 1]: row r1, of group j).
+template <int kGroups>
+__device__ __forceinline__ void SoftmaxRows(const float (&s)[4 * kGroups], float mx0, float mx1,
+                                            float scale_log2, float& m0, float& m1,
+                                            float& alpha0, float& alpha1, float& sum0,
+                                            float& sum1, uint32_t (&packed)[kGroups / 4][8]) {
+  const float m_new0 = NextRowMax(m0, mx0, scale_log2);
+  const float m_new1 = NextRowMax(m1, mx1, scale_log2);
   const float mu0 = m_new0 == kNegInf ? 0.f : m_new0;
   const float mu1 = m_new1 == kNegInf ? 0.f : m_new1;
   alpha0 = Exp2((m0 - mu0) * scale_log2);
   alpha1 = Exp2((m1 - mu1) * scale_log2);
   m0 = m_new0;
   m1 = m_new1;
-  nb0 = -mu0 * scale_log2;
-  nb1 = -mu1 * scale_log2;
-}
-
-// 64-row tiles: the probabilities of rows r0 and r1 (the scores s as in MaskRows, offsets nb0,
-// nb1 from RowFactors), their sums, and the probabilities packed as bf16 pairs for
-// StoreWarpTile16x32 (packed[j / 4][2 (j % 4)]: row r0, [.. + 1]: row r1, of group j).
-template <int kGroups>
-__device__ __forceinline__ void ExpRows(const float (&s)[4 * kGroups], float nb0, float nb1,
-                                        float scale_log2, float& sum0, float& sum1,
-                                        uint32_t (&packed)[kGroups / 4][8]) {
+  const float nb0 = -mu0 * scale_log2;
+  const float nb1 = -mu1 * scale_log2;
   sum0 = 0.f;
   sum1 = 0.f;
 #pragma unroll
@@ -206,19 +203,6 @@ __device__ __forceinline__ void ExpRows(const float (&s)[4 * kGroups], float nb0
     packed[j / 4][2 * (j % 4)] = PackBf16x2(p00, p01);
     packed[j / 4][2 * (j % 4) + 1] = PackBf16x2(p10, p11);
   }
-}
-
-// 64-row tiles: the online softmax of rows r0 and r1 whose block maxima are mx0 and mx1:
-// RowFactors for their next running maxima, then ExpRows.
-template <int kGroups>
-__device__ __forceinline__ void SoftmaxRows(const float (&s)[4 * kGroups], float mx0, float mx1,
-                                            float scale_log2, float& m0, float& m1,
-                                            float& alpha0, float& alpha1, float& sum0,
-                                            float& sum1, uint32_t (&packed)[kGroups / 4][8]) {
-  float nb0, nb1;
-  RowFactors(NextRowMax(m0, mx0, scale_log2), NextRowMax(m1, mx1, scale_log2), scale_log2, m0, m1,
-             alpha0, alpha1, nb0, nb1);
-  ExpRows<kGroups>(s, nb0, nb1, scale_log2, sum0, sum1, packed);
 }
 
 // A warp's 16 rows x 32 columns of a 64 x 32 WGMMA accumulator (fragment_layout.h), packed as bf16
@@ -1177,11 +1161,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
-      // kWg0Scores: warpgroup 0 hands the scores of tokens 32-63 to warpgroup 1 over the rope
-      // chunk of the block's KV tile (the stage's, or the fp8 cache's one bf16 tile's), which only
-      // warpgroup 0's QK^T reads.
-      uint8_t* const score_swap =
-          smem + Layout::kKv + (kFp8 ? 0 : stage * kTileBytes) + kNumVChunks * kChunkBytes;
+      // kWg0Scores: P of the block goes over the rope chunk of its KV tile (the stage's, or the
+      // fp8 cache's one bf16 tile's; only warpgroup 0's QK^T reads it), and the rows' factors into
+      // the half of row_max of the block's parity, so that what warpgroup 0 writes for a block
+      // never meets warpgroup 1's reads of the block before.
+      uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + (kFp8 ? 0 : stage * kTileBytes) +
+                                                kNumVChunks * kChunkBytes
+                                          : p_tile;
 
       if constexpr (kScoreN > 0) {
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
@@ -1291,15 +1277,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
         }
       } else if constexpr (kWg0Scores) {
-        // Warpgroup 0 computes the block's scores S = Q K^T (all 64 tokens, N = 64), masks them
-        // and takes the rows' maxima; behind one barrier it hands warpgroup 1 the scores of
-        // tokens 32-63 (over the KV tile's rope chunk) and the rows' new maxima. Each warpgroup
-        // then exponentiates its 32 tokens into P, rescales its half of O and keeps its own part
-        // of the row sums; after a second barrier both run PV.
-        float* row_max_new = row_max + (it & 1) * kBlockM;  // f32 [64]: maxima after the block
-        float4* const swap = reinterpret_cast<float4*>(score_swap);
-        float s_half[kBlockM * kHalfN / 128];  // the thread's scores of its warpgroup's tokens
-        float m_new0, m_new1;
+        // Warpgroup 0 computes the block's scores S = Q K^T (all 64 tokens, N = 64) and its
+        // softmax, writes P and the rows' rescale factors; warpgroup 1 waits for them, rescales its
+        // half of O, and both run PV.
+        float* row_alpha = row_max + (it & 1) * kBlockM;  // f32 [64]: the block's row factors
         if (wg == 0) {
           float s_full[kBlockM * kBlockN / 128];
           FenceRegisters(s_full);
@@ -1323,69 +1304,61 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
           cute::warpgroup_wait<0>();
           FenceRegisters(s_full);
+          FenceRegisters(o);
           if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
-          // Rows r0 (elements 4 j + e) and r1 (4 j + 2 + e); element (j, e) is token
-          // 8 j + quad_col + e of the block, so tokens 32-63 are elements 16-31.
-          float mx0 = 0.f, mx1 = 0.f;
-          if (!(kSkip & 4)) {
+          // Masked online softmax of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e); element
+          // (j, e) is token 8 j + quad_col + e of the block.
+          float alpha0 = 1.f, alpha1 = 1.f;
+          float sum0 = 0.f, sum1 = 0.f;
+          uint32_t p_packed[2][8];  // P of rows r0, r1 x tokens 0-31 and 32-63, bf16 pairs
+          if (kSkip & 4) {
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              p_packed[j / 4][2 * (j % 4)] = PackBf16x2(s_full[4 * j], s_full[4 * j + 1]);
+              p_packed[j / 4][2 * (j % 4) + 1] =
+                  PackBf16x2(s_full[4 * j + 2], s_full[4 * j + 3]);
+            }
+            sum0 = sum1 = 1.f;
+            m0 = m1 = 0.f;
+          } else {
+            float mx0, mx1;
             MaskRows<kBlockN / 8>(s_full, token_base + quad_col,
                                   [&](int j) { return j < kHalfN / 8 ? half_ok0 : half_ok1; },
                                   limit0, limit1, mx0, mx1);
+            SoftmaxRows<kBlockN / 8>(s_full, mx0, mx1, sl2, m0, m1, alpha0, alpha1, sum0, sum1,
+                                     p_packed);
           }
-          m_new0 = NextRowMax(m0, mx0, sl2);
-          m_new1 = NextRowMax(m1, mx1, sl2);
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            swap[v * 128 + wg_tid] = make_float4(s_full[16 + 4 * v], s_full[17 + 4 * v],
-                                                 s_full[18 + 4 * v], s_full[19 + 4 * v]);
+          StoreWarpTile16x32(p_block, r0 - lane / 4, 0, lane, p_packed[0]);
+          StoreWarpTile16x32(p_block, r0 - lane / 4, kHalfN, lane, p_packed[1]);
+          if (kSplitRelease) {
+            // Warpgroup 0's own copy of P: its PV is still reading it after warpgroup 1 has
+            // released the rope chunk.
+            StoreWarpTile16x32(p_tile, r0 - lane / 4, 0, lane, p_packed[0]);
+            StoreWarpTile16x32(p_tile, r0 - lane / 4, kHalfN, lane, p_packed[1]);
           }
           if ((lane & 3) == 0) {
-            row_max_new[r0] = m_new0;
-            row_max_new[r1] = m_new1;
+            row_alpha[r0] = alpha0;
+            row_alpha[r1] = alpha1;
           }
-#pragma unroll
-          for (int i = 0; i < 16; ++i) s_half[i] = s_full[i];
+          l0 = l0 * alpha0 + sum0;
+          l1 = l1 * alpha1 + sum1;
+          if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+            RescaleRows(o, alpha0, alpha1);
+          }
         } else if (k == seg_info.kv_end - 1 && wg_tid == 0) {
           Barrier::arrive(pipe.QEmpty());  // warpgroup 1 never reads the query tile
         }
+        cutlass::arch::fence_view_async_shared();
         ConsumerSync();
         if (wg == 1) {
-#pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            const float4 t = swap[v * 128 + wg_tid];
-            s_half[4 * v] = t.x;
-            s_half[4 * v + 1] = t.y;
-            s_half[4 * v + 2] = t.z;
-            s_half[4 * v + 3] = t.w;
+          const float alpha0 = row_alpha[r0], alpha1 = row_alpha[r1];
+          // No PV of warpgroup 1 is in flight here; the wait tells ptxas so (with kSplitRelease
+          // warpgroup 0's is, on a path it cannot tell apart).
+          if (kSplitRelease) cute::warpgroup_wait<0>();
+          FenceRegisters(o);
+          if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+            RescaleRows(o, alpha0, alpha1);
           }
-          m_new0 = row_max_new[r0];
-          m_new1 = row_max_new[r1];
-        }
-        float alpha0, alpha1, sum0, sum1;
-        uint32_t p_packed[1][8];  // P of rows r0, r1 x the warpgroup's 32 tokens, bf16 pairs
-        if (kSkip & 4) {
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            p_packed[0][2 * j] = PackBf16x2(s_half[4 * j], s_half[4 * j + 1]);
-            p_packed[0][2 * j + 1] = PackBf16x2(s_half[4 * j + 2], s_half[4 * j + 3]);
-          }
-          alpha0 = alpha1 = 1.f;
-          sum0 = sum1 = 1.f;
-          m0 = m1 = 0.f;
-        } else {
-          float nb0, nb1;
-          RowFactors(m_new0, m_new1, sl2, m0, m1, alpha0, alpha1, nb0, nb1);
-          ExpRows<kHalfN / 8>(s_half, nb0, nb1, sl2, sum0, sum1, p_packed);
-        }
-        StoreWarpTile16x32(p_tile, r0 - lane / 4, wg * kHalfN, lane, p_packed[0]);
-        l0 = l0 * alpha0 + sum0;
-        l1 = l1 * alpha1 + sum1;
-        // No PV of this warpgroup is in flight here; the wait tells ptxas so (with kSplitRelease
-        // warpgroup 0's is, on a path it cannot tell apart).
-        if (kSplitRelease) cute::warpgroup_wait<0>();
-        FenceRegisters(o);
-        if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
-          RescaleRows(o, alpha0, alpha1);
         }
       } else {
       // S = Q K^T for this warpgroup's 32 tokens.
@@ -1451,8 +1424,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) RescaleRows(o, alpha0, alpha1);
       }
       }  // kScoreN == 0
-      cutlass::arch::fence_view_async_shared();
-      ConsumerSync();
+      if constexpr (!kWg0Scores) {
+        cutlass::arch::fence_view_async_shared();
+        ConsumerSync();
+      }
 
       if constexpr (kScoreN > 0) {
         // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
@@ -1473,7 +1448,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
       cute::warpgroup_arrive();
-      const uint64_t p_desc = KMajorDesc(p_addr);
+      const uint64_t p_desc = KMajorDesc(SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block));
       const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
 #pragma unroll
       for (int kk = 0; kk < ((kSkip & 2) ? 0 : kBlockN / 16); ++kk) {
