@@ -997,8 +997,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // 64-row tiles: warpgroup 0 computes the scores and the softmax of the whole block, both
   // warpgroups PV.
   constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
-  static_assert(!kSplitRelease || (kWg0Scores && !kFp8),
-                "a stage is released in two parts only by the bf16 cache's 64-row tiles");
+  static_assert(!kSplitRelease || (kWg0Scores && kCluster == 1),
+                "a stage is released in two parts only by the bf16 cache's 64-row tiles, no cluster");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;

@@ -245,9 +245,7 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   if (cluster == 2) {
     if (!options.early_release) return nullptr;
     switch (options.experiment) {
-      case 0: return UseSplitRelease(options, m_tiles)
-                         ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, false, true>)
-                         : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
+      case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
       case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7, 2>);
       default: return nullptr;
     }
