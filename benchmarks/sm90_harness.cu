@@ -16,8 +16,8 @@
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|transposed|combine|release|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
-//   --cluster2 (any mode): checks and default timings use LaunchOptions::cluster = 2 where the
-//   number of M tiles is even.
+//   --cluster2 / --cluster1 (any mode): checks and default timings use LaunchOptions::cluster = 2
+//   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release (checks
@@ -47,7 +47,7 @@
 
 using namespace jax_mla::sm90;
 
-static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings ("--cluster2")
+static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings (--cluster2/1)
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
@@ -410,7 +410,9 @@ static void RunOnce(const Problem& pb, int copy) {
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
   CHECK_CUDA(cudaGetLastError());
   LaunchOptions opt;
-  if (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0) opt.cluster = 2;
+  if (g_cluster == 1 || (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0)) {
+    opt.cluster = g_cluster;
+  }
   opt.transposed_scores = g_transposed;
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
@@ -653,7 +655,8 @@ static std::vector<Variant> TransposedVariants() {
 }
 
 static std::vector<Variant> ClusterVariants() {
-  return {{"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
+  return {{"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
+          {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
 }
 
 // Timing experiments: kernels that skip parts of the work (results wrong by design).
@@ -727,8 +730,9 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
   for (const Variant& var : variants) {
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
-    if (g_cluster == 2 && std::string(var.name) == "default" && NumMTiles(s.q_len, s.heads) % 2 == 0) {
-      opt.cluster = 2;
+    if (std::string(var.name) == "default" &&
+        (g_cluster == 1 || (g_cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 == 0))) {
+      opt.cluster = g_cluster;
     }
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
@@ -817,6 +821,7 @@ int main(int argc, char** argv) {
   for (int i = 0; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--cluster2") g_cluster = 2;
+    else if (a == "--cluster1") g_cluster = 1;
     else if (a == "--plain-scores") g_transposed = 0;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;

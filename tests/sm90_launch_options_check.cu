@@ -63,6 +63,14 @@ int main() {
     p.num_heads = 128;
     o.cluster = 3;
   });
+  Run("cluster=0", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = 0;
+  });
+  Run("cluster=-2", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = -2;
+  });
   Run("cluster=2,odd_m_tiles", [](DecodeParams&, LaunchOptions& o) { o.cluster = 2; });
   Run("cluster=2,late_release", [](DecodeParams& p, LaunchOptions& o) {
     p.num_heads = 128;

@@ -964,11 +964,12 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // block before.
 // Every path rescales the output only when a row's running maximum grows by more than
 // 2^kLazyRescaleLog2 (NextRowMax).
-// kSplitRelease (64-row tiles of the bf16 cache, no cluster): warpgroup 0 leaves its PV in flight
+// kSplitRelease (64-row tiles of the bf16 cache): warpgroup 0 leaves its PV in flight
 // under the next block's QK^T, so a stage goes back to the producer in two parts: warpgroup 1
 // releases the chunks from kWg0VChunks on (its V, and the rope chunk that holds P) once its PV is
 // done, warpgroup 0 its V chunks once the next QK^T is issued and its PV is done; warpgroup 0's PV
-// reads its own copy of P (the P tile), since the rope chunk may be refilled under it.
+// reads its own copy of P (the P tile), since the rope chunk may be refilled under it. With
+// kCluster == 2 each part's release arrives on both CTAs' barriers, as a whole stage's does.
 // kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
 // convert them into the one bf16 KV tile, which QK^T and PV read.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
@@ -997,8 +998,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // 64-row tiles: warpgroup 0 computes the scores and the softmax of the whole block, both
   // warpgroups PV.
   constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
-  static_assert(!kSplitRelease || (kWg0Scores && kCluster == 1),
-                "a stage is released in two parts only by the bf16 cache's 64-row tiles, no cluster");
+  static_assert(!kSplitRelease || (kWg0Scores && !kFp8),
+                "a stage is released in two parts only by the bf16 cache's 64-row tiles");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;

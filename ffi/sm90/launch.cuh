@@ -32,17 +32,17 @@ struct LaunchOptions {
   CUtensorMapL2promotion kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   int kv_evict_first = -1;    // -1: evict-first hint when each KV tile is read by one CTA only
   int experiment = 0;         // DecodeKernel's kSkip bits (timing experiments, wrong results)
-  int cluster = 1;            // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
-                              // even number of M tiles)
+  int cluster = -1;           // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
+                              // even number of M tiles); -1 (default) where UseCluster; 1 never;
+                              // other values rejected
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
                               // <= 32 (N = 16 up to 16 rows, else 32); 0 never; other values
                               // rejected
   int wide_combine = -1;      // CombineKernelWide (several warps per output row) instead of
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
-  int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles
-                              // without cluster: -1 (default) with two or more M tiles, 1 always,
-                              // 0 never
+  int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
+                              // -1 (default) with two or more M tiles, 1 always, 0 never
 };
 
 namespace detail {
@@ -218,6 +218,15 @@ inline int KernelSmemBytes(bool fp8, int score_n) {
                      : KernelSmemLayout<true, 0>::kBytes;
 }
 
+// The cluster size for these options: by default 2 (the M-tile pair multicasting each KV tile)
+// where the bf16 cache's 64-row tiles come in an even number of M tiles and no experiment or late
+// release is asked for. Multicast halves the tiles' traffic out of L2, and at those shapes the
+// board runs at its power limit (docs/sm90-kernel.md, "Power").
+inline int ClusterSize(const LaunchOptions& options, bool fp8, int m_tiles) {
+  if (options.cluster >= 1) return options.cluster;
+  return !fp8 && options.early_release && options.experiment == 0 && m_tiles % 2 == 0 ? 2 : 1;
+}
+
 // Whether the bf16 cache's 64-row tiles release each stage in two parts (DecodeKernel's
 // kSplitRelease): by default where a part has two or more M tiles, whose CTAs share each KV tile.
 inline bool UseSplitRelease(const LaunchOptions& options, int m_tiles) {
@@ -245,7 +254,9 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   if (cluster == 2) {
     if (!options.early_release) return nullptr;
     switch (options.experiment) {
-      case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
+      case 0: return UseSplitRelease(options, m_tiles)
+                         ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, false, true>)
+                         : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
       case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7, 2>);
       default: return nullptr;
     }
@@ -278,7 +289,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (!detail::ValidShape(p)) return cudaErrorInvalidValue;
   const int rows = p.q_len * p.num_heads;
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
-  const int cluster = options.cluster >= 1 ? options.cluster : 1;
+  if (options.cluster == 0 || options.cluster < -1) return cudaErrorInvalidValue;
+  const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
       options.wide_combine < -1 || options.wide_combine > 1 || options.split_release < -1 ||
