@@ -33,8 +33,8 @@ struct LaunchOptions {
   int kv_evict_first = -1;    // -1: evict-first hint when each KV tile is read by one CTA only
   int experiment = 0;         // DecodeKernel's kSkip bits (timing experiments, wrong results)
   int cluster = -1;           // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
-                              // even number of M tiles); -1 (default) where UseCluster; 1 never;
-                              // other values rejected
+                              // even number of M tiles); -1 (default) where ClusterSize picks
+                              // it; 1 never; other values rejected
   int transposed_scores = -1; // DecodeKernel's kScoreN path: -1 (default) where q_len * num_heads
                               // <= 32 (N = 16 up to 16 rows, else 32); 0 never; other values
                               // rejected
@@ -220,8 +220,8 @@ inline int KernelSmemBytes(bool fp8, int score_n) {
 
 // The cluster size for these options: by default 2 (the M-tile pair multicasting each KV tile)
 // where the bf16 cache's 64-row tiles come in an even number of M tiles and no experiment or late
-// release is asked for. Multicast halves the tiles' traffic out of L2, and at those shapes the
-// board runs at its power limit (docs/sm90-kernel.md, "Power").
+// release is asked for. Multicast halves the tiles' traffic out of L2 (docs/sm90-kernel.md,
+// "Power", says when that pays).
 inline int ClusterSize(const LaunchOptions& options, bool fp8, int m_tiles) {
   if (options.cluster >= 1) return options.cluster;
   return !fp8 && options.early_release && options.experiment == 0 && m_tiles % 2 == 0 ? 2 : 1;
