@@ -405,14 +405,19 @@ static cudaStream_t CheckStream() {
   return stream;
 }
 
+// LaunchOptions::cluster as --cluster2 / --cluster1 ask for it (unchanged without either flag).
+static void ApplyClusterFlag(LaunchOptions& opt, int q_len, int heads) {
+  if (g_cluster == 1 || (g_cluster == 2 && NumMTiles(q_len, heads) % 2 == 0)) {
+    opt.cluster = g_cluster;
+  }
+}
+
 static void RunOnce(const Problem& pb, int copy) {
   DecodeParams p = pb.Params(copy);
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
   CHECK_CUDA(cudaGetLastError());
   LaunchOptions opt;
-  if (g_cluster == 1 || (g_cluster == 2 && NumMTiles(pb.spec.q_len, pb.spec.heads) % 2 == 0)) {
-    opt.cluster = g_cluster;
-  }
+  ApplyClusterFlag(opt, pb.spec.q_len, pb.spec.heads);
   opt.transposed_scores = g_transposed;
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
@@ -730,10 +735,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
   for (const Variant& var : variants) {
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
-    if (std::string(var.name) == "default" &&
-        (g_cluster == 1 || (g_cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 == 0))) {
-      opt.cluster = g_cluster;
-    }
+    if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
       DecodeParams p = pb.Params(i % pb.copies);

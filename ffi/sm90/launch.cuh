@@ -289,14 +289,13 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (!detail::ValidShape(p)) return cudaErrorInvalidValue;
   const int rows = p.q_len * p.num_heads;
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
-  if (options.cluster == 0 || options.cluster < -1) return cudaErrorInvalidValue;
-  const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
-  if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  if (options.transposed_scores < -1 || options.transposed_scores > 0 ||
-      options.wide_combine < -1 || options.wide_combine > 1 || options.split_release < -1 ||
-      options.split_release > 1) {
+  if (options.cluster < -1 || options.cluster == 0 || options.transposed_scores < -1 ||
+      options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
+      options.split_release < -1 || options.split_release > 1) {
     return cudaErrorInvalidValue;
   }
+  const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
+  if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int smem_bytes =
