@@ -3,7 +3,8 @@
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. \
 //        -I/work/fi/flashinfer/data/cutlass/include --expt-relaxed-constexpr \
 //        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
-//   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference
+//   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference (and the
+//                                      # combine's warp-wide request search against FindRequest)
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
@@ -14,8 +15,10 @@
 //                                      # take the plain-score kernel also where q_len * H <= 32)
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
-//                         [--variants default|cluster|exp|transposed|combine|release|all]
+//                         [--variants default|cluster|exp|segments|transposed|combine|release|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
+//   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
+//                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
 //   --cluster2 / --cluster1 (any mode): checks and default timings use LaunchOptions::cluster = 2
 //   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
@@ -566,6 +569,11 @@ static std::vector<CaseSpec> CheckSuite() {
   v.add("long-128k-h16", 2, 1, 16, 64, 131072, "fixed");
   v.add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
   v.add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
+  // Many requests a part: the epilogue of many segments a CTA; over four requests a part
+  // boundary, the combine's grid indexes the boundaries (CombineByBoundary).
+  v.add("b128-1k-h128", 128, 1, 128, 64, 1024, "uniform");
+  v.add("b300-1k-h128", 300, 1, 128, 64, 1024, "uniform");
+  v.add("bad-b600-h16-p32", 600, 1, 16, 32, 500, "uniform", true);
   return v.cases;
 }
 
@@ -629,6 +637,7 @@ static std::vector<CaseSpec> SanitizeSuite() {
   v.add("h8", 3, 1, 8, 64, 500, "uniform");
   v.add("h128-b8", 8, 1, 128, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
+  v.add("bad-b270-h128", 270, 1, 128, 64, 200, "uniform", true);
   return v.cases;
 }
 
@@ -657,6 +666,20 @@ static std::vector<Variant> ReleaseVariants() {
 
 static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
+}
+
+// What a request segment costs: the combine left out, the KV loads left out, everything but the
+// loads left out (the last two without clusters, as cluster-1 is).
+static std::vector<Variant> SegmentVariants() {
+  LaunchOptions no_load, none;
+  no_load.experiment = 32;
+  no_load.cluster = 1;
+  none.experiment = 7;
+  none.cluster = 1;
+  return {{"no-combine", With([](LaunchOptions& o) { o.combine = false; })},
+          {"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
+          {"x-noload", no_load},
+          {"x-none", none}};
 }
 
 static std::vector<Variant> ClusterVariants() {
@@ -696,6 +719,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "release") append(ReleaseVariants());
   else if (which == "cluster") append(ClusterVariants());
   else if (which == "exp") append(ExperimentVariants());
+  else if (which == "segments") append(SegmentVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -808,6 +832,128 @@ static void PrintDevice() {
          NumParts(prop.multiProcessorCount, 1, 128));
 }
 
+// One decode of the problem with the kernel's event timeline (ffi/sm90/trace.cuh; a build with
+// -DJAX_MLA_SM90_TRACE): where each CTA's time goes, summed per CTA, mean and max over the CTAs.
+static int RunTrace(const CaseSpec& s) {
+#ifndef JAX_MLA_SM90_TRACE
+  (void)s;
+  printf("trace: this harness was built without -DJAX_MLA_SM90_TRACE\n");
+  return 2;
+#else
+  Problem pb;
+  pb.Build(s, 1);
+  for (int i = 0; i < 3; ++i) RunOnce(pb, 0);
+  std::vector<int> counts(kTraceCtas, 0);
+  CHECK_CUDA(cudaMemcpyToSymbol(g_trace_count, counts.data(), sizeof(int) * kTraceCtas));
+  RunOnce(pb, 0);
+  std::vector<TraceRecord> records(static_cast<size_t>(kTraceCtas) * kTraceRecords);
+  CHECK_CUDA(cudaMemcpyFromSymbol(counts.data(), g_trace_count, sizeof(int) * kTraceCtas));
+  CHECK_CUDA(cudaMemcpyFromSymbol(records.data(), g_trace, sizeof(TraceRecord) * records.size()));
+  // Phases between consecutive records of one CTA, in µs, named by the pair of tags.
+  const char* names[] = {"setup", "segment->query", "query->block", "block compute",
+                         "block->next block", "last block->store", "store", "store->segment",
+                         "store->end", "records"};
+  constexpr int kPhases = 9;
+  auto phase_of = [](uint32_t from, uint32_t to) {
+    if (from == kTraceStart) return 0;
+    if (from == kTraceSegment) return 1;
+    if (from == kTraceQuery) return 2;
+    if (from == kTraceBlockReady) return 3;
+    if (from == kTraceBlockDone) return to == kTraceBlockReady ? 4 : 5;
+    if (from == kTraceStoreBegin) return 6;
+    if (from == kTraceStoreEnd) return to == kTraceSegment ? 7 : 8;
+    return -1;
+  };
+  uint64_t t0 = ~0ull;
+  int ctas = 0;
+  for (int c = 0; c < kTraceCtas; ++c) {
+    if (counts[c] == 0) continue;
+    ++ctas;
+    t0 = std::min(t0, records[static_cast<size_t>(c) * kTraceRecords].time_ns);
+  }
+  std::vector<double> sum(kPhases + 3, 0.0), worst(kPhases + 3, 0.0);
+  for (int c = 0; c < kTraceCtas; ++c) {
+    const int n = std::min(counts[c], kTraceRecords);
+    if (n == 0) continue;
+    const TraceRecord* r = &records[static_cast<size_t>(c) * kTraceRecords];
+    std::vector<double> cta(kPhases + 3, 0.0);
+    int segments = 0, blocks = 0;
+    for (int i = 0; i + 1 < n; ++i) {
+      const int ph = phase_of(r[i].tag, r[i + 1].tag);
+      if (ph >= 0) cta[ph] += (r[i + 1].time_ns - r[i].time_ns) * 1e-3;
+    }
+    for (int i = 0; i < n; ++i) {
+      segments += r[i].tag == kTraceSegment;
+      blocks += r[i].tag == kTraceBlockReady;
+    }
+    cta[kPhases] = (r[n - 1].time_ns - t0) * 1e-3;  // end, from the first CTA's start
+    cta[kPhases + 1] = segments;
+    cta[kPhases + 2] = blocks;
+    for (int k = 0; k < kPhases + 3; ++k) {
+      sum[k] += cta[k];
+      worst[k] = std::max(worst[k], cta[k]);
+    }
+  }
+  printf("trace: H=%d B=%d L=%d q_len=%d page=%d %s, %d CTAs (records of thread 0, µs per CTA)\n",
+         s.heads, s.batch, s.L, s.q_len, s.page, s.dist.c_str(), ctas);
+  printf("| | ");
+  for (int k = 0; k < kPhases; ++k) printf("%s | ", names[k]);
+  printf("end | segments | blocks |\n|");
+  for (int k = 0; k < kPhases + 4; ++k) printf("---|");
+  printf("\n");
+  for (int which = 0; which < 2; ++which) {
+    printf("| %s | ", which == 0 ? "mean" : "max");
+    for (int k = 0; k < kPhases + 3; ++k) {
+      printf("%.2f | ", which == 0 ? sum[k] / std::max(ctas, 1) : worst[k]);
+    }
+    printf("\n");
+  }
+  pb.Free();
+  return 0;
+#endif
+}
+
+// FindRequestInWarp (the combine's warp-wide search) against ScheduleView::FindRequest on
+// non-decreasing prefixes with runs of equal entries (empty requests), for every x below the total.
+__global__ void FindRequestCompareKernel(const int32_t* prefix, int batch, int* mismatches) {
+  ScheduleView view{};
+  view.prefix = prefix;
+  view.batch = batch;
+  const int lane = threadIdx.x % 32;
+  for (int x = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; x < prefix[batch];
+       x += gridDim.x * (blockDim.x / 32)) {
+    if (FindRequestInWarp(view, x, lane) != view.FindRequest(x) && lane == 0) {
+      atomicAdd(mismatches, 1);
+    }
+  }
+}
+
+static bool CheckFindRequestInWarp() {
+  std::mt19937 rng(5);
+  int failures = 0;
+  for (int batch : {1, 2, 31, 32, 33, 100, 512, 1000, 1025, 4000}) {
+    std::vector<int32_t> prefix(batch + 1, 0);
+    for (int b = 0; b < batch; ++b) prefix[b + 1] = prefix[b] + (rng() % 3 == 0 ? 0 : rng() % 9);
+    prefix[batch] += 1;  // at least one unit
+    int32_t* d_prefix;
+    int* d_mismatches;
+    CHECK_CUDA(cudaMalloc(&d_prefix, prefix.size() * sizeof(int32_t)));
+    CHECK_CUDA(cudaMalloc(&d_mismatches, sizeof(int)));
+    CHECK_CUDA(cudaMemcpy(d_prefix, prefix.data(), prefix.size() * sizeof(int32_t),
+                          cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemset(d_mismatches, 0, sizeof(int)));
+    FindRequestCompareKernel<<<64, 256>>>(d_prefix, batch, d_mismatches);
+    int mismatches = 0;
+    CHECK_CUDA(cudaMemcpy(&mismatches, d_mismatches, sizeof(int), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaFree(d_prefix));
+    CHECK_CUDA(cudaFree(d_mismatches));
+    failures += mismatches != 0;
+    if (mismatches) printf("FindRequestInWarp: batch %d, %d mismatches FAIL\n", batch, mismatches);
+  }
+  printf("FindRequestInWarp against FindRequest: %s\n", failures ? "FAIL" : "PASS");
+  return failures == 0;
+}
+
 // Checks every case of a suite against the reference; the exit status of the harness.
 static int RunSuite(const std::vector<CaseSpec>& suite, const char* label) {
   PrintCheckHeader();
@@ -838,7 +984,10 @@ int main(int argc, char** argv) {
   argv = args.data();
   std::string mode = argc > 1 ? argv[1] : "check";
   PrintDevice();
-  if (mode == "check") return RunSuite(CheckSuite(), "check");
+  if (mode == "check") {
+    const bool search_ok = CheckFindRequestInWarp();
+    return RunSuite(CheckSuite(), "check") | (search_ok ? 0 : 1);
+  }
   if (mode == "sanitize") return RunSuite(SanitizeSuite(), "sanitize suite");
   if (mode == "check-fp8") return RunSuite(CheckSuiteFp8(), "fp8 check");
   if (mode == "sanitize-fp8") return RunSuite(SanitizeSuiteFp8(), "fp8 sanitize suite");
@@ -906,7 +1055,7 @@ int main(int argc, char** argv) {
     printf("profile: done\n");
     return 0;
   }
-  if (mode == "one") {
+  if (mode == "one" || mode == "trace") {
     CaseSpec s;
     s.name = "one";
     int iters = 50;
@@ -929,6 +1078,7 @@ int main(int argc, char** argv) {
       else if (a == "--variants") variants = next();
       else { printf("unknown argument %s\n", a.c_str()); return 2; }
     }
+    if (mode == "trace") return RunTrace(s);
     PrintCheckHeader();
     bool ok = RunCheck(s, 2e-2);
     if (!check_only) {

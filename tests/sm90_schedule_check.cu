@@ -3,7 +3,8 @@
 // decode and combine kernels run. For each case it checks that the parts' segments cover every KV
 // block of every request exactly once and in order, that a request's segments lie in parts
 // PartOf(b, 0) .. PartOf(b, n - 1), one per part, that `whole` marks exactly the requests one part
-// holds, and that the partial-result slots b + part are distinct and below batch + parts.
+// holds, that the partial-result slots b + part are distinct and below batch + parts, and that
+// FirstSplitAt (the combine kernel's boundary grid) names each split request exactly once.
 //
 // stdin, one case a line: batch parts max_pages page_size fixed_cost min_blocks, then batch
 // lengths. stdout, a line a case: "ok SEGMENTS" or "FAIL reason".
@@ -56,6 +57,21 @@ static std::string Check(int batch, int parts, const std::vector<int32_t>& lens,
       last_part[s.b] = part;
       ++segments_of[s.b];
       ++segments;
+    }
+  }
+  // The combine kernel's boundary grid: FirstSplitAt names every split request exactly once.
+  std::vector<int> named(batch, 0);
+  for (int y = 0; y + 1 < parts; ++y) {
+    if (view.BoundaryUnit(y) >= view.Total()) continue;
+    const int b = view.FindRequest(static_cast<int>(view.BoundaryUnit(y)));
+    if (view.FirstSplitAt(b, y)) ++named[b];
+  }
+  for (int b = 0; b < batch; ++b) {
+    const int n = NumKvBlocks(EffectiveLength(lens[b], max_pages, page_size));
+    const bool split = n > 0 && view.PartOf(b, 0) != view.PartOf(b, n - 1);
+    if (named[b] != (split ? 1 : 0)) {
+      return "request " + std::to_string(b) + " named by " + std::to_string(named[b]) +
+             " boundaries";
     }
   }
   for (int b = 0; b < batch; ++b) {

@@ -1,9 +1,8 @@
 // Combine kernels of the SM90 decode: merge the fp32 partial outputs of split requests.
 //
-// CombineKernel: one warp per output row (grid: row groups x requests). A request with no KV
-// blocks (length 0 after clamping) gets zeros and LSE -inf here; a request handled by one part
-// was written whole by the decode kernel and is skipped. The splits are merged in part order:
-// deterministic. Both kernels let the next kernel in the stream launch as soon as they start
+// CombineKernel: one warp per output row. A request with no KV blocks (length 0 after clamping)
+// gets zeros and LSE -inf here; a request handled by one part was written whole by the decode
+// kernel and is skipped. The splits are merged in part order: deterministic. Both kernels let the next kernel in the stream launch as soon as they start
 // (programmatic dependent launch): its CTAs set up while the merge runs and wait for its results
 // in their own GridDependencyWait.
 #pragma once
@@ -48,15 +47,80 @@ struct SplitRequest {
   }
 };
 
+// Row `row` of request b gets zeros and LSE -inf (one warp).
+__device__ __forceinline__ void WriteEmptyRow(const DecodeParams& p, int rows, int b, int row,
+                                              int lane) {
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
+                       (static_cast<size_t>(b) * rows + row) * kLatentDim;
+#pragma unroll
+  for (int g = 0; g < kLatentDim / 128; ++g) {
+    *reinterpret_cast<uint2*>(out + g * 128 + lane * 4) = make_uint2(0, 0);
+  }
+  if (lane == 0) p.lse[static_cast<size_t>(b) * rows + row] = -__builtin_huge_valf();
+}
+
+// ScheduleView::FindRequest(x) by one whole warp: each round reads 32 evenly spaced prefix
+// entries at once (two rounds up to 1,024 requests) instead of one per step of a binary search.
+__device__ __forceinline__ int FindRequestInWarp(const ScheduleView& view, int x, int lane) {
+  int lo = 0, hi = view.batch;  // prefix[lo] <= x; the answer lies in [lo, hi)
+  while (hi - lo > 1) {
+    const int step = (hi - lo + 31) / 32;
+    const int idx = lo + lane * step;
+    const uint32_t le = __ballot_sync(0xffffffffu, idx < hi && view.prefix[idx] <= x);
+    lo += (31 - __clz(le)) * step;  // prefix is non-decreasing: the lanes with le come first
+    hi = min(lo + step, hi);
+  }
+  return lo;
+}
+
+// Whether CombineKernel's grid indexes the part boundaries (at most parts - 1 requests are split,
+// one at each boundary) rather than the requests: where the requests outnumber the boundaries by
+// more than four to one, so that most blocks of a grid by request would only find their request
+// whole (docs/sm90-kernel.md, "The epilogue and the combine at many requests").
+__host__ __device__ __forceinline__ bool CombineByBoundary(int batch, int num_parts) {
+  return batch > 4 * (num_parts - 1);
+}
+
+// CombineKernel's grid rows: one per request, or (CombineByBoundary) one per part boundary and
+// one per 32 requests, whose blocks write the empty ones.
+__host__ __device__ __forceinline__ int CombineGridRows(int batch, int num_parts) {
+  return CombineByBoundary(batch, num_parts) ? num_parts - 1 + CeilDivInt(batch, 32) : batch;
+}
+
+// Grid (ceil(rows / kCombineRowsPerBlock), CombineGridRows(batch, parts)). By request, block y
+// merges request y if it is split and writes it if it is empty. By boundary, block y < parts - 1
+// merges the request that ScheduleView::FirstSplitAt names for boundary y, if any (the request
+// holding the boundary's unit, found by FindRequestInWarp), and block parts - 1 + g writes
+// the empty requests among 32 g .. 32 g + 31: a grid of about parts blocks where one per request
+// would make most of them skip.
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
   GridDependencyWait();
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int b = blockIdx.y;
   const int rows = p.q_len * p.num_heads;
   const int row = blockIdx.x * kCombineRowsPerBlock + warp;
   if (row >= rows) return;
+  int b = blockIdx.y;
+  if (CombineByBoundary(p.batch, num_parts)) {
+    const int boundaries = num_parts - 1;
+    if (b >= boundaries) {
+      const int b0 = (b - boundaries) * 32;
+      const bool empty = b0 + lane < p.batch &&
+                         NumKvBlocks(EffectiveLength(p.seq_lens[b0 + lane], p.max_pages,
+                                                     p.page_size)) == 0;
+      for (uint32_t mask = __ballot_sync(0xffffffffu, empty); mask != 0; mask &= mask - 1) {
+        WriteEmptyRow(p, rows, b0 + __ffs(mask) - 1, row, lane);
+      }
+      return;
+    }
+    const ScheduleView view = ScheduleView::Load(p, num_parts);
+    const long long unit = view.BoundaryUnit(b);
+    if (unit >= view.Total()) return;
+    const int y = b;
+    b = FindRequestInWarp(view, static_cast<int>(unit), lane);
+    if (!view.FirstSplitAt(b, y)) return;
+  }
   const SplitRequest req = SplitRequest::Load(p, num_parts, b);
   const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
@@ -65,14 +129,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
   constexpr float kNegInf = -__builtin_huge_valf();
   constexpr int kColsPerLane = kLatentDim / 32;  // 16, as 4 groups of 4 columns
 
-  auto write_empty = [&]() {
-#pragma unroll
-    for (int g = 0; g < kColsPerLane / 4; ++g) {
-      uint2 z = make_uint2(0, 0);
-      *reinterpret_cast<uint2*>(out + g * 128 + lane * 4) = z;
-    }
-    if (lane == 0) *lse_out = kNegInf;
-  };
+  auto write_empty = [&]() { WriteEmptyRow(p, rows, b, row, lane); };
 
   if (req.n == 0) {
     write_empty();

@@ -42,6 +42,7 @@
 #include "fragment_layout.h"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
+#include "trace.cuh"
 
 namespace jax_mla {
 namespace sm90 {
@@ -869,17 +870,43 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
   }
 }
 
+// The epilogue of the 64-row tiles stores through a 1 KB slice of shared memory per warp (the P
+// tile, dead between a segment's last PV and the next segment's first softmax): the warp writes a
+// piece of 8 rows x 128 bytes from the accumulator layout, reads it back as 16 bytes of one row per
+// lane and stores four whole 128-byte row segments per instruction (straight from the accumulator
+// layout an instruction stores 16 or 32 bytes of each of eight rows). The 16-byte chunks of the
+// piece's row r sit at chunk ^ r, so that its writes and reads are free of bank conflicts.
+constexpr int kBounceBytes = 1024;  // per consumer warp: the P tile's 8 KB over 8 warps
+
+__device__ __forceinline__ uint8_t* BounceChunk(uint8_t* bounce, int row, int chunk) {
+  return bounce + row * 128 + ((chunk ^ row) * 16);
+}
+
+// Stores the warp's piece: piece row r (of 8) goes to row_dst(r) (nullptr: not stored).
+template <class RowDst>
+__device__ __forceinline__ void FlushPiece(uint8_t* bounce, int lane, RowDst row_dst) {
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int r = lane / 8 + 4 * k, chunk = lane % 8;
+    const uint4 v = *reinterpret_cast<const uint4*>(BounceChunk(bounce, r, chunk));
+    uint8_t* dst = row_dst(r);
+    if (dst != nullptr) *reinterpret_cast<uint4*>(dst + 16 * chunk) = v;
+  }
+  __syncwarp();
+}
+
 // Plain path (64 query rows x 256 columns per warpgroup): adds the two warpgroups' row sums in a
 // fixed order (so both get the same, bit for bit) and writes a segment's results from this
 // thread's rows r0 and r1 = r0 + 8 of the M tile (query rows gr0, gr1; rows >= rows are padding):
 // bf16 out x output_scale and LSE for a request handled whole, fp32 partial out and LSE in the
-// workspace for a split one. m0, m1 are the rows' maxima (in score units), l0, l1 this warpgroup's
-// row sums over its quad.
+// workspace for a split one, through the warp's bounce slice of the P tile. m0, m1 are the rows'
+// maxima (in score units), l0, l1 this warpgroup's row sums over its quad.
 __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment& seg, int part,
                                            int num_parts, int rows, int wg, int lane, int r0,
                                            int gr0, int gr1, const float (&o)[128], float l0,
                                            float l1, float m0, float m1, float scale_log2,
-                                           float* row_sum) {
+                                           float* row_sum, uint8_t* bounce) {
   const int r1 = r0 + 8;
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -897,23 +924,46 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;
   const float lse0 = sum0 > 0.f ? (m0 * scale_log2 + __log2f(sum0)) * kLn2 : kNegInf;
   const float lse1 = sum1 > 0.f ? (m1 * scale_log2 + __log2f(sum1)) * kLn2 : kNegInf;
-  const int col0 = wg * (kLatentDim / 2) + Fragment::Col(lane, 0, 0);
+  const int col0 = wg * (kLatentDim / 2);
+  // Query row of piece row r of the warp's rows half h (rows r0 - lane / 4 + 8 h + r).
+  const int warp_row0 = gr0 - lane / 4;
+  const int quad = lane % 4;
 
   if (seg.whole) {
     __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
-    const float f0 = inv0 * p.output_scale, f1 = inv1 * p.output_scale;
     const size_t row_base = static_cast<size_t>(seg.b) * rows;
-    if (gr0 < rows) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr0) * kLatentDim + col0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j] * f0, o[4 * j + 1] * f0);
-      if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr0] = lse0;
+    if (wg == 0 && (lane & 3) == 0) {
+      if (gr0 < rows) p.lse[row_base + gr0] = lse0;
+      if (gr1 < rows) p.lse[row_base + gr1] = lse1;
     }
-    if (gr1 < rows) {
-      uint32_t* dst = reinterpret_cast<uint32_t*>(out + (row_base + gr1) * kLatentDim + col0);
 #pragma unroll
-      for (int j = 0; j < 32; ++j) dst[4 * j] = PackBf16x2(o[4 * j + 2] * f1, o[4 * j + 3] * f1);
-      if (wg == 0 && (lane & 3) == 0) p.lse[row_base + gr1] = lse1;
+    for (int h = 0; h < 2; ++h) {
+      const float f = (h == 0 ? inv0 : inv1) * p.output_scale;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        // Columns [64 c, 64 c + 64) of the warpgroup's 256: eight-column groups 8 c .. 8 c + 7,
+        // each an 8 x 8 bf16 matrix that stmatrix writes as one 16-byte chunk per piece row.
+#pragma unroll
+        for (int t = 0; t < 2; ++t) {
+          uint32_t v[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int j = 8 * c + 4 * t + i;
+            v[i] = PackBf16x2(o[4 * j + 2 * h] * f, o[4 * j + 2 * h + 1] * f);
+          }
+          const uint32_t addr = SmemAddr(BounceChunk(bounce, lane % 8, 4 * t + lane / 8));
+          asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                           addr),
+                       "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                       : "memory");
+        }
+        FlushPiece(bounce, lane, [&](int r) -> uint8_t* {
+          const int row = warp_row0 + 8 * h + r;
+          return row < rows ? reinterpret_cast<uint8_t*>(out + (row_base + row) * kLatentDim +
+                                                         col0 + 64 * c)
+                            : nullptr;
+        });
+      }
     }
   } else {
     const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
@@ -921,20 +971,35 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
     float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
     float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
     const size_t slot_row = static_cast<size_t>(seg.b + part) * ws.rows_pad;
-    if (gr0 < rows) {
-      float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr0) * kLatentDim + col0);
-#pragma unroll
-      for (int j = 0; j < 32; ++j) dst[4 * j] = make_float2(o[4 * j] * inv0, o[4 * j + 1] * inv0);
-      if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr0] = lse0;
+    if (wg == 0 && (lane & 3) == 0) {
+      if (gr0 < rows) part_lse[slot_row + gr0] = lse0;
+      if (gr1 < rows) part_lse[slot_row + gr1] = lse1;
     }
-    if (gr1 < rows) {
-      float2* dst = reinterpret_cast<float2*>(part_out + (slot_row + gr1) * kLatentDim + col0);
 #pragma unroll
-      for (int j = 0; j < 32; ++j)
-        dst[4 * j] = make_float2(o[4 * j + 2] * inv1, o[4 * j + 3] * inv1);
-      if (wg == 0 && (lane & 3) == 0) part_lse[slot_row + gr1] = lse1;
+    for (int h = 0; h < 2; ++h) {
+      const float f = h == 0 ? inv0 : inv1;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        // Columns [32 c, 32 c + 32) of the warpgroup's 256: groups 4 c .. 4 c + 3, 32 bytes of
+        // float32 each per row; this lane's pair sits in chunk 2 i + quad / 2.
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int j = 4 * c + i;
+          *reinterpret_cast<float2*>(BounceChunk(bounce, lane / 4, 2 * i + quad / 2) +
+                                     8 * (quad % 2)) =
+              make_float2(o[4 * j + 2 * h] * f, o[4 * j + 2 * h + 1] * f);
+        }
+        FlushPiece(bounce, lane, [&](int r) -> uint8_t* {
+          const int row = warp_row0 + 8 * h + r;
+          return row < rows ? reinterpret_cast<uint8_t*>(part_out + (slot_row + row) * kLatentDim +
+                                                         col0 + 32 * c)
+                            : nullptr;
+        });
+      }
     }
   }
+  // The next segment's first softmax writes the P tile.
+  ConsumerSync();
 }
 
 }  // namespace detail
@@ -998,6 +1063,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // 64-row tiles: warpgroup 0 computes the scores and the softmax of the whole block, both
   // warpgroups PV.
   constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
+  static_assert(kScoreN > 0 || Layout::kPTileBytes >= kConsumerThreads / 32 * detail::kBounceBytes,
+                "each consumer warp's epilogue bounce slice fits the P tile");
   static_assert(!kSplitRelease || (kWg0Scores && !kFp8),
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
@@ -1025,6 +1092,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // Everything below reads inputs that earlier kernels in the stream may write.
   GridDependencyWait();
   GridDependencyLaunchDependents();
+  SM90_TRACE(kTraceStart, 0);
 
   const ScheduleView view = ScheduleView::Load(p, args.num_parts);
   SegmentWalker walker(view, part, p.seq_lens, p.max_pages, p.page_size);
@@ -1089,6 +1157,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   int v0_pending = -1;
 
   while (walker.Next(seg_info)) {
+    SM90_TRACE(kTraceSegment, seg_info.b);
     // Query token of row r is r / num_heads; it sees kv positions [0, len - q_len + token].
     const int limit0 = gr0 < rows ? seg_info.len - p.q_len + gr0 / p.num_heads : -1;
     const int limit1 = gr1 < rows ? seg_info.len - p.q_len + gr1 / p.num_heads : -1;
@@ -1107,6 +1176,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     }
 
     Barrier::wait(pipe.QFull(), seg & 1);
+    SM90_TRACE(kTraceQuery, 0);
     if constexpr (kFp8 && kScoreN == 16) {
       PermuteQueryColumns<Layout::kQChunkRows>(smem + Layout::kQ, tid);
       cutlass::arch::fence_view_async_shared();
@@ -1121,6 +1191,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       if (kSplitRelease && (wg == 0 || !load.Complete())) {
         Barrier::wait(pipe.V0Full(stage), (it / kStages) & 1);
       }
+      SM90_TRACE(kTraceBlockReady, k);
       const uint32_t kv_addr = kv_addr0 + (kFp8 ? 0 : stage * kTileBytes);
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
@@ -1463,6 +1534,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cute::warpgroup_wait<0>();
         if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
+      SM90_TRACE(kTraceBlockDone, k);
     }
     cute::warpgroup_wait<0>();
     if (kSplitRelease && v0_pending >= 0) {
@@ -1472,6 +1544,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 #pragma unroll
     for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
     if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);
+    SM90_TRACE(kTraceStoreBegin, seg_info.whole);
 
     if constexpr (kScoreN > 0) {
       // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
@@ -1498,10 +1571,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                                m_t, sl2);
     } else {
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
-               sl2, row_sum);
+               sl2, row_sum, p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
+    SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
   }
+  SM90_TRACE(kTraceEnd, 0);
   }
   // The peer may still multicast into this CTA or arrive on its barriers until it is done.
   if (kCluster > 1) ClusterSync();

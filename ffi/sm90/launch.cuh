@@ -43,6 +43,8 @@ struct LaunchOptions {
                               // parts (UseWideCombine), 1 always, 0 never
   int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
                               // -1 (default) with two or more M tiles, 1 always, 0 never
+  bool combine = true;        // false: no combine kernel (timing experiments: split and empty
+                              // requests' results are wrong)
 };
 
 namespace detail {
@@ -334,7 +336,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   // same KV tiles, start side by side (and a cluster of two is a pair of them).
   err = detail::LaunchEx(kernel, dim3(parts * m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
                          stream, decode_args, cluster);
-  if (err != cudaSuccess) return err;
+  if (err != cudaSuccess || !options.combine) return err;
 
   DecodeParams cp = p;
   int num_parts = parts;
@@ -351,7 +353,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                             p.enable_pdl, stream, combine_args);
   }
   return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernel),
-                          dim3(CeilDivInt(rows, kCombineRowsPerBlock), p.batch),
+                          dim3(CeilDivInt(rows, kCombineRowsPerBlock),
+                               CombineGridRows(p.batch, parts)),
                           dim3(kCombineRowsPerBlock * 32), 0, p.enable_pdl, stream, combine_args);
 }
 

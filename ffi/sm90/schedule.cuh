@@ -67,6 +67,17 @@ struct ScheduleView {
   __host__ __device__ __forceinline__ int PartOf(int b, int block) const {
     return (prefix[b] + fixed_cost + block) / units_per_part;
   }
+  // The cost unit where part y + 1 begins (the boundary between parts y and y + 1).
+  __host__ __device__ __forceinline__ long long BoundaryUnit(int y) const {
+    return static_cast<long long>(y + 1) * units_per_part;
+  }
+  // For b = FindRequest(BoundaryUnit(y)) (below Total()): whether request b's KV blocks are split
+  // between parts y and y + 1 with y its first part. Each split request is so named by exactly one
+  // boundary (its blocks' units lie at [S[b] + F, S[b + 1]), so it has S[b + 1] - S[b] - F blocks).
+  __host__ __device__ __forceinline__ bool FirstSplitAt(int b, int y) const {
+    const int cost = prefix[b + 1] - prefix[b];
+    return cost > 0 && PartOf(b, 0) == y && PartOf(b, cost - fixed_cost - 1) > y;
+  }
 };
 
 // One work segment of a part: blocks [kv_begin, kv_end) of request b.
