@@ -952,9 +952,9 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
             v[i] = PackBf16x2(o[4 * j + 2 * h] * f, o[4 * j + 2 * h + 1] * f);
           }
           const uint32_t addr = SmemAddr(BounceChunk(bounce, lane % 8, 4 * t + lane / 8));
-          asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                           addr),
-                       "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+          asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                       :
+                       : "r"(addr), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
                        : "memory");
         }
         FlushPiece(bounce, lane, [&](int r) -> uint8_t* {
