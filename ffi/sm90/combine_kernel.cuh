@@ -76,7 +76,7 @@ __device__ __forceinline__ int FindRequestInWarp(const ScheduleView& view, int x
 // Whether CombineKernel's grid indexes the part boundaries (at most parts - 1 requests are split,
 // one at each boundary) rather than the requests: where the requests outnumber the boundaries by
 // more than four to one, so that most blocks of a grid by request would only find their request
-// whole (docs/sm90-kernel.md, "The epilogue and the combine at many requests").
+// whole (docs/sm90-kernel.md, "What a request segment costs").
 __host__ __device__ __forceinline__ bool CombineByBoundary(int batch, int num_parts) {
   return batch > 4 * (num_parts - 1);
 }
