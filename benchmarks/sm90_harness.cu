@@ -852,7 +852,7 @@ static int RunTrace(const CaseSpec& s) {
   // Phases between consecutive records of one CTA, in µs, named by the pair of tags.
   const char* names[] = {"setup", "segment->query", "query->block", "block compute",
                          "block->next block", "last block->store", "store", "store->segment",
-                         "store->end", "records"};
+                         "store->end"};
   constexpr int kPhases = 9;
   auto phase_of = [](uint32_t from, uint32_t to) {
     if (from == kTraceStart) return 0;

@@ -2,9 +2,9 @@
 //
 // CombineKernel: one warp per output row. A request with no KV blocks (length 0 after clamping)
 // gets zeros and LSE -inf here; a request handled by one part was written whole by the decode
-// kernel and is skipped. The splits are merged in part order: deterministic. Both kernels let the next kernel in the stream launch as soon as they start
-// (programmatic dependent launch): its CTAs set up while the merge runs and wait for its results
-// in their own GridDependencyWait.
+// kernel and is skipped. The splits are merged in part order: deterministic. Both kernels let the
+// next kernel in the stream launch as soon as they start (programmatic dependent launch): its CTAs
+// set up while the merge runs and wait for its results in their own GridDependencyWait.
 #pragma once
 
 #include <cuda_bf16.h>
