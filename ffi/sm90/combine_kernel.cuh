@@ -101,11 +101,12 @@ CombineKernel(const DecodeParams p, int num_parts) {
   const int rows = p.q_len * p.num_heads;
   const int row = blockIdx.x * kCombineRowsPerBlock + warp;
   if (row >= rows) return;
-  int b = blockIdx.y;
+  const int y = blockIdx.y;
+  int b = y;  // the request: block row y, or by boundary the request holding boundary y
   if (CombineByBoundary(p.batch, num_parts)) {
     const int boundaries = num_parts - 1;
-    if (b >= boundaries) {
-      const int b0 = (b - boundaries) * 32;
+    if (y >= boundaries) {
+      const int b0 = (y - boundaries) * 32;
       const bool empty = b0 + lane < p.batch &&
                          NumKvBlocks(EffectiveLength(p.seq_lens[b0 + lane], p.max_pages,
                                                      p.page_size)) == 0;
@@ -115,9 +116,8 @@ CombineKernel(const DecodeParams p, int num_parts) {
       return;
     }
     const ScheduleView view = ScheduleView::Load(p, num_parts);
-    const long long unit = view.BoundaryUnit(b);
+    const long long unit = view.BoundaryUnit(y);
     if (unit >= view.Total()) return;
-    const int y = b;
     b = FindRequestInWarp(view, static_cast<int>(unit), lane);
     if (!view.FirstSplitAt(b, y)) return;
   }
