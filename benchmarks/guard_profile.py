@@ -24,32 +24,14 @@ import numpy as np
 from benchmarks.grid import Point
 from benchmarks.methods import decode_with_plan, device_planned, layered
 from benchmarks.problem import HEAD_DIM, make_layout, random_cache
-from benchmarks.timing import trace_event_lists
+from benchmarks.timing import gpu_stream_kernels
 
 LAYERS, STEPS = 61, 5
 ATTENTION_MARKERS = ("mla", "merge", "jax_mla")
-ANNOTATION_LINES = ("XLA", "Steps", "TensorFlow", "Framework")  # a GPU's lines that are not streams
-
-
 def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
     """(name, µs) of every kernel event on a GPU's stream lines of the perfetto traces under
     ``trace_dir`` (the lines of XLA modules and ops repeat the same time and are left out)."""
-    found = []
-    for events in trace_event_lists(trace_dir):
-        processes, threads = {}, {}
-        for e in events:
-            if e.get("ph") == "M" and e.get("name") == "process_name":
-                processes[e["pid"]] = str(e.get("args", {}).get("name", ""))
-            if e.get("ph") == "M" and e.get("name") == "thread_name":
-                threads[(e["pid"], e["tid"])] = str(e.get("args", {}).get("name", ""))
-        for e in events:
-            if e.get("ph") != "X" or "dur" not in e:
-                continue
-            process = processes.get(e.get("pid"), "")
-            line = threads.get((e.get("pid"), e.get("tid")), "")
-            if "GPU" in process and not any(word in line for word in ANNOTATION_LINES):
-                found.append((str(e.get("name", "")), float(e["dur"])))
-    return found
+    return [(name, dur) for name, _, dur in gpu_stream_kernels(trace_dir)]
 
 
 def traced_step(step, args) -> tuple[list[tuple[str, float]], float]:

@@ -131,6 +131,32 @@ def trace_event_lists(trace_dir: str):
             yield json.load(f).get("traceEvents", [])
 
 
+# Lines of a GPU's process in the trace that are not CUDA streams (XLA modules and ops, steps):
+# their events repeat the kernels' times.
+ANNOTATION_LINES = ("XLA", "Steps", "TensorFlow", "Framework")
+
+
+def gpu_stream_kernels(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(name, start µs, duration µs) of every complete event on a GPU's stream lines of the
+    perfetto traces under ``trace_dir``, by start."""
+    found = []
+    for events in trace_event_lists(trace_dir):
+        processes, threads = {}, {}
+        for e in events:
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                processes[e["pid"]] = str(e.get("args", {}).get("name", ""))
+            if e.get("ph") == "M" and e.get("name") == "thread_name":
+                threads[(e["pid"], e["tid"])] = str(e.get("args", {}).get("name", ""))
+        for e in events:
+            if e.get("ph") != "X" or "dur" not in e:
+                continue
+            line = threads.get((e.get("pid"), e.get("tid")), "")
+            if ("GPU" in processes.get(e.get("pid"), "")
+                    and not any(word in line for word in ANNOTATION_LINES)):
+                found.append((str(e.get("name", "")), float(e.get("ts", 0.0)), float(e["dur"])))
+    return sorted(found, key=lambda event: event[1])
+
+
 def kernel_durations_us(trace_dir: str, kernel_name: str) -> list[float]:
     """Durations (µs) of the events named like ``kernel_name`` in the perfetto traces under
     ``trace_dir``."""

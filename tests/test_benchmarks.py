@@ -197,6 +197,40 @@ def test_kernel_durations_come_from_the_perfetto_trace(tmp_path):
     assert timing.kernel_durations_us(str(tmp_path), "NoSuchKernel") == []
 
 
+def test_gpu_stream_kernels_leave_out_host_and_annotation_lines(tmp_path):
+    """Only complete events on a GPU process's stream lines count, sorted by start; the XLA-op
+    lines of the same GPU (which repeat the kernels' times) and host threads do not."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #13"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "python"}}]
+    events = [{"ph": "X", "pid": 1, "tid": 7, "name": "DecodeKernel", "ts": 20.0, "dur": 5.0},
+              {"ph": "X", "pid": 1, "tid": 7, "name": "ScheduleKernel", "ts": 10.0, "dur": 1.0},
+              {"ph": "X", "pid": 1, "tid": 8, "name": "custom-call", "ts": 20.0, "dur": 5.0},
+              {"ph": "X", "pid": 2, "tid": 9, "name": "cudaLaunchKernel", "ts": 19.0, "dur": 2.0}]
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+    assert timing.gpu_stream_kernels(str(tmp_path)) == [("ScheduleKernel", 10.0, 1.0),
+                                                        ("DecodeKernel", 20.0, 5.0)]
+
+
+def test_step_profile_splits_steps_at_their_marker_kernel():
+    """Steps start at the marker; a step's span runs to its last kernel's end, idle gaps between
+    steps excluded; the last marked step (whose end is unknown) is left out."""
+    from benchmarks import step_profile
+
+    events = [("Schedule", 0.0, 1.0), ("Decode", 1.0, 10.0), ("Combine", 5.0, 8.0),
+              ("Schedule", 50.0, 1.0), ("Decode", 51.0, 12.0), ("Combine", 55.0, 10.0),
+              ("Schedule", 90.0, 1.0)]
+    stats = step_profile.per_step(events, "Schedule", layers=1)
+    assert stats["span_us"] == (13.0 + 15.0) / 2
+    assert stats["kernels_us"] == (19.0 + 23.0) / 2
+    assert stats["by_name"] == {"Schedule": (1.0, 1.0), "Decode": (1.0, 11.0), "Combine": (1.0, 9.0)}
+    with pytest.raises(RuntimeError, match="1 kernels named like 'Decode2'"):
+        step_profile.per_step(events + [("Decode2", 95.0, 1.0)], "Decode2", layers=1)
+
+
 def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
     """On a CPU the profiler runs but sees no GPU kernel: no durations, and the reason recorded
     (time_device_plan then falls back to the graph wall time and keeps the reason)."""

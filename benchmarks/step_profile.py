@@ -1,0 +1,151 @@
+"""Where a B=1 decode step's time goes: the host or the GPU.
+
+At B=1 the benchmark's 61-layer step (``benchmarks.decode --layers 61``) moved by up to 2x between
+runs for every method dispatched from the host (benchmarks/results/h200-sm90.md), so its wall time
+did not say what the kernels cost inside the step. For sm90 and fa3 (``backend="auto"`` with a
+plan from the host) at B=1 L=4k (H=128 and 16), this prints per layer of a 61-layer jitted step:
+
+- the wall time of back-to-back calls (blocking once per round), with the caches rotated between
+  calls as the benchmark does (every call its own cache tuple) and with the same caches every call
+  (as a serving loop passes its one cache per layer);
+- from a JAX profiler trace of back-to-back steps: the GPU's busy span per step (its first
+  kernel's start to its last kernel's end) and the summed kernel durations, by kernel name.
+
+Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``).
+
+    .ci/gpu-h200.sh cmd python3 -m benchmarks.step_profile     # on the GPU machine
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import tempfile
+import time
+
+import numpy as np
+
+from benchmarks.grid import Point
+from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered
+from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
+from benchmarks.timing import gpu_stream_kernels
+
+LAYERS, TRACED_STEPS, ROUNDS, CALLS_PER_ROUND, CACHES = 61, 8, 7, 20, 27
+
+
+def wall_us_per_layer(step, arg_sets: list[tuple]) -> float:
+    """Median over ROUNDS of CALLS_PER_ROUND back-to-back calls (blocking once), µs per layer."""
+    import jax
+
+    samples = []
+    k = 0
+    for _ in range(ROUNDS):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(CALLS_PER_ROUND):
+            out = step(*arg_sets[k % len(arg_sets)])
+            k += 1
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - t0) / (CALLS_PER_ROUND * LAYERS) * 1e6)
+    return statistics.median(samples)
+
+
+def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -> dict:
+    """The steps in ``events`` ((name, start µs, duration µs) by start, as ``gpu_stream_kernels``
+    gives them), told apart by the kernel named like ``marker`` that starts each: the median busy
+    span (first kernel's start to last kernel's end) and the mean summed kernel time per step,
+    both per layer, and each kernel name's launches per step and median duration. The last marked
+    step is left out (its end is unknown)."""
+    starts = [i for i, (name, _, _) in enumerate(events) if marker in name]
+    if len(starts) < 2:
+        raise RuntimeError(f"{len(starts)} kernels named like {marker!r} in the trace")
+    spans = []
+    for a, b in zip(starts, starts[1:]):
+        last = max(events[i][1] + events[i][2] for i in range(a, b))
+        spans.append(last - events[a][1])
+    by_name = collections.defaultdict(list)
+    for name, _, dur in events[starts[0]:starts[-1]]:
+        by_name[name].append(dur)
+    steps = len(starts) - 1
+    return {"span_us": statistics.median(spans) / layers,
+            "kernels_us": sum(sum(v) for v in by_name.values()) / steps / layers,
+            "by_name": {name: (len(v) / steps, statistics.median(v)) for name, v in by_name.items()}}
+
+
+def traced(step, args, marker: str) -> dict:
+    """``per_step`` of a JAX profiler trace of TRACED_STEPS back-to-back calls of ``step``."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            out = None
+            for _ in range(TRACED_STEPS):
+                out = step(*args)
+            jax.block_until_ready(out)
+        events = gpu_stream_kernels(trace_dir)
+    if not events:
+        raise RuntimeError("no GPU kernel events in the profiler trace")
+    return per_step(events, marker, LAYERS)
+
+
+def main():
+    import jax
+    import jax.numpy as jnp
+    import jax_mla
+
+    print(f"{LAYERS}-layer steps, µs per layer; {CACHES} caches, rotated: call k layer i reads "
+          f"cache (k * {LAYERS} + i) % {CACHES}; fixed: layer i reads cache i % {CACHES}", flush=True)
+    print("| H | method | command buffers | wall, rotated | wall, fixed | GPU span per step | "
+          "kernels summed |")
+    print("|---|---|---|---|---|---|---|")
+    details = []
+    for num_heads in (128, 16):
+        point = Point(B=1, L=4096, H=num_heads, q_len=1, page_size=64)
+        layout = make_layout(point, 0)
+        pool = [random_cache(i, layout.num_pages, 64) for i in range(CACHES)]
+        query = jax.random.normal(jax.random.PRNGKey(1), (1, 1, num_heads, HEAD_DIM),
+                                  jnp.float32).astype(jnp.bfloat16)
+        tables, lens = jnp.asarray(layout.tables), jnp.asarray(layout.lengths)
+        plan = jax_mla.plan(np.asarray(layout.lengths, np.int32), num_heads=num_heads, q_len=1,
+                            max_pages=layout.max_pages)
+
+        def sm90_layer(q, cache, t, n, plan_):
+            return jax_mla.decode(q, cache, t, n, softmax_scale=SOFTMAX_SCALE, backend="sm90")
+
+        methods = (("sm90", sm90_layer, None, "ScheduleKernel"),
+                   ("fa3 (auto, host plan)", decode_with_plan, plan, None))
+        sets = [tuple(pool[(k * LAYERS + i) % CACHES] for i in range(LAYERS))
+                for k in range(CACHES)]
+        for name, one, step_plan, marker in methods:
+            for graphs in (False, True):
+                step = layered(one, LAYERS, GRAPH_COMPILER_OPTIONS if graphs else None)
+                rotated = [(query, s, tables, lens, step_plan) for s in sets]
+                jax.block_until_ready(step(*rotated[0]))
+                wall_rot = wall_us_per_layer(step, rotated)
+                wall_fixed = wall_us_per_layer(step, rotated[:1])
+                stats = traced(step, rotated[0], marker or _first_kernel(step, rotated[0]))
+                print(f"| {num_heads} | {name} | {'on' if graphs else 'off'} | {wall_rot:.1f} | "
+                      f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['kernels_us']:.1f} |",
+                      flush=True)
+                details.append((num_heads, name, graphs, stats["by_name"]))
+    print("\nKernels per step (count, median µs):")
+    for num_heads, name, graphs, by_name in details:
+        kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" for k, (c, d) in sorted(by_name.items()))
+        print(f"- H={num_heads} {name}, command buffers {'on' if graphs else 'off'}: {kernels}")
+
+
+def _first_kernel(step, args) -> str:
+    """The name of the first GPU kernel of one traced step (a step's start marker)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            jax.block_until_ready(step(*args))
+        events = gpu_stream_kernels(trace_dir)
+    if not events:
+        raise RuntimeError("no GPU kernel events in the profiler trace")
+    return events[0][0]
+
+
+if __name__ == "__main__":
+    main()
