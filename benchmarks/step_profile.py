@@ -5,7 +5,7 @@ runs for every method dispatched from the host (benchmarks/results/h200-sm90.md)
 did not say what the kernels cost inside the step. For sm90 and fa3 (``backend="auto"`` with a
 plan from the host) at B=1 L=4k (H=128 and 16), this prints per layer of a 61-layer jitted step:
 
-- the wall time of back-to-back calls (blocking once per round), with the caches rotated between
+- the wall time of back-to-back calls (``timing.time_jax``), with the caches rotated between
   calls as the benchmark does (every call its own cache tuple) and with the same caches every call
   (as a serving loop passes its one cache per layer);
 - from a JAX profiler trace of back-to-back steps: the GPU's busy span per step (its first
@@ -21,33 +21,23 @@ from __future__ import annotations
 import collections
 import statistics
 import tempfile
-import time
+import types
 
 import numpy as np
 
 from benchmarks.grid import Point
 from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered
 from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
-from benchmarks.timing import gpu_stream_kernels
+from benchmarks.timing import gpu_stream_kernels, time_jax
 
-LAYERS, TRACED_STEPS, ROUNDS, CALLS_PER_ROUND, CACHES = 61, 8, 7, 20, 27
+LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
+# time_jax's settings: 7 rounds of about 20 ms of back-to-back calls each (about 20 steps at B = 1).
+WALL_TIMER = types.SimpleNamespace(rounds=7, round_s=0.02, max_method_s=60.0)
 
 
 def wall_us_per_layer(step, arg_sets: list[tuple]) -> float:
-    """Median over ROUNDS of CALLS_PER_ROUND back-to-back calls (blocking once), µs per layer."""
-    import jax
-
-    samples = []
-    k = 0
-    for _ in range(ROUNDS):
-        t0 = time.perf_counter()
-        out = None
-        for _ in range(CALLS_PER_ROUND):
-            out = step(*arg_sets[k % len(arg_sets)])
-            k += 1
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - t0) / (CALLS_PER_ROUND * LAYERS) * 1e6)
-    return statistics.median(samples)
+    """µs per layer of back-to-back calls, blocking once per round (the benchmark's timer)."""
+    return time_jax(step, arg_sets, LAYERS, WALL_TIMER)[0] * 1e6
 
 
 def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -> dict:
