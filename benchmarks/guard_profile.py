@@ -28,6 +28,8 @@ from benchmarks.timing import gpu_stream_kernels
 
 LAYERS, STEPS = 61, 5
 ATTENTION_MARKERS = ("mla", "merge", "jax_mla")
+
+
 def gpu_kernel_events(trace_dir: str) -> list[tuple[str, float]]:
     """(name, µs) of every kernel event on a GPU's stream lines of the perfetto traces under
     ``trace_dir`` (the lines of XLA modules and ops repeat the same time and are left out)."""
