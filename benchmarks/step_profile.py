@@ -1,9 +1,8 @@
 """Where a B=1 decode step's time goes: the host or the GPU.
 
-At B=1 the benchmark's 61-layer step (``benchmarks.decode --layers 61``) moved by up to 2x between
-runs for every method dispatched from the host (benchmarks/results/h200-sm90.md), so its wall time
-did not say what the kernels cost inside the step. For sm90 and fa3 (``backend="auto"`` with a
-plan from the host) at B=1 L=4k (H=128 and 16), this prints per layer of a 61-layer jitted step:
+A short step's wall time mixes the host's dispatch with the kernels' time. For sm90 and fa3
+(``backend="auto"`` with a plan from the host) at B=1 L=4k (H=128 and 16), this prints per layer of
+a 61-layer jitted step (the benchmark's ``--layers 61`` step):
 
 - the wall time of back-to-back calls (``timing.time_jax``), with the caches rotated between
   calls as the benchmark does (every call its own cache tuple) and with the same caches every call
