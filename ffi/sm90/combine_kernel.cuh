@@ -4,10 +4,9 @@
 // gets zeros and LSE -inf here; a request handled by one part was written whole by the decode
 // kernel and is skipped. The splits are merged in part order: deterministic. Both kernels let the
 // next kernel in the stream launch as soon as they start (programmatic dependent launch): its CTAs
-// set up while the merge runs and wait for its results in their own GridDependencyWait. Both find
-// their request's splits before their own GridDependencyWait: the lengths and the schedule were
-// written by kernels that had completed when the decode kernel, having waited for them, let the
-// combine launch; only the partial results (and the outputs) need the decode to be done.
+// set up while the merge runs and wait for its results in their own GridDependencyWait. Every CTA
+// waits for the decode kernel first, also one with nothing to do, so that a combine never
+// completes before its decode: that next kernel's wait is on the combine.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -98,6 +97,7 @@ __host__ __device__ __forceinline__ int CombineGridRows(int batch, int num_parts
 // would make most of them skip.
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
+  GridDependencyWait();
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows = p.q_len * p.num_heads;
@@ -112,9 +112,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
       const bool empty = b0 + lane < p.batch &&
                          NumKvBlocks(EffectiveLength(p.seq_lens[b0 + lane], p.max_pages,
                                                      p.page_size)) == 0;
-      const uint32_t empties = __ballot_sync(0xffffffffu, empty);
-      if (empties != 0) GridDependencyWait();
-      for (uint32_t mask = empties; mask != 0; mask &= mask - 1) {
+      for (uint32_t mask = __ballot_sync(0xffffffffu, empty); mask != 0; mask &= mask - 1) {
         WriteEmptyRow(p, rows, b0 + __ffs(mask) - 1, row, lane);
       }
       return;
@@ -136,12 +134,10 @@ CombineKernel(const DecodeParams p, int num_parts) {
   auto write_empty = [&]() { WriteEmptyRow(p, rows, b, row, lane); };
 
   if (req.n == 0) {
-    GridDependencyWait();
     write_empty();
     return;
   }
   if (first == last) return;
-  GridDependencyWait();
 
   float max_lse = kNegInf;
 #pragma unroll 4
@@ -202,6 +198,7 @@ template <int kRowsInFlight>
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
+  GridDependencyWait();
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = blockIdx.y;
@@ -230,12 +227,10 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
 
   if (req.n == 0) {
-    GridDependencyWait();
     write(zero, kNegInf);
     return;
   }
   if (first == last) return;
-  GridDependencyWait();
   auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
   // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last).
   float4 v[kRowsInFlight];
