@@ -61,8 +61,9 @@ def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -
             "by_name": {name: (len(v) / steps, statistics.median(v)) for name, v in by_name.items()}}
 
 
-def traced(step, args, marker: str) -> dict:
-    """``per_step`` of a JAX profiler trace of TRACED_STEPS back-to-back calls of ``step``."""
+def traced(step, args, marker: str | None) -> dict:
+    """``per_step`` of a JAX profiler trace of TRACED_STEPS back-to-back calls of ``step``; with no
+    ``marker``, the steps are told apart by the trace's first kernel (the first step's first)."""
     import jax
 
     with tempfile.TemporaryDirectory() as trace_dir:
@@ -74,7 +75,7 @@ def traced(step, args, marker: str) -> dict:
         events = gpu_stream_kernels(trace_dir)
     if not events:
         raise RuntimeError("no GPU kernel events in the profiler trace")
-    return per_step(events, marker, LAYERS)
+    return per_step(events, marker or events[0][0], LAYERS)
 
 
 def main():
@@ -112,7 +113,7 @@ def main():
                 jax.block_until_ready(step(*rotated[0]))
                 wall_rot = wall_us_per_layer(step, rotated)
                 wall_fixed = wall_us_per_layer(step, rotated[:1])
-                stats = traced(step, rotated[0], marker or _first_kernel(step, rotated[0]))
+                stats = traced(step, rotated[0], marker)
                 print(f"| {num_heads} | {name} | {'on' if graphs else 'off'} | {wall_rot:.1f} | "
                       f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['kernels_us']:.1f} |",
                       flush=True)
@@ -121,19 +122,6 @@ def main():
     for num_heads, name, graphs, by_name in details:
         kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" for k, (c, d) in sorted(by_name.items()))
         print(f"- H={num_heads} {name}, command buffers {'on' if graphs else 'off'}: {kernels}")
-
-
-def _first_kernel(step, args) -> str:
-    """The name of the first GPU kernel of one traced step (a step's start marker)."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            jax.block_until_ready(step(*args))
-        events = gpu_stream_kernels(trace_dir)
-    if not events:
-        raise RuntimeError("no GPU kernel events in the profiler trace")
-    return events[0][0]
 
 
 if __name__ == "__main__":
