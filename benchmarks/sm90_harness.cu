@@ -668,42 +668,36 @@ static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
 }
 
-// What a request segment costs: the combine left out, the KV loads left out, everything but the
-// loads left out (the last two without clusters, as cluster-1 is).
-static std::vector<Variant> SegmentVariants() {
-  LaunchOptions no_load, none;
-  no_load.experiment = 32;
-  no_load.cluster = 1;
-  none.experiment = 7;
-  none.cluster = 1;
-  return {{"no-combine", With([](LaunchOptions& o) { o.combine = false; })},
-          {"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
-          {"x-noload", no_load},
-          {"x-none", none}};
-}
-
 static std::vector<Variant> ClusterVariants() {
   return {{"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
           {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
 }
 
-// Timing experiments: kernels that skip parts of the work (results wrong by design).
+// A timing experiment: DecodeKernel's kSkip bits, without clusters (results wrong by design).
+static Variant Experiment(const char* name, int bits) {
+  LaunchOptions e;
+  e.experiment = bits;
+  e.cluster = 1;
+  return {name, e};
+}
+
+// Timing experiments: kernels that skip parts of the work.
 static std::vector<Variant> ExperimentVariants() {
-  std::vector<Variant> v;
-  const std::pair<const char*, int> exps[] = {{"x-noqk", 1}, {"x-nopv", 2}, {"x-nosoftmax", 4},
-                                              {"x-nomma", 3}, {"x-none", 7},
-                                              {"x-noload", 32}};
-  for (auto [name, bits] : exps) {
-    LaunchOptions e;
-    e.experiment = bits;
-    e.cluster = 1;
-    v.push_back({name, e});
-  }
+  std::vector<Variant> v = {Experiment("x-noqk", 1), Experiment("x-nopv", 2),
+                            Experiment("x-nosoftmax", 4), Experiment("x-nomma", 3),
+                            Experiment("x-none", 7), Experiment("x-noload", 32)};
   v.push_back({"x-none-cluster-2", With([](LaunchOptions& o) {
                   o.experiment = 7;
                   o.cluster = 2;
                 })});
   return v;
+}
+
+// What a request segment costs: the combine left out, clusters off, the KV loads left out,
+// everything but the loads left out.
+static std::vector<Variant> SegmentVariants() {
+  return {{"no-combine", With([](LaunchOptions& o) { o.combine = false; })},
+          ClusterVariants().front(), Experiment("x-noload", 32), Experiment("x-none", 7)};
 }
 
 // "default" first, then the named set's variants; any other name: every variant but the
