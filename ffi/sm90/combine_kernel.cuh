@@ -4,9 +4,14 @@
 // gets zeros and LSE -inf here; a request handled by one part was written whole by the decode
 // kernel and is skipped. The splits are merged in part order: deterministic. Both kernels let the
 // next kernel in the stream launch as soon as they start (programmatic dependent launch): its CTAs
-// set up while the merge runs and wait for its results in their own GridDependencyWait. Every CTA
-// waits for the decode kernel first, also one with nothing to do, so that a combine never
-// completes before its decode: that next kernel's wait is on the combine.
+// set up while the merge runs and wait for its results in their own GridDependencyWait.
+//
+// Each warp finds its request's splits before its own GridDependencyWait: the lengths and the
+// schedule were written by kernels that had completed when the decode kernel, having waited for
+// them, let the combine launch; only the partial results and the outputs need the decode to be
+// done. Every warp with an output row then waits, also one with nothing to write (every CTA has
+// one), so that a combine never completes before its decode: a next kernel's wait is on the
+// combine.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -27,12 +32,13 @@ struct SplitRequest {
   const float* part_lse;  // f32 [slots, rows_pad]
   int rows_pad;
 
-  __device__ __forceinline__ static SplitRequest Load(const DecodeParams& p, int num_parts, int b) {
+  __device__ __forceinline__ static SplitRequest Load(const DecodeParams& p,
+                                                     const ScheduleView& view, int num_parts,
+                                                     int b) {
     SplitRequest r;
     r.n = NumKvBlocks(EffectiveLength(p.seq_lens[b], p.max_pages, p.page_size));
     r.first = r.last = 0;
     if (r.n > 0) {
-      const ScheduleView view = ScheduleView::Load(p, num_parts);
       r.first = view.PartOf(b, 0);
       r.last = view.PartOf(b, r.n - 1);
     }
@@ -97,33 +103,39 @@ __host__ __device__ __forceinline__ int CombineGridRows(int batch, int num_parts
 // would make most of them skip.
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
-  GridDependencyWait();
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows = p.q_len * p.num_heads;
   const int row = blockIdx.x * kCombineRowsPerBlock + warp;
-  if (row >= rows) return;
+  if (row >= rows) return;  // not the block's first warp, which waits below
   const int y = blockIdx.y;
-  int b = y;  // the request: block row y, or by boundary the request holding boundary y
-  if (CombineByBoundary(p.batch, num_parts)) {
-    const int boundaries = num_parts - 1;
-    if (y >= boundaries) {
-      const int b0 = (y - boundaries) * 32;
-      const bool empty = b0 + lane < p.batch &&
-                         NumKvBlocks(EffectiveLength(p.seq_lens[b0 + lane], p.max_pages,
-                                                     p.page_size)) == 0;
-      for (uint32_t mask = __ballot_sync(0xffffffffu, empty); mask != 0; mask &= mask - 1) {
-        WriteEmptyRow(p, rows, b0 + __ffs(mask) - 1, row, lane);
-      }
-      return;
+  const bool by_boundary = CombineByBoundary(p.batch, num_parts);
+  const int boundaries = num_parts - 1;
+  if (by_boundary && y >= boundaries) {
+    const int b0 = (y - boundaries) * 32;
+    const bool empty = b0 + lane < p.batch &&
+                       NumKvBlocks(EffectiveLength(p.seq_lens[b0 + lane], p.max_pages,
+                                                   p.page_size)) == 0;
+    const uint32_t empties = __ballot_sync(0xffffffffu, empty);
+    GridDependencyWait();
+    for (uint32_t mask = empties; mask != 0; mask &= mask - 1) {
+      WriteEmptyRow(p, rows, b0 + __ffs(mask) - 1, row, lane);
     }
-    const ScheduleView view = ScheduleView::Load(p, num_parts);
-    const long long unit = view.BoundaryUnit(y);
-    if (unit >= view.Total()) return;
-    b = FindRequestInWarp(view, static_cast<int>(unit), lane);
-    if (!view.FirstSplitAt(b, y)) return;
+    return;
   }
-  const SplitRequest req = SplitRequest::Load(p, num_parts, b);
+  const ScheduleView view = ScheduleView::Load(p, num_parts);
+  // The request: block row y, or by boundary the request whose first split ends at boundary y
+  // (-1: none).
+  int b = y;
+  if (by_boundary) {
+    const long long unit = view.BoundaryUnit(y);
+    b = unit < view.Total() ? FindRequestInWarp(view, static_cast<int>(unit), lane) : -1;
+    if (b >= 0 && !view.FirstSplitAt(b, y)) b = -1;
+  }
+  SplitRequest req{};
+  if (b >= 0) req = SplitRequest::Load(p, view, num_parts, b);
+  GridDependencyWait();
+  if (b < 0) return;
   const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                        (static_cast<size_t>(b) * rows + row) * kLatentDim;
@@ -198,18 +210,18 @@ template <int kRowsInFlight>
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
-  GridDependencyWait();
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = blockIdx.y;
   const int rows = p.q_len * p.num_heads;
   const int row = blockIdx.x * kCombineWideRowsPerBlock + warp / kCombineWarpsPerRow;
-  if (row >= rows) return;
+  if (row >= rows) return;  // not the block's first warp, which waits below
   constexpr int kCols = kLatentDim / kCombineWarpsPerRow;  // 128: 4 per lane
   static_assert(kCols == 4 * 32, "one float4 of columns per lane");
   const int col0 = (warp % kCombineWarpsPerRow) * kCols + lane * 4;
   const bool writes_lse = warp % kCombineWarpsPerRow == 0 && lane == 0;
-  const SplitRequest req = SplitRequest::Load(p, num_parts, b);
+  const SplitRequest req = SplitRequest::Load(p, ScheduleView::Load(p, num_parts), num_parts, b);
+  GridDependencyWait();
   const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                        (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
