@@ -57,7 +57,6 @@ static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
-static bool g_bf16_partials = false;  // "--bf16-partials" (checks): bf16 partials, wide combine
 static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--split-release": 1,
                                   // "--whole-release": 0)
 
@@ -431,10 +430,6 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.transposed_scores = g_transposed;
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
-  if (g_bf16_partials) {
-    opt.bf16_partials = 1;
-    opt.wide_combine = 1;
-  }
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -675,13 +670,6 @@ static std::vector<Variant> CombineVariants() {
           {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })}};
 }
 
-static std::vector<Variant> PartialsVariants() {
-  return {{"bf16-partials", With([](LaunchOptions& o) {
-             o.bf16_partials = 1;
-             o.wide_combine = 1;
-           })}};
-}
-
 static std::vector<Variant> ReleaseVariants() {
   return {{"release-whole", With([](LaunchOptions& o) { o.split_release = 0; })},
           {"release-split", With([](LaunchOptions& o) { o.split_release = 1; })}};
@@ -737,7 +725,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "cluster") append(ClusterVariants());
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
-  else if (which == "partials") append(PartialsVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -993,7 +980,6 @@ int main(int argc, char** argv) {
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--split-release") g_split_release = 1;
     else if (a == "--whole-release") g_split_release = 0;
-    else if (a == "--bf16-partials") g_bf16_partials = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);

@@ -247,23 +247,6 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last).
   float4 v[kRowsInFlight];
   auto load_rows = [&](int s0) {
-    if (p.bf16_partials) {
-      const __nv_bfloat16* part_out = reinterpret_cast<const __nv_bfloat16*>(req.part_out);
-      uint2 raw[kRowsInFlight];
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i) {
-        if (s0 + i <= last) {
-          raw[i] = *reinterpret_cast<const uint2*>(part_out + slot_row(s0 + i) * kLatentDim + col0);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kRowsInFlight; ++i) {
-        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].x));
-        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[i].y));
-        v[i] = make_float4(lo.x, lo.y, hi.x, hi.y);
-      }
-      return;
-    }
 #pragma unroll
     for (int i = 0; i < kRowsInFlight; ++i) {
       if (s0 + i <= last) {

@@ -337,18 +337,6 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
         }
       }
       if (writes_lse) p.lse[out_row0 + row] = lse;
-    } else if (p.bf16_partials) {
-      __nv_bfloat16* dst =
-          reinterpret_cast<__nv_bfloat16*>(part_out) + (slot_row0 + row) * kLatentDim;
-#pragma unroll
-      for (int t = 0; t < kOTiles; ++t) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          dst[col_base + t * kChunkCols + TransposedScores::Token(wg_tid, half)] =
-              __float2bfloat16_rn(o[t][TransposedScores::Element(i, half)] * inv);
-        }
-      }
-      if (writes_lse) part_lse[slot_row0 + row] = lse;
     } else {
       float* dst = part_out + (slot_row0 + row) * kLatentDim;
 #pragma unroll
@@ -941,22 +929,16 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   const int warp_row0 = gr0 - lane / 4;
   const int quad = lane % 4;
 
-  if (seg.whole || p.bf16_partials) {
-    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
-    uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
-    __nv_bfloat16* out = seg.whole ? static_cast<__nv_bfloat16*>(p.out)
-                                   : reinterpret_cast<__nv_bfloat16*>(wsb + ws.partial_out);
-    float* lse_out = seg.whole ? p.lse : reinterpret_cast<float*>(wsb + ws.partial_lse);
-    const size_t row_base = seg.whole ? static_cast<size_t>(seg.b) * rows
-                                      : static_cast<size_t>(seg.b + part) * ws.rows_pad;
-    const float scale = seg.whole ? p.output_scale : 1.f;
+  if (seg.whole) {
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+    const size_t row_base = static_cast<size_t>(seg.b) * rows;
     if (wg == 0 && (lane & 3) == 0) {
-      if (gr0 < rows) lse_out[row_base + gr0] = lse0;
-      if (gr1 < rows) lse_out[row_base + gr1] = lse1;
+      if (gr0 < rows) p.lse[row_base + gr0] = lse0;
+      if (gr1 < rows) p.lse[row_base + gr1] = lse1;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float f = (h == 0 ? inv0 : inv1) * scale;
+      const float f = (h == 0 ? inv0 : inv1) * p.output_scale;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         // Columns [64 c, 64 c + 64) of the warpgroup's 256: eight-column groups 8 c .. 8 c + 7,

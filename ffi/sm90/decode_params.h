@@ -86,7 +86,6 @@ struct DecodeParams {
   int num_sms;               // multiprocessors to spread the persistent grid over
   bool enable_pdl;           // programmatic dependent launch for the decode and combine kernels
   bool kv_fp8 = false;       // kv_cache is the fp8 cache
-  bool bf16_partials = false;  // split requests' partial outputs in bf16 (LaunchOptions)
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1

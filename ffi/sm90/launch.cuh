@@ -43,8 +43,6 @@ struct LaunchOptions {
                               // parts (UseWideCombine), 1 always, 0 never
   int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
                               // -1 (default) with two or more M tiles, 1 always, 0 never
-  int bf16_partials = 0;      // 1: split requests' partial outputs stored in bf16, not fp32
-                              // (only with the wide combine, which reads them)
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -313,13 +311,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
     const int fit = info.max_clusters * cluster / m_tiles;  // parts whose clusters all fit at once
     if (fit >= 1 && fit < parts) parts = fit;
   }
-  if (options.bf16_partials != 0 &&
-      (options.bf16_partials != 1 || !detail::UseWideCombine(options, p.batch, parts))) {
-    return cudaErrorInvalidValue;
-  }
   DecodeKernelArgs args;
   args.p = p;
-  args.p.bf16_partials = options.bf16_partials == 1;
   args.num_parts = parts;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
@@ -345,7 +338,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                          stream, decode_args, cluster);
   if (err != cudaSuccess || !options.combine) return err;
 
-  DecodeParams cp = args.p;
+  DecodeParams cp = p;
   int num_parts = parts;
   void* combine_args[] = {&cp, &num_parts};
   if (detail::UseWideCombine(options, p.batch, parts)) {
