@@ -231,6 +231,17 @@ def test_step_profile_splits_steps_at_their_marker_kernel():
         step_profile.per_step(events + [("Decode2", 95.0, 1.0)], "Decode2", layers=1)
 
 
+def test_step_profile_says_so_when_the_trace_has_no_gpu_kernels():
+    """A step that runs on the CPU leaves the profiler trace without GPU kernels: the step profile
+    stops with the reason instead of reporting spans of nothing."""
+    import jax
+    from benchmarks import step_profile
+
+    on_cpu = jax.device_put(np.ones(3, np.float32), jax.devices("cpu")[0])
+    with pytest.raises(RuntimeError, match="no GPU kernel events in the profiler trace"):
+        step_profile.traced(jax.jit(lambda x: x + 1), (on_cpu,), None)
+
+
 def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
     """On a CPU the profiler runs but sees no GPU kernel: no durations, and the reason recorded
     (time_device_plan then falls back to the graph wall time and keeps the reason)."""
