@@ -242,6 +242,29 @@ def test_step_profile_says_so_when_the_trace_has_no_gpu_kernels():
         step_profile.traced(jax.jit(lambda x: x + 1), (on_cpu,), None)
 
 
+def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():
+    """Rows of both builds over two passes: per point each build's times in pass order and new /
+    base over their sums; check rows and the header are not times; a FAIL row is counted."""
+    from benchmarks import sm90_ab
+
+    def row(b, label, us):
+        return f"| 128 | {b} | 4096 | 1 | 64 | {label} | {us} | 1.4 | 0.1 | 50.0 | 10% | 0.1 | 4 | ok |"
+
+    lines = ["| H | B | L | q_len | page | variant | µs/layer | floor µs |",
+             "| one | 1 | 1 | 128 | 64 | fixed 4096..4096 | 3.0e-03 (0) | 1.9e-06 | no | yes | ok | PASS |",
+             row(1, "base", 14.6), row(1, "new", 14.2), row(4, "base", 21.6), row(4, "new", 21.0),
+             row(1, "base", 14.6), row(1, "new", 14.0), row(4, "base", 21.4), row(4, "new", 21.2),
+             "| one | 4 | 1 | 128 | 64 | uniform 2048..6000 | 9.0e-02 (1) | 1.9e-06 | no | yes | ok | FAIL |"]
+    text = sm90_ab.table(lines)
+    assert "| 128 | 1 | 4096 | 1 | 64 | 14.6, 14.6 | 14.2, 14.0 | 0.966 |" in text
+    assert "| 128 | 4 | 4096 | 1 | 64 | 21.6, 21.4 | 21.0, 21.2 | 0.981 |" in text
+    assert text.endswith("1 failed check(s)")
+    assert sm90_ab.parse_points("1,4096,128,1,3000,fixed; 4,4096,16,2,500,uniform") == [
+        ("1", "4096", "128", "1", "3000", "fixed"), ("4", "4096", "16", "2", "500", "uniform")]
+    with pytest.raises(SystemExit, match="B,L,H,q_len,iters,dist"):
+        sm90_ab.parse_points("1,4096,128")
+
+
 def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
     """On a CPU the profiler runs but sees no GPU kernel: no durations, and the reason recorded
     (time_device_plan then falls back to the graph wall time and keeps the reason)."""

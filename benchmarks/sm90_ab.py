@@ -1,0 +1,183 @@
+"""Two builds of the sm90 kernel side by side in the standalone harness (benchmarks/sm90_harness.cu):
+the working tree ("new") against a git revision ("base").
+
+On the CPU machine, build both (nvcc, sm_90a; about a minute each):
+
+    python -m benchmarks.sm90_ab build BASE_REV            # .gpu/sm90_harness{,_base,_lineinfo}
+
+then on the GPU machine (carry .gpu), the new build's checks and sanitizers, and the two builds
+timed point by point, alternating, over several passes:
+
+    python -m benchmarks.sm90_ab run [--checks] [--passes 2] [--points "B,L,H,q_len,iters,dist;..."]
+
+which writes $OUT/sm90-ab.log (the harness's rows, variant "base" or "new") and prints, per point,
+both builds' µs per layer in every pass and new / base over the passes' sums. `table LOG` prints
+that table again from a log. The harness's own flags (e.g. --cluster1) go after `--`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GPU_DIR = os.path.join(ROOT, ".gpu")
+NEW, BASE, LINEINFO = (os.path.join(GPU_DIR, name) for name in
+                       ("sm90_harness", "sm90_harness_base", "sm90_harness_lineinfo"))
+
+# B, L, H, q_len, iters, dist: B = 1-4 and short lengths, where a layer is tens of µs, then the
+# 128-head and 16-head points the issue's targets name.
+DEFAULT_POINTS = ("1,4096,128,1,3000,fixed;1,4096,16,1,3000,fixed;1,16384,128,1,2000,fixed;"
+                  "4,4096,128,1,2000,uniform;32,4096,128,1,1000,uniform;"
+                  "128,1024,128,1,800,uniform;128,4096,128,1,300,uniform;"
+                  "32,16384,16,1,400,uniform;128,4096,16,1,500,uniform")
+
+
+def cutlass_include() -> str:
+    """CUTLASS headers as ffi/CMakeLists.txt finds them: CUTLASS_INCLUDE_DIR, then a package copy."""
+    finder = runpy.run_path(os.path.join(ROOT, "ffi", "find_cutlass.py"))
+    override = os.environ.get("CUTLASS_INCLUDE_DIR", "")
+    found = override if override and finder["is_cutlass_include"](override) else \
+        finder["cutlass_include"]()
+    if not found:
+        raise SystemExit("no CUTLASS headers: set CUTLASS_INCLUDE_DIR or install nvidia-cutlass")
+    return found
+
+
+def nvcc(tree: str, output: str, *extra: str) -> None:
+    """The harness of `tree` built for sm_90a into `output`."""
+    cmd = ["nvcc", "-std=c++17", "-O3", "-gencode", "arch=compute_90a,code=sm_90a", *extra,
+           f"-I{tree}", f"-I{cutlass_include()}", "--expt-relaxed-constexpr",
+           os.path.join(tree, "benchmarks", "sm90_harness.cu"), "-o", output]
+    subprocess.run(cmd, check=True)
+
+
+def build(base_rev: str) -> None:
+    os.makedirs(GPU_DIR, exist_ok=True)
+    nvcc(ROOT, NEW)
+    nvcc(ROOT, LINEINFO, "-lineinfo")
+    with tempfile.TemporaryDirectory() as tree:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", base_rev, "ffi", "benchmarks"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        nvcc(tree, BASE)
+
+
+def parse_points(spec: str) -> list[tuple[str, ...]]:
+    points = []
+    for item in filter(None, (p.strip() for p in spec.split(";"))):
+        fields = tuple(f.strip() for f in item.split(","))
+        if len(fields) != 6:
+            raise SystemExit(f"a point is B,L,H,q_len,iters,dist; got {item!r}")
+        points.append(fields)
+    return points
+
+
+def harness_rows(binary: str, label: str, point: tuple[str, ...], flags: list[str]) -> list[str]:
+    """The harness's timing rows of one point, their variant column renamed to `label`."""
+    b, length, heads, q_len, iters, dist = point
+    out = subprocess.run([binary, "one", "--B", b, "--L", length, "--H", heads, "--q-len", q_len,
+                          "--dist", dist, "--iters", iters, "--ref-requests", "1",
+                          "--variants", "default", *flags],
+                         capture_output=True, text=True).stdout
+    rows = []
+    for line in out.splitlines():
+        if "FAIL" in line:
+            rows.append(line)
+        elif line.startswith("| ") and line[2:3].isdigit():
+            cells = line.split("|")
+            cells[6] = f" {label} "
+            rows.append("|".join(cells))
+    return rows
+
+
+def checks(out_dir: str, flags: list[str]) -> list[str]:
+    """The new build's check suites and, on its -lineinfo build, the three sanitizers."""
+    summary = []
+    for mode in ("check", "check-fp8"):
+        log = os.path.join(out_dir, f"sm90-ab-{mode}.log")
+        with open(log, "w") as f:
+            rc = subprocess.run([NEW, mode, *flags], stdout=f, stderr=subprocess.STDOUT).returncode
+        summary.append(f"{mode}: rc={rc} {last_line(log)}")
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        for suite in ("sanitize", "sanitize-fp8"):
+            log = os.path.join(out_dir, f"sm90-ab-{suite}-{tool}.log")
+            with open(log, "w") as f:
+                rc = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "9",
+                                     LINEINFO, suite, *flags],
+                                    stdout=f, stderr=subprocess.STDOUT).returncode
+            found = [line for line in open(log) if "SUMMARY" in line]
+            summary.append(f"{suite} {tool}: rc={rc} {found[-1].strip() if found else ''}")
+    return summary
+
+
+def last_line(path: str) -> str:
+    lines = [line.strip() for line in open(path) if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def table(lines: list[str]) -> str:
+    """Per point (H, B, L, q_len, page): each build's µs per layer in pass order and new / base
+    over their sums; FAIL rows are counted."""
+    times: dict[tuple[str, ...], dict[str, list[float]]] = {}
+    fails = 0
+    for line in lines:
+        if "FAIL" in line:
+            fails += 1
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 7 or not cells[0].isdigit():
+            continue
+        times.setdefault(tuple(cells[:5]), {}).setdefault(cells[5], []).append(float(cells[6]))
+    out = ["| H | B | L | q_len | page | base µs | new µs | new / base |", "|---|---|---|---|---|---|---|---|"]
+    for key, by_label in times.items():
+        base, new = by_label.get("base", []), by_label.get("new", [])
+        ratio = f"{sum(new) / sum(base):.3f}" if base and new else "-"
+        out.append("| " + " | ".join(key) + f" | {', '.join(map(str, base))} | "
+                   f"{', '.join(map(str, new))} | {ratio} |")
+    out.append(f"\n{fails} failed check(s)")
+    return "\n".join(out)
+
+
+def run(points: list[tuple[str, ...]], passes: int, with_checks: bool, flags: list[str]) -> None:
+    out_dir = os.environ.get("OUT", ".")
+    if with_checks:
+        print("\n".join(checks(out_dir, flags)), flush=True)
+    lines = []
+    for _ in range(passes):
+        for point in points:
+            for binary, label in ((BASE, "base"), (NEW, "new")):
+                lines += harness_rows(binary, label, point, flags)
+    with open(os.path.join(out_dir, "sm90-ab.log"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(table(lines))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    flags = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90_ab", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("build").add_argument("base_rev")
+    run_args = commands.add_parser("run")
+    run_args.add_argument("--points", default=DEFAULT_POINTS)
+    run_args.add_argument("--passes", type=int, default=2)
+    run_args.add_argument("--checks", action="store_true")
+    commands.add_parser("table").add_argument("log")
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        build(args.base_rev)
+    elif args.command == "run":
+        run(parse_points(args.points), args.passes, args.checks, flags)
+    else:
+        print(table(open(args.log).read().splitlines()))
+
+
+if __name__ == "__main__":
+    main()
