@@ -83,17 +83,22 @@ __global__ void __launch_bounds__(kThreads) EpilogueKernel(float4* out, float* l
     cluster.sync();
     if constexpr (kMode == kMerge) {
       constexpr int kRowsHere = kRows / kCluster, kItems = kRowsHere * (kCols / 4);
-      constexpr int kInFlight = kCluster >= 16 ? 1 : 16 / kCluster;  // rows' float4 a thread loads at once
+      // float4 loads a thread has in flight: 16 / kCluster rows' worth.
+      constexpr int kInFlight = kCluster >= 16 ? 1 : 16 / kCluster;
       const int row0 = rank * kRowsHere, first_cta = cta - rank;
       float* weights = lse + kRows;  // [kRowsHere][kCluster]: each partial's weight in these rows
       if (tid < kRowsHere) {
         const int r = row0 + tid;
         float max_lse = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < kCluster; ++j) max_lse = fmaxf(max_lse, cluster.map_shared_rank(lse, j)[r]);
+        for (int j = 0; j < kCluster; ++j) {
+          max_lse = fmaxf(max_lse, cluster.map_shared_rank(lse, j)[r]);
+        }
         float sum = 0.f;
 #pragma unroll
-        for (int j = 0; j < kCluster; ++j) sum += __expf(cluster.map_shared_rank(lse, j)[r] - max_lse);
+        for (int j = 0; j < kCluster; ++j) {
+          sum += __expf(cluster.map_shared_rank(lse, j)[r] - max_lse);
+        }
         const float merged_lse = max_lse + __logf(sum);
 #pragma unroll
         for (int j = 0; j < kCluster; ++j) {
@@ -192,14 +197,17 @@ static double CheckMerge(const std::vector<float>& out, const std::vector<float>
   for (int first = 0; first < ctas; first += cluster) {
     for (int r = 0; r < kRows; ++r) {
       double max_lse = -INFINITY, sum = 0;
-      for (int j = 0; j < cluster; ++j) max_lse = std::max<double>(max_lse, PartialLse(first + j, r));
+      for (int j = 0; j < cluster; ++j) {
+        max_lse = std::max<double>(max_lse, PartialLse(first + j, r));
+      }
       for (int j = 0; j < cluster; ++j) sum += std::exp(PartialLse(first + j, r) - max_lse);
       const double merged = max_lse + std::log(sum);
       worst = std::max(worst, std::fabs(merged - lse[first * kRows + r]) / std::fabs(merged));
       for (int c = 0; c < kCols; ++c) {
         double ref = 0;
         for (int j = 0; j < cluster; ++j) {
-          ref += std::exp(PartialLse(first + j, r) - merged) * PartialValue(first + j, r * kCols + c);
+          ref += std::exp(PartialLse(first + j, r) - merged) *
+                 PartialValue(first + j, r * kCols + c);
         }
         const double got = out[static_cast<size_t>(first) * kRows * kCols + r * kCols + c];
         worst = std::max(worst, std::fabs(got - ref) / std::max(std::fabs(ref), 1e-3));

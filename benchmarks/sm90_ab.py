@@ -1,5 +1,5 @@
-"""Two builds of the sm90 kernel side by side in the standalone harness (benchmarks/sm90_harness.cu):
-the working tree ("new") against a git revision ("base").
+"""Two builds of the sm90 kernel side by side in the standalone harness
+(benchmarks/sm90_harness.cu): the working tree ("new") against a git revision ("base").
 
 On the CPU machine, build both (nvcc, sm_90a; about a minute each):
 
@@ -38,7 +38,7 @@ DEFAULT_POINTS = ("1,4096,128,1,3000,fixed;1,4096,16,1,3000,fixed;1,16384,128,1,
 
 
 def cutlass_include() -> str:
-    """CUTLASS headers as ffi/CMakeLists.txt finds them: CUTLASS_INCLUDE_DIR, then a package copy."""
+    """CUTLASS headers as ffi/CMakeLists.txt finds them: CUTLASS_INCLUDE_DIR, else a package's."""
     finder = runpy.run_path(os.path.join(ROOT, "ffi", "find_cutlass.py"))
     override = os.environ.get("CUTLASS_INCLUDE_DIR", "")
     found = override if override and finder["is_cutlass_include"](override) else \
@@ -133,7 +133,8 @@ def table(lines: list[str]) -> str:
         if len(cells) < 7 or not cells[0].isdigit():
             continue
         times.setdefault(tuple(cells[:5]), {}).setdefault(cells[5], []).append(float(cells[6]))
-    out = ["| H | B | L | q_len | page | base µs | new µs | new / base |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| H | B | L | q_len | page | base µs | new µs | new / base |",
+           "|---|---|---|---|---|---|---|---|"]
     for key, by_label in times.items():
         base, new = by_label.get("base", []), by_label.get("new", [])
         ratio = f"{sum(new) / sum(base):.3f}" if base and new else "-"
