@@ -78,14 +78,18 @@ def parse_points(spec: str) -> list[tuple[str, ...]]:
 
 
 def harness_rows(binary: str, label: str, point: tuple[str, ...], flags: list[str]) -> list[str]:
-    """The harness's timing rows of one point, their variant column renamed to `label`."""
+    """The harness's timing rows of one point, their variant column renamed to `label`; a failed
+    check, or a harness that exits with an error, gives a FAIL line."""
     b, length, heads, q_len, iters, dist = point
-    out = subprocess.run([binary, "one", "--B", b, "--L", length, "--H", heads, "--q-len", q_len,
-                          "--dist", dist, "--iters", iters, "--ref-requests", "1",
-                          "--variants", "default", *flags],
-                         capture_output=True, text=True).stdout
+    result = subprocess.run([binary, "one", "--B", b, "--L", length, "--H", heads, "--q-len",
+                             q_len, "--dist", dist, "--iters", iters, "--ref-requests", "1",
+                             "--variants", "default", *flags],
+                            capture_output=True, text=True)
+    if result.returncode != 0 and "FAIL" not in result.stdout:
+        return [f"FAIL {label} {','.join(point)}: exit {result.returncode} "
+                f"{(result.stdout + result.stderr).strip().splitlines()[-1:]}"]
     rows = []
-    for line in out.splitlines():
+    for line in result.stdout.splitlines():
         if "FAIL" in line:
             rows.append(line)
         elif line.startswith("| ") and line[2:3].isdigit():

@@ -267,6 +267,19 @@ def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():
         sm90_ab.parse_points("1,4096,128")
 
 
+def test_sm90_ab_reports_a_harness_that_exits_with_an_error(tmp_path):
+    """A harness that stops with an error and no check row gives a FAIL line naming the build,
+    the point, the exit status and its last words (the table then counts it)."""
+    from benchmarks import sm90_ab
+
+    harness = tmp_path / "sm90_harness"
+    harness.write_text("#!/bin/sh\necho 'CUDA error: out of memory'\nexit 3\n")
+    harness.chmod(0o755)
+    rows = sm90_ab.harness_rows(str(harness), "new", ("1", "4096", "128", "1", "10", "fixed"), [])
+    assert rows == ["FAIL new 1,4096,128,1,10,fixed: exit 3 ['CUDA error: out of memory']"]
+    assert sm90_ab.table(rows).endswith("1 failed check(s)")
+
+
 def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
     """On a CPU the profiler runs but sees no GPU kernel: no durations, and the reason recorded
     (time_device_plan then falls back to the graph wall time and keeps the reason)."""
