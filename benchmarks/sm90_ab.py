@@ -38,11 +38,9 @@ DEFAULT_POINTS = ("1,4096,128,1,3000,fixed;1,4096,16,1,3000,fixed;1,16384,128,1,
 
 
 def cutlass_include() -> str:
-    """CUTLASS headers as ffi/CMakeLists.txt finds them: CUTLASS_INCLUDE_DIR, else a package's."""
+    """CUTLASS headers, looked up as ffi/CMakeLists.txt does (ffi/find_cutlass.py)."""
     finder = runpy.run_path(os.path.join(ROOT, "ffi", "find_cutlass.py"))
-    override = os.environ.get("CUTLASS_INCLUDE_DIR", "")
-    found = override if override and finder["is_cutlass_include"](override) else \
-        finder["cutlass_include"]()
+    found = finder["configured_cutlass_include"]()
     if not found:
         raise SystemExit("no CUTLASS headers: set CUTLASS_INCLUDE_DIR or install nvidia-cutlass")
     return found

@@ -2,8 +2,9 @@
 handler: the nvidia-cutlass package's, else flashinfer-python's copy; nothing when neither is
 installed. The packages are located with importlib.util.find_spec, without importing them.
 
-Used by ffi/CMakeLists.txt (when CUTLASS_INCLUDE_DIR is not set) and by the host tests that
-compile sm90 code (tests/test_sm90_launch_options.py).
+Used by ffi/CMakeLists.txt (when CUTLASS_INCLUDE_DIR is not set), and through
+configured_cutlass_include by the host tests that compile sm90 code
+(tests/test_sm90_launch_options.py) and by benchmarks/sm90_ab.py.
 """
 
 from __future__ import annotations
@@ -32,6 +33,13 @@ def cutlass_include() -> str | None:
             if is_cutlass_include(path):
                 return path
     return None
+
+
+def configured_cutlass_include() -> str | None:
+    """The headers a build of the sm90 code takes, looked up as ffi/CMakeLists.txt does:
+    CUTLASS_INCLUDE_DIR from the environment when it holds them, else cutlass_include()."""
+    override = os.environ.get("CUTLASS_INCLUDE_DIR", "")
+    return override if override and is_cutlass_include(override) else cutlass_include()
 
 
 if __name__ == "__main__":

@@ -25,13 +25,9 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
 
 
 def cutlass_include() -> str | None:
-    """CUTLASS headers, looked up as ffi/CMakeLists.txt does: CUTLASS_INCLUDE_DIR, then the
-    package copies ffi/find_cutlass.py knows."""
+    """CUTLASS headers, looked up as ffi/CMakeLists.txt does (ffi/find_cutlass.py)."""
     finder = runpy.run_path(os.path.join(ROOT, "ffi", "find_cutlass.py"))
-    override = os.environ.get("CUTLASS_INCLUDE_DIR", "")
-    if override and finder["is_cutlass_include"](override):
-        return override
-    return finder["cutlass_include"]()
+    return finder["configured_cutlass_include"]()
 
 
 def test_out_of_range_options_and_shapes_are_rejected(tmp_path):
