@@ -267,6 +267,15 @@ def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():
         sm90_ab.parse_points("1,4096,128")
 
 
+def test_sm90_ab_says_where_to_get_cutlass_when_it_finds_none(monkeypatch):
+    from benchmarks import sm90_ab
+
+    monkeypatch.setattr(sm90_ab.runpy, "run_path",
+                        lambda path: {"configured_cutlass_include": lambda: None})
+    with pytest.raises(SystemExit, match="set CUTLASS_INCLUDE_DIR or install nvidia-cutlass"):
+        sm90_ab.cutlass_include()
+
+
 def test_sm90_ab_reports_a_harness_that_exits_with_an_error(tmp_path):
     """A harness that stops with an error and no check row gives a FAIL line naming the build,
     the point, the exit status and its last words (the table then counts it)."""
