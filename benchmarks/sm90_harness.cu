@@ -16,7 +16,8 @@
 //   .gpu/sm90_harness profile B L H [q_len]   # two decodes of one problem (for ncu)
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
-//                         [--variants default|cluster|exp|segments|transposed|combine|release|all]
+//                         [--variants default|cluster|exp|segments|transposed|combine|release|
+//                                     partials|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -24,9 +25,9 @@
 //   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
-//   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release (checks
-//   only): LaunchOptions' transposed_scores = 0, wide_combine = 1, wide_combine = 0,
-//   split_release = 1, split_release = 0.
+//   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
+//   --fp32-partials (checks only): LaunchOptions' transposed_scores = 0, wide_combine = 1,
+//   wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -59,6 +60,7 @@ static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wi
                                  // "--narrow-combine": 0)
 static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--split-release": 1,
                                   // "--whole-release": 0)
+static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -430,6 +432,7 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.transposed_scores = g_transposed;
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
+  opt.bf16_partials = g_bf16_partials;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -670,6 +673,10 @@ static std::vector<Variant> CombineVariants() {
           {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })}};
 }
 
+static std::vector<Variant> PartialsVariants() {
+  return {{"fp32-partials", With([](LaunchOptions& o) { o.bf16_partials = 0; })}};
+}
+
 static std::vector<Variant> ReleaseVariants() {
   return {{"release-whole", With([](LaunchOptions& o) { o.split_release = 0; })},
           {"release-split", With([](LaunchOptions& o) { o.split_release = 1; })}};
@@ -725,6 +732,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "cluster") append(ClusterVariants());
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
+  else if (which == "partials") append(PartialsVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -740,6 +748,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     append(TransposedVariants());
     append(CombineVariants());
     append(ReleaseVariants());
+    append(PartialsVariants());
   }
   return v;
 }
@@ -980,6 +989,7 @@ int main(int argc, char** argv) {
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--split-release") g_split_release = 1;
     else if (a == "--whole-release") g_split_release = 0;
+    else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
@@ -1053,17 +1063,8 @@ int main(int argc, char** argv) {
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     printf("| cluster size | clusters at once | CTAs at once |\n|---|---|---|\n");
     for (int n : {1, 2, 4, 6, 8, 10, 12, 14, 16}) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(n);
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = smem;
-      cudaLaunchAttribute attr[1];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim = {static_cast<unsigned>(n), 1, 1};
-      config.attrs = attr;
-      config.numAttrs = 1;
       int clusters = 0;
-      const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+      const cudaError_t err = detail::MaxActiveClusters(kernel, n, smem, &clusters);
       if (err != cudaSuccess) {
         printf("| %d | %s | |\n", n, cudaGetErrorString(err));
         cudaGetLastError();

@@ -59,6 +59,21 @@ int main() {
   Run("wide_combine=-2", [](DecodeParams&, LaunchOptions& o) { o.wide_combine = -2; });
   Run("split_release=2", [](DecodeParams&, LaunchOptions& o) { o.split_release = 2; });
   Run("split_release=-2", [](DecodeParams&, LaunchOptions& o) { o.split_release = -2; });
+  Run("bf16_partials=2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 2; });
+  Run("bf16_partials=-2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = -2; });
+  Run("bf16_partials=1,transposed", [](DecodeParams&, LaunchOptions& o) {
+    o.bf16_partials = 1;
+    o.wide_combine = 1;
+  });
+  Run("bf16_partials=1,default_combine", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.bf16_partials = 1;
+  });
+  Run("bf16_partials=1,narrow_combine", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.bf16_partials = 1;
+    o.wide_combine = 0;
+  });
   Run("cluster=3", [](DecodeParams& p, LaunchOptions& o) {
     p.num_heads = 128;
     o.cluster = 3;

@@ -17,6 +17,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "decode_params.h"
 #include "schedule.cuh"
@@ -28,7 +29,7 @@ namespace sm90 {
 // hold its splits (valid when n > 0), and the workspace's partial results.
 struct SplitRequest {
   int n, first, last;
-  const float* part_out;  // f32 [slots, rows_pad, 512]
+  const float* part_out;  // [slots, rows_pad, 512]: f32, or bf16 with bf16 partials
   const float* part_lse;  // f32 [slots, rows_pad]
   int rows_pad;
 
@@ -205,8 +206,9 @@ CombineKernel(const DecodeParams p, int num_parts) {
 // are reduced. 32 rows in flight take more registers than several CTAs per SM leave: for grids
 // that fit the SMs in one wave of one CTA each (LaunchDecode). Deterministic; grid:
 // (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
-// kCombineWarpsPerRow warps.
-template <int kRowsInFlight>
+// kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are bf16 (the decode's
+// DecodeKernelArgs::bf16_partials), else fp32.
+template <int kRowsInFlight, bool kBf16Partials>
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
@@ -244,15 +246,15 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   }
   if (first == last) return;
   auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
-  // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last).
-  float4 v[kRowsInFlight];
+  // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last),
+  // as stored (bf16 ones are widened where they are accumulated).
+  using PartialCols = std::conditional_t<kBf16Partials, Bf16x4, float4>;
+  const auto* part_out = reinterpret_cast<const PartialCols*>(req.part_out);
+  PartialCols v[kRowsInFlight];
   auto load_rows = [&](int s0) {
 #pragma unroll
     for (int i = 0; i < kRowsInFlight; ++i) {
-      if (s0 + i <= last) {
-        v[i] = *reinterpret_cast<const float4*>(req.part_out + slot_row(s0 + i) * kLatentDim +
-                                                col0);
-      }
+      if (s0 + i <= last) v[i] = part_out[(slot_row(s0 + i) * kLatentDim + col0) / 4];
     }
   };
   load_rows(first);
@@ -290,10 +292,17 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
       for (int i = 0; i < kRowsInFlight; ++i) {
         if (base + sub + i <= last) {
           const float w = __shfl_sync(0xffffffffu, w_lane, sub + i);
-          acc.x = fmaf(w, v[i].x, acc.x);
-          acc.y = fmaf(w, v[i].y, acc.y);
-          acc.z = fmaf(w, v[i].z, acc.z);
-          acc.w = fmaf(w, v[i].w, acc.w);
+          float4 x;
+          if constexpr (kBf16Partials) {
+            const float2 lo = __bfloat1622float2(v[i].lo), hi = __bfloat1622float2(v[i].hi);
+            x = make_float4(lo.x, lo.y, hi.x, hi.y);
+          } else {
+            x = v[i];
+          }
+          acc.x = fmaf(w, x.x, acc.x);
+          acc.y = fmaf(w, x.y, acc.y);
+          acc.z = fmaf(w, x.z, acc.z);
+          acc.w = fmaf(w, x.w, acc.w);
         }
       }
     }

@@ -53,6 +53,7 @@ struct DecodeKernelArgs {
   int q_box_rows;       // rows per query bulk-tensor box: min(64, q_len * num_heads)
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
+  bool bf16_partials;   // split requests' partial outputs in bf16 (read by CombineKernelWide<.., true>)
 };
 
 namespace detail {
@@ -899,14 +900,15 @@ __device__ __forceinline__ void FlushPiece(uint8_t* bounce, int lane, RowDst row
 // Plain path (64 query rows x 256 columns per warpgroup): adds the two warpgroups' row sums in a
 // fixed order (so both get the same, bit for bit) and writes a segment's results from this
 // thread's rows r0 and r1 = r0 + 8 of the M tile (query rows gr0, gr1; rows >= rows are padding):
-// bf16 out x output_scale and LSE for a request handled whole, fp32 partial out and LSE in the
-// workspace for a split one, through the warp's bounce slice of the P tile. m0, m1 are the rows'
-// maxima (in score units), l0, l1 this warpgroup's row sums over its quad.
+// bf16 out x output_scale and LSE for a request handled whole; partial out (fp32, or bf16 with
+// bf16_partials) and LSE in the workspace for a split one, through the warp's bounce slice of the
+// P tile. m0, m1 are the rows' maxima (in score units), l0, l1 this warpgroup's row sums over its
+// quad.
 __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment& seg, int part,
                                            int num_parts, int rows, int wg, int lane, int r0,
                                            int gr0, int gr1, const float (&o)[128], float l0,
                                            float l1, float m0, float m1, float scale_log2,
-                                           float* row_sum, uint8_t* bounce) {
+                                           bool bf16_partials, float* row_sum, uint8_t* bounce) {
   const int r1 = r0 + 8;
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -929,16 +931,23 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   const int warp_row0 = gr0 - lane / 4;
   const int quad = lane % 4;
 
-  if (seg.whole) {
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
-    const size_t row_base = static_cast<size_t>(seg.b) * rows;
+  const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
+  uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
+  float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
+  const size_t slot_row = static_cast<size_t>(seg.b + part) * ws.rows_pad;
+  if (seg.whole || bf16_partials) {
+    __nv_bfloat16* out = seg.whole ? static_cast<__nv_bfloat16*>(p.out)
+                                   : reinterpret_cast<__nv_bfloat16*>(wsb + ws.partial_out);
+    float* lse_out = seg.whole ? p.lse : part_lse;
+    const size_t row_base = seg.whole ? static_cast<size_t>(seg.b) * rows : slot_row;
+    const float scale = seg.whole ? p.output_scale : 1.f;
     if (wg == 0 && (lane & 3) == 0) {
-      if (gr0 < rows) p.lse[row_base + gr0] = lse0;
-      if (gr1 < rows) p.lse[row_base + gr1] = lse1;
+      if (gr0 < rows) lse_out[row_base + gr0] = lse0;
+      if (gr1 < rows) lse_out[row_base + gr1] = lse1;
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float f = (h == 0 ? inv0 : inv1) * p.output_scale;
+      const float f = (h == 0 ? inv0 : inv1) * scale;
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         // Columns [64 c, 64 c + 64) of the warpgroup's 256: eight-column groups 8 c .. 8 c + 7,
@@ -966,11 +975,7 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
       }
     }
   } else {
-    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
-    uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
     float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
-    float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
-    const size_t slot_row = static_cast<size_t>(seg.b + part) * ws.rows_pad;
     if (wg == 0 && (lane & 3) == 0) {
       if (gr0 < rows) part_lse[slot_row + gr0] = lse0;
       if (gr1 < rows) part_lse[slot_row + gr1] = lse1;
@@ -1571,7 +1576,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                                m_t, sl2);
     } else {
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
-               sl2, row_sum, p_tile + warp * kBounceBytes);
+               sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;

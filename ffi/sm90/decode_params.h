@@ -106,7 +106,7 @@ __host__ __device__ inline int NumParts(int num_sms, int q_len, int num_heads) {
 // Byte offsets of the workspace regions.
 struct WorkspaceLayout {
   size_t partial_lse;   // f32 [slots, rows_pad]
-  size_t partial_out;   // f32 [slots, rows_pad, 512]
+  size_t partial_out;   // [slots, rows_pad, 512]: f32, or bf16 with bf16 partials
   size_t total;
   int slots;            // batch + parts: slot of (request b, part p) is b + p
   int rows_pad;         // NumMTiles * 64

@@ -43,6 +43,9 @@ struct LaunchOptions {
                               // parts (UseWideCombine), 1 always, 0 never
   int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
                               // -1 (default) with two or more M tiles, 1 always, 0 never
+  int bf16_partials = -1;     // split requests' partial outputs in bf16 instead of fp32:
+                              // -1 (default) in 64-row tiles where the wide combine runs; 1
+                              // always (needs 64-row tiles and wide_combine = 1); 0 never
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -148,6 +151,24 @@ struct KernelInfo {
   int max_clusters = 0;  // co-resident clusters of kCluster CTAs (0 when kCluster == 1)
 };
 
+// How many clusters of `cluster` CTAs of `kernel` (kThreads threads, smem_bytes of dynamic shared
+// memory, its limit already raised) the device holds at once.
+inline cudaError_t MaxActiveClusters(const void* kernel, int cluster, int smem_bytes,
+                                     int* clusters) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaOccupancyMaxActiveClusters(clusters, kernel, &config);
+}
+
 // Raises the shared-memory limit once per instantiation and device (function attributes are per
 // device) and, for cluster launches, reads how many clusters fit on the device at once (before any
 // graph capture uses the kernel).
@@ -170,19 +191,7 @@ inline cudaError_t Prepare(const void* kernel, int cluster, int smem_bytes, Kern
   k.kernel = kernel;
   k.device = device;
   if (cluster > 1) {
-    status = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 0);
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(cluster);
-    config.blockDim = dim3(kThreads);
-    config.dynamicSmemBytes = smem_bytes;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = cluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    config.attrs = attr;
-    config.numAttrs = 1;
-    status = cudaOccupancyMaxActiveClusters(&k.max_clusters, kernel, &config);
+    status = MaxActiveClusters(kernel, cluster, smem_bytes, &k.max_clusters);
     if (status != cudaSuccess) return status;
   }
   for (KernelInfo& slot : cache) {
@@ -211,6 +220,15 @@ inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int ro
 inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   if (options.wide_combine >= 0) return options.wide_combine != 0;
   return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
+}
+
+// Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
+// the wide combine reads them): by default in the 64-row tiles (score_n == 0) where the wide
+// combine runs, whose partial stores are whole 16-byte chunks; the transposed kernels' are
+// scattered 2-byte stores, which bf16 made slower.
+inline bool UseBf16Partials(const LaunchOptions& options, int score_n, bool wide_combine) {
+  if (options.bf16_partials >= 0) return options.bf16_partials != 0;
+  return score_n == 0 && wide_combine;
 }
 
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
@@ -293,15 +311,19 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   if (options.cluster < -1 || options.cluster == 0 || options.transposed_scores < -1 ||
       options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
-      options.split_release < -1 || options.split_release > 1) {
+      options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
+      options.bf16_partials > 1) {
     return cudaErrorInvalidValue;
   }
   const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  const int smem_bytes =
-      detail::KernelSmemBytes(p.kv_fp8, detail::TransposedScoreRows(options, cluster, rows));
+  const int score_n = detail::TransposedScoreRows(options, cluster, rows);
+  if (options.bf16_partials == 1 && (score_n != 0 || options.wide_combine != 1)) {
+    return cudaErrorInvalidValue;
+  }
+  const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
   detail::KernelInfo info;
   cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;
@@ -311,9 +333,12 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
     const int fit = info.max_clusters * cluster / m_tiles;  // parts whose clusters all fit at once
     if (fit >= 1 && fit < parts) parts = fit;
   }
+  const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
+  const bool bf16_partials = detail::UseBf16Partials(options, score_n, wide_combine);
   DecodeKernelArgs args;
   args.p = p;
   args.num_parts = parts;
+  args.bf16_partials = bf16_partials;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
       options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;
@@ -341,13 +366,15 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   DecodeParams cp = p;
   int num_parts = parts;
   void* combine_args[] = {&cp, &num_parts};
-  if (detail::UseWideCombine(options, p.batch, parts)) {
+  if (wide_combine) {
     // 32 partial rows in flight per lane where the grid fits the SMs with one CTA each.
     const int row_blocks = CeilDivInt(rows, kCombineWideRowsPerBlock);
+    const bool one_wave = static_cast<long long>(row_blocks) * p.batch <= p.num_sms;
     const void* combine =
-        static_cast<long long>(row_blocks) * p.batch <= p.num_sms
-            ? reinterpret_cast<const void*>(&CombineKernelWide<32>)
-            : reinterpret_cast<const void*>(&CombineKernelWide<8>);
+        bf16_partials ? (one_wave ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
+                      : (one_wave ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
+                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
     return detail::LaunchEx(combine, dim3(row_blocks, p.batch),
                             dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
                             p.enable_pdl, stream, combine_args);
