@@ -7,8 +7,10 @@ a 61-layer jitted step (the benchmark's ``--layers 61`` step):
 - the wall time of back-to-back calls (``timing.time_jax``), with the caches rotated between
   calls as the benchmark does (every call its own cache tuple) and with the same caches every call
   (as a serving loop passes its one cache per layer);
-- from a JAX profiler trace of back-to-back steps: the GPU's busy span per step (its first
-  kernel's start to its last kernel's end) and the summed kernel durations, by kernel name.
+- from a JAX profiler trace of back-to-back steps: the GPU's span per step (its first kernel's
+  start to its last kernel's end), the time within it that some kernel runs (the union of the
+  kernels' intervals: the span less the gaps where the GPU waited for the host, which the
+  tracer's own dispatch cost can open at B = 1) and the summed kernel durations, by kernel name.
 
 Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``).
 
@@ -39,24 +41,36 @@ def wall_us_per_layer(step, arg_sets: list[tuple]) -> float:
     return time_jax(step, arg_sets, LAYERS, WALL_TIMER)[0] * 1e6
 
 
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, duration) intervals sorted by start."""
+    total, end = 0.0, float("-inf")
+    for start, dur in intervals:
+        total += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    return total
+
+
 def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -> dict:
     """The steps in ``events`` ((name, start µs, duration µs) by start, as ``gpu_stream_kernels``
-    gives them), told apart by the kernel named like ``marker`` that starts each: the median busy
-    span (first kernel's start to last kernel's end) and the mean summed kernel time per step,
-    both per layer, and each kernel name's launches per step and median duration. The last marked
-    step is left out (its end is unknown)."""
+    gives them), told apart by the kernel named like ``marker`` that starts each: the median
+    span (first kernel's start to last kernel's end), the median busy time (the union of the
+    kernels' intervals) and the mean summed kernel time per step, all per layer, and each kernel
+    name's launches per step and median duration. The last marked step is left out (its end is
+    unknown)."""
     starts = [i for i, (name, _, _) in enumerate(events) if marker in name]
     if len(starts) < 2:
         raise RuntimeError(f"{len(starts)} kernels named like {marker!r} in the trace")
-    spans = []
+    spans, busy = [], []
     for a, b in zip(starts, starts[1:]):
         last = max(events[i][1] + events[i][2] for i in range(a, b))
         spans.append(last - events[a][1])
+        busy.append(busy_us([(start, dur) for _, start, dur in events[a:b]]))
     by_name = collections.defaultdict(list)
     for name, _, dur in events[starts[0]:starts[-1]]:
         by_name[name].append(dur)
     steps = len(starts) - 1
     return {"span_us": statistics.median(spans) / layers,
+            "busy_us": statistics.median(busy) / layers,
             "kernels_us": sum(sum(v) for v in by_name.values()) / steps / layers,
             "by_name": {name: (len(v) / steps, statistics.median(v)) for name, v in by_name.items()}}
 
@@ -86,8 +100,8 @@ def main():
     print(f"{LAYERS}-layer steps, µs per layer; {CACHES} caches, rotated: call k layer i reads "
           f"cache (k * {LAYERS} + i) % {CACHES}; fixed: layer i reads cache i % {CACHES}", flush=True)
     print("| H | method | command buffers | wall, rotated | wall, fixed | GPU span per step | "
-          "kernels summed |")
-    print("|---|---|---|---|---|---|---|")
+          "GPU busy per step | kernels summed |")
+    print("|---|---|---|---|---|---|---|---|")
     details = []
     for num_heads in (128, 16):
         point = Point(B=1, L=4096, H=num_heads, q_len=1, page_size=64)
@@ -115,7 +129,8 @@ def main():
                 wall_fixed = wall_us_per_layer(step, rotated[:1])
                 stats = traced(step, rotated[0], marker)
                 print(f"| {num_heads} | {name} | {'on' if graphs else 'off'} | {wall_rot:.1f} | "
-                      f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['kernels_us']:.1f} |",
+                      f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
+                      f"{stats['kernels_us']:.1f} |",
                       flush=True)
                 details.append((num_heads, name, graphs, stats["by_name"]))
     print("\nKernels per step (count, median µs):")

@@ -217,16 +217,18 @@ def test_gpu_stream_kernels_leave_out_host_and_annotation_lines(tmp_path):
 
 def test_step_profile_splits_steps_at_their_marker_kernel():
     """Steps start at the marker; a step's span runs to its last kernel's end, idle gaps between
-    steps excluded; the last marked step (whose end is unknown) is left out."""
+    steps excluded; its busy time also leaves out the gaps inside it; the last marked step (whose
+    end is unknown) is left out."""
     from benchmarks import step_profile
 
     events = [("Schedule", 0.0, 1.0), ("Decode", 1.0, 10.0), ("Combine", 5.0, 8.0),
-              ("Schedule", 50.0, 1.0), ("Decode", 51.0, 12.0), ("Combine", 55.0, 10.0),
-              ("Schedule", 90.0, 1.0)]
+              ("Schedule", 50.0, 1.0), ("Decode", 53.0, 12.0), ("Combine", 55.0, 8.0),
+              ("Decode", 70.0, 2.0), ("Schedule", 90.0, 1.0)]
     stats = step_profile.per_step(events, "Schedule", layers=1)
-    assert stats["span_us"] == (13.0 + 15.0) / 2
+    assert stats["span_us"] == (13.0 + 22.0) / 2
+    assert stats["busy_us"] == (13.0 + 15.0) / 2
     assert stats["kernels_us"] == (19.0 + 23.0) / 2
-    assert stats["by_name"] == {"Schedule": (1.0, 1.0), "Decode": (1.0, 11.0), "Combine": (1.0, 9.0)}
+    assert stats["by_name"] == {"Schedule": (1.0, 1.0), "Decode": (1.5, 10.0), "Combine": (1.0, 8.0)}
     with pytest.raises(RuntimeError, match="1 kernels named like 'Decode2'"):
         step_profile.per_step(events + [("Decode2", 95.0, 1.0)], "Decode2", layers=1)
 
