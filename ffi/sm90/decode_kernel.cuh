@@ -53,7 +53,7 @@ struct DecodeKernelArgs {
   int q_box_rows;       // rows per query bulk-tensor box: min(64, q_len * num_heads)
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
-  bool bf16_partials;   // split requests' partial outputs in bf16 (read by CombineKernelWide<.., true>)
+  bool bf16_partials;   // split requests' partial outputs in bf16 (CombineKernelWide<.., true>)
 };
 
 namespace detail {
@@ -757,6 +757,53 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
       : "memory");
 }
 
+// With at most this many requests per call, the bf16 cache's 64-row tiles ask L2 for each
+// part's first KV blocks before the dependency wait (PrefetchFirstKvBlocks); with more, a part's
+// first blocks are a small share of its work and the search for its first request is longer.
+// (The transposed kernels, measured at 16 heads, gained at B = 1 and lost at B = 8; the fp8
+// cache's kernels were not timed with it.)
+constexpr int kPrefetchMaxBatch = 16;
+
+// Before the dependency wait, while earlier kernels in the stream may still be writing the
+// inputs: asks L2 for the KV rows of this part's first kStages blocks (the 32-token halves
+// h % m_tiles == mtile of them), so that their loads after the wait find them there. Only a hint:
+// the schedule, lengths and block table are read through L2 (ld.global.cg, so no L1 line of them
+// is left for the reads after the wait), the walk looks at two requests at most, and page ids out
+// of range are skipped, so the prefetched rows always lie inside the cache.
+template <bool kFp8>
+__device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int num_parts,
+                                                      int part, int mtile, int m_tiles) {
+  const int32_t* prefix = p.schedule;
+  const int total = __ldcg(prefix + p.batch);
+  if (total <= 0) return;
+  const int per_part = max(CeilDivInt(total, num_parts), p.min_blocks_per_part);
+  if (part >= CeilDivInt(total, per_part)) return;
+  const int x0 = part * per_part;
+  int lo = 0, hi = p.batch - 1;  // the last request b with prefix[b] <= x0
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (__ldcg(prefix + mid) <= x0) lo = mid; else hi = mid - 1;
+  }
+  constexpr int kRowBytesInCache = kFp8 ? kFp8RowBytes : kHeadDim * 2;
+  const int page_shift = p.page_size == 64 ? 6 : 5;
+  int half = 0;  // 32-token halves of blocks issued or passed over so far
+  for (int b = lo; b < min(lo + 2, p.batch) && half < 2 * kStages; ++b) {
+    const int len = EffectiveLength(__ldcg(p.seq_lens + b), p.max_pages, p.page_size);
+    const int kb = max(x0 - (__ldcg(prefix + b) + p.fixed_cost_blocks), 0);
+    const int token_begin = kb < NumKvBlocks(len) ? kb * kBlockN : len;
+    for (int token0 = token_begin; token0 < len && half < 2 * kStages; token0 += kHalfN, ++half) {
+      if (half % m_tiles != mtile) continue;
+      const int page = __ldcg(p.block_tables + b * p.max_pages + (token0 >> page_shift));
+      if (page < 0 || page >= p.num_pages) continue;
+      const size_t row = static_cast<size_t>(page * p.page_size + (token0 & (p.page_size - 1)));
+      const uint32_t bytes = min(kHalfN, len - token0) * kRowBytesInCache;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
+                   ::"l"(static_cast<const char*>(p.kv_cache) + row * kRowBytesInCache), "r"(bytes)
+                   : "memory");
+    }
+  }
+}
+
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
 // consumers released it; with kSplitRelease each of the stage's two parts once its warpgroup
@@ -1094,25 +1141,32 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   SetUpCta<kCluster, Layout, kSplitRelease>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
 
-  // Everything below reads inputs that earlier kernels in the stream may write.
-  GridDependencyWait();
-  GridDependencyLaunchDependents();
-  SM90_TRACE(kTraceStart, 0);
-
-  const ScheduleView view = ScheduleView::Load(p, args.num_parts);
-  SegmentWalker walker(view, part, p.seq_lens, p.max_pages, p.page_size);
-  Segment seg_info;
-
   if (warp >= kConsumerThreads / 32) {
     // ---------------------------------------------------------------- producer warpgroup
+    constexpr bool kPrefetch = !kFp8 && kScoreN == 0;
+    if (kPrefetch && p.batch <= kPrefetchMaxBatch && warp == kConsumerThreads / 32 + 1 &&
+        lane == 0) {
+      PrefetchFirstKvBlocks<kFp8>(p, args.num_parts, part, mtile, m_tiles);
+    }
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    // Everything below reads inputs that earlier kernels in the stream may write.
+    GridDependencyWait();
+    GridDependencyLaunchDependents();
     if (warp == kConsumerThreads / 32 && lane == 0) {
+      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
+                           p.page_size);
       ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease>(
           q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
+  GridDependencyWait();
+  GridDependencyLaunchDependents();
+  SM90_TRACE(kTraceStart, 0);
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
+                       p.page_size);
+  Segment seg_info;
   // Warp-uniform as far as the compiler knows (broadcast from lane 0), so that the WGMMA
   // descriptors built from it stay in uniform registers.
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
