@@ -102,6 +102,9 @@ int main() {
     o.experiment = 5;
   });
   Run("page_size=48", [](DecodeParams& p, LaunchOptions&) { p.page_size = 48; });
+  Run("max_pages_2^24,page_size=64", [](DecodeParams& p, LaunchOptions&) {
+    p.max_pages = 1 << 24;
+  });
   Run("batch=0", [](DecodeParams& p, LaunchOptions&) { p.batch = 0; });
   Run("softmax_scale=0", [](DecodeParams& p, LaunchOptions&) { p.softmax_scale = 0.f; });
   Run("query_misaligned", [](DecodeParams& p, LaunchOptions&) { p.query = placeholder + 8; });

@@ -765,43 +765,24 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
 constexpr int kPrefetchMaxBatch = 16;
 
 // Before the dependency wait, while earlier kernels in the stream may still be writing the
-// inputs: asks L2 for the KV rows of this part's first kStages blocks (the 32-token halves
-// h % m_tiles == mtile of them), so that their loads after the wait find them there. Only a hint:
-// the schedule, lengths and block table are read through L2 (ld.global.cg, so no L1 line of them
-// is left for the reads after the wait), the walk looks at two requests at most, and page ids out
-// of range are skipped, so the prefetched rows always lie inside the cache.
+// inputs: asks L2 for the KV rows of this part's first kStages blocks (ForEachPrefetchHalf says
+// which, and why they stay inside the cache), so that their loads after the wait find them there.
+// Its reads go through L2 (ld.global.cg), so that no L1 line of them is left for the reads after
+// the wait.
 template <bool kFp8>
 __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int num_parts,
                                                       int part, int mtile, int m_tiles) {
-  const int32_t* prefix = p.schedule;
-  const int total = __ldcg(prefix + p.batch);
-  if (total <= 0) return;
-  const int per_part = max(CeilDivInt(total, num_parts), p.min_blocks_per_part);
-  if (part >= CeilDivInt(total, per_part)) return;
-  const int x0 = part * per_part;
-  int lo = 0, hi = p.batch - 1;  // the last request b with prefix[b] <= x0
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (__ldcg(prefix + mid) <= x0) lo = mid; else hi = mid - 1;
-  }
   constexpr int kRowBytesInCache = kFp8 ? kFp8RowBytes : kHeadDim * 2;
-  const int page_shift = p.page_size == 64 ? 6 : 5;
-  int half = 0;  // 32-token halves of blocks issued or passed over so far
-  for (int b = lo; b < min(lo + 2, p.batch) && half < 2 * kStages; ++b) {
-    const int len = EffectiveLength(__ldcg(p.seq_lens + b), p.max_pages, p.page_size);
-    const int kb = max(x0 - (__ldcg(prefix + b) + p.fixed_cost_blocks), 0);
-    const int token_begin = kb < NumKvBlocks(len) ? kb * kBlockN : len;
-    for (int token0 = token_begin; token0 < len && half < 2 * kStages; token0 += kHalfN, ++half) {
-      if (half % m_tiles != mtile) continue;
-      const int page = __ldcg(p.block_tables + b * p.max_pages + (token0 >> page_shift));
-      if (page < 0 || page >= p.num_pages) continue;
-      const size_t row = static_cast<size_t>(page * p.page_size + (token0 & (p.page_size - 1)));
-      const uint32_t bytes = min(kHalfN, len - token0) * kRowBytesInCache;
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                   ::"l"(static_cast<const char*>(p.kv_cache) + row * kRowBytesInCache), "r"(bytes)
-                   : "memory");
-    }
-  }
+  ForEachPrefetchHalf(
+      p, num_parts, part, mtile, m_tiles, 2 * kStages,
+      [](const int32_t* x) { return __ldcg(x); },
+      [&](int row, int tokens) {
+        const uint32_t bytes = tokens * kRowBytesInCache;
+        const char* rows = static_cast<const char*>(p.kv_cache) +
+                           static_cast<size_t>(row) * kRowBytesInCache;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(rows), "r"(bytes)
+                     : "memory");
+      });
 }
 
 // The producer thread: for each segment of the part, the query tile (once both consumer

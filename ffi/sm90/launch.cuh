@@ -89,6 +89,8 @@ inline bool ValidShape(const DecodeParams& p) {
   }
   if (p.page_size != 32 && p.page_size != 64) return false;
   if (static_cast<long long>(p.num_pages) * p.page_size >= (1ll << 31)) return false;
+  // As jax_mla checks at trace time; ForEachPrefetchHalf indexes the block table in int.
+  if (static_cast<long long>(p.max_pages) * p.page_size >= (1ll << 30)) return false;
   if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
   if (!(p.softmax_scale > 0.f) || p.num_sms < 1 || p.schedule == nullptr) return false;
   if (p.fixed_cost_blocks < 0 || p.min_blocks_per_part < 1) return false;

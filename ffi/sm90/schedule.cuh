@@ -131,6 +131,47 @@ struct SegmentWalker {
   }
 };
 
+// The cache rows of a part's first blocks that the decode asks L2 for before its dependency wait
+// (PrefetchFirstKvBlocks in decode_kernel.cuh), when the schedule, lengths and block table may
+// still be being written: whatever they hold, every read stays inside its array and every row
+// visited lies in the cache (tests/sm90_prefetch_check.cu). From the block of the request holding
+// the part's first cost unit (its block 0 where that unit is part of the fixed cost) through that
+// request, then the next one, up to max_halves 32-token halves, those with index % m_tiles ==
+// mtile: visit(row, tokens) for each whose page id is in [0, num_pages), tokens being the half's
+// tokens below the request's clamped length, all in that page. load(ptr) reads one int32 of the
+// schedule, seq_lens or block table. Needs batch * max_pages < 2^31 (the block table's index is
+// an int; the decode calls it with batch <= 16 and ValidShape keeps max_pages * page_size < 2^30).
+template <class Load, class Visit>
+__host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams& p, int num_parts,
+                                                             int part, int mtile, int m_tiles,
+                                                             int max_halves, Load load,
+                                                             Visit visit) {
+  const int32_t* prefix = p.schedule;
+  const int total = load(prefix + p.batch);
+  if (total <= 0) return;
+  const int per_part = max(CeilDivInt(total, num_parts), p.min_blocks_per_part);
+  if (part >= CeilDivInt(total, per_part)) return;
+  const int x0 = part * per_part;
+  int lo = 0, hi = p.batch - 1;  // the last request b with prefix[b] <= x0
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load(prefix + mid) <= x0) lo = mid; else hi = mid - 1;
+  }
+  const int page_shift = p.page_size == 64 ? 6 : 5;
+  int half = 0;  // halves visited or passed over so far
+  for (int b = lo; b < min(lo + 2, p.batch) && half < max_halves; ++b) {
+    const int len = EffectiveLength(load(p.seq_lens + b), p.max_pages, p.page_size);
+    const int kb = max(x0 - (load(prefix + b) + p.fixed_cost_blocks), 0);
+    const int token_begin = kb < NumKvBlocks(len) ? kb * kBlockN : len;
+    for (int token0 = token_begin; token0 < len && half < max_halves; token0 += kHalfN, ++half) {
+      if (half % m_tiles != mtile) continue;
+      const int page = load(p.block_tables + b * p.max_pages + (token0 >> page_shift));
+      if (page < 0 || page >= p.num_pages) continue;
+      visit(page * p.page_size + (token0 & (p.page_size - 1)), min(kHalfN, len - token0));
+    }
+  }
+}
+
 constexpr int kScheduleThreads = 256;
 
 // One CTA: S[b] = sum of costs of requests < b, S[batch] = total.
