@@ -8,7 +8,7 @@
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
-//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
