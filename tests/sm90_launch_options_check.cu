@@ -50,6 +50,14 @@ void Run(const char* name, const std::function<void(DecodeParams&, LaunchOptions
   }
 }
 
+// The same at 128 heads (two M tiles: the 64-row tiles, clusters of two).
+void RunH128(const char* name, const std::function<void(DecodeParams&, LaunchOptions&)>& change) {
+  Run(name, [&](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    change(p, o);
+  });
+}
+
 }  // namespace
 
 int main() {
@@ -65,42 +73,26 @@ int main() {
     o.bf16_partials = 1;
     o.wide_combine = 1;
   });
-  Run("bf16_partials=1,default_combine", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
+  RunH128("bf16_partials=1,default_combine", [](DecodeParams&, LaunchOptions& o) {
     o.bf16_partials = 1;
   });
-  Run("bf16_partials=1,narrow_combine", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
+  RunH128("bf16_partials=1,narrow_combine", [](DecodeParams&, LaunchOptions& o) {
     o.bf16_partials = 1;
     o.wide_combine = 0;
   });
-  Run("cluster=3", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
-    o.cluster = 3;
-  });
-  Run("cluster=0", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
-    o.cluster = 0;
-  });
-  Run("cluster=-2", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
-    o.cluster = -2;
-  });
+  RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
+  RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
+  RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });
   Run("cluster=2,odd_m_tiles", [](DecodeParams&, LaunchOptions& o) { o.cluster = 2; });
-  Run("cluster=2,late_release", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
+  RunH128("cluster=2,late_release", [](DecodeParams&, LaunchOptions& o) {
     o.cluster = 2;
     o.early_release = false;
   });
-  Run("cluster=2,experiment=1", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
+  RunH128("cluster=2,experiment=1", [](DecodeParams&, LaunchOptions& o) {
     o.cluster = 2;
     o.experiment = 1;
   });
-  Run("experiment=5", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
-    o.experiment = 5;
-  });
+  RunH128("experiment=5", [](DecodeParams&, LaunchOptions& o) { o.experiment = 5; });
   Run("page_size=48", [](DecodeParams& p, LaunchOptions&) { p.page_size = 48; });
   Run("max_pages_2^24,page_size=64", [](DecodeParams& p, LaunchOptions&) {
     p.max_pages = 1 << 24;
