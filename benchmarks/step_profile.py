@@ -1,8 +1,9 @@
-"""Where a B=1 decode step's time goes: the host or the GPU.
+"""Where a short decode step's time goes: the host or the GPU.
 
 A short step's wall time mixes the host's dispatch with the kernels' time. For sm90 and fa3
-(``backend="auto"`` with a plan from the host) at B=1 L=4k (H=128 and 16), this prints per layer of
-a 61-layer jitted step (the benchmark's ``--layers 61`` step):
+(``backend="auto"`` with a plan from the host) at each point (by default B=1 L=4k, H=128 and 16;
+q_len 1, pages of 64, lengths as the benchmark draws them), this prints per layer of a 61-layer
+jitted step (the benchmark's ``--layers 61`` step):
 
 - the wall time of back-to-back calls (``timing.time_jax``), with the caches rotated between
   calls as the benchmark does (every call its own cache tuple) and with the same caches every call
@@ -12,13 +13,15 @@ a 61-layer jitted step (the benchmark's ``--layers 61`` step):
   kernels' intervals: the span less the gaps where the GPU waited for the host, which the
   tracer's own dispatch cost can open at B = 1) and the summed kernel durations, by kernel name.
 
-Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``).
+Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``), or one of them.
 
     .ci/gpu-h200.sh cmd python3 -m benchmarks.step_profile     # on the GPU machine
+    ... step_profile --points "1,4096,128;8,1024,128" --command-buffers off
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import statistics
 import tempfile
@@ -32,6 +35,7 @@ from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cach
 from benchmarks.timing import gpu_stream_kernels, time_jax
 
 LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
+DEFAULT_POINTS = "1,4096,128;1,4096,16"
 # time_jax's settings: 7 rounds of about 20 ms of back-to-back calls each (about 20 steps at B = 1).
 WALL_TIMER = types.SimpleNamespace(rounds=7, round_s=0.02, max_method_s=60.0)
 
@@ -92,22 +96,42 @@ def traced(step, args, marker: str | None) -> dict:
     return per_step(events, marker or events[0][0], LAYERS)
 
 
-def main():
+def parse_points(spec: str) -> list[Point]:
+    """"B,L,H;..." as benchmark points at q_len 1 and pages of 64."""
+    points = []
+    for item in filter(None, (p.strip() for p in spec.split(";"))):
+        fields = item.split(",")
+        if len(fields) != 3 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+            raise SystemExit(f"a point is B,L,H (positive integers); got {item!r}")
+        batch, length, heads = (int(f) for f in fields)
+        points.append(Point(B=batch, L=length, H=heads, q_len=1, page_size=64))
+    return points
+
+
+def main(argv: list[str] | None = None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--points", default=DEFAULT_POINTS, help="B,L,H;... (default %(default)s)")
+    parser.add_argument("--command-buffers", choices=("off", "on", "both"), default="both")
+    args = parser.parse_args(argv)
+    points = parse_points(args.points)
+    graph_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.command_buffers]
+
     import jax
     import jax.numpy as jnp
     import jax_mla
 
     print(f"{LAYERS}-layer steps, µs per layer; {CACHES} caches, rotated: call k layer i reads "
           f"cache (k * {LAYERS} + i) % {CACHES}; fixed: layer i reads cache i % {CACHES}", flush=True)
-    print("| H | method | command buffers | wall, rotated | wall, fixed | GPU span per step | "
-          "GPU busy per step | kernels summed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| B | L | H | method | command buffers | wall, rotated | wall, fixed | "
+          "GPU span per step | GPU busy per step | kernels summed |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     details = []
-    for num_heads in (128, 16):
-        point = Point(B=1, L=4096, H=num_heads, q_len=1, page_size=64)
+    for point in points:
+        num_heads = point.H
         layout = make_layout(point, 0)
         pool = [random_cache(i, layout.num_pages, 64) for i in range(CACHES)]
-        query = jax.random.normal(jax.random.PRNGKey(1), (1, 1, num_heads, HEAD_DIM),
+        query = jax.random.normal(jax.random.PRNGKey(1), (point.B, 1, num_heads, HEAD_DIM),
                                   jnp.float32).astype(jnp.bfloat16)
         tables, lens = jnp.asarray(layout.tables), jnp.asarray(layout.lengths)
         plan = jax_mla.plan(np.asarray(layout.lengths, np.int32), num_heads=num_heads, q_len=1,
@@ -121,22 +145,24 @@ def main():
         sets = [tuple(pool[(k * LAYERS + i) % CACHES] for i in range(LAYERS))
                 for k in range(CACHES)]
         for name, one, step_plan, marker in methods:
-            for graphs in (False, True):
+            for graphs in graph_modes:
                 step = layered(one, LAYERS, GRAPH_COMPILER_OPTIONS if graphs else None)
                 rotated = [(query, s, tables, lens, step_plan) for s in sets]
                 jax.block_until_ready(step(*rotated[0]))
                 wall_rot = wall_us_per_layer(step, rotated)
                 wall_fixed = wall_us_per_layer(step, rotated[:1])
                 stats = traced(step, rotated[0], marker)
-                print(f"| {num_heads} | {name} | {'on' if graphs else 'off'} | {wall_rot:.1f} | "
+                print(f"| {point.B} | {point.L} | {num_heads} | {name} | "
+                      f"{'on' if graphs else 'off'} | {wall_rot:.1f} | "
                       f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
                       f"{stats['kernels_us']:.1f} |",
                       flush=True)
-                details.append((num_heads, name, graphs, stats["by_name"]))
+                details.append((point, name, graphs, stats["by_name"]))
     print("\nKernels per step (count, median µs):")
-    for num_heads, name, graphs, by_name in details:
+    for point, name, graphs, by_name in details:
         kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" for k, (c, d) in sorted(by_name.items()))
-        print(f"- H={num_heads} {name}, command buffers {'on' if graphs else 'off'}: {kernels}")
+        print(f"- B={point.B} L={point.L} H={point.H} {name}, command buffers "
+              f"{'on' if graphs else 'off'}: {kernels}")
 
 
 if __name__ == "__main__":

@@ -233,6 +233,17 @@ def test_step_profile_splits_steps_at_their_marker_kernel():
         step_profile.per_step(events + [("Decode2", 95.0, 1.0)], "Decode2", layers=1)
 
 
+def test_step_profile_points_are_batch_length_heads_at_q_len_1_and_pages_of_64():
+    from benchmarks import step_profile
+
+    points = step_profile.parse_points("1,4096,128; 8,1024,16;")
+    assert [(p.B, p.L, p.H, p.q_len, p.page_size) for p in points] == [(1, 4096, 128, 1, 64),
+                                                                       (8, 1024, 16, 1, 64)]
+    for bad in ("1,4096", "1,4096,0", "a,4096,16"):
+        with pytest.raises(SystemExit, match="a point is B,L,H"):
+            step_profile.parse_points(bad)
+
+
 def test_step_profile_says_so_when_the_trace_has_no_gpu_kernels():
     """A step that runs on the CPU leaves the profiler trace without GPU kernels: the step profile
     stops with the reason instead of reporting spans of nothing."""
