@@ -760,8 +760,7 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
 // With at most this many requests per call, the bf16 cache's 64-row tiles ask L2 for each
 // part's first KV blocks before the dependency wait (PrefetchFirstKvBlocks); with more, a part's
 // first blocks are a small share of its work and the search for its first request is longer.
-// (The transposed kernels, measured at 16 heads, gained at B = 1 and lost at B = 8; the fp8
-// cache's kernels were not timed with it.)
+// The transposed and fp8 kernels do not (docs/sm90-kernel.md, "Measurements", says why).
 constexpr int kPrefetchMaxBatch = 16;
 
 // Before the dependency wait, while earlier kernels in the stream may still be writing the

@@ -226,8 +226,8 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
 
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
 // the wide combine reads them): by default in the 64-row tiles (score_n == 0) where the wide
-// combine runs, whose partial stores are whole 16-byte chunks; the transposed kernels' are
-// scattered 2-byte stores, which bf16 made slower.
+// combine runs, whose partial stores are whole 16-byte chunks, not in the transposed kernels,
+// whose stores are scattered 2-byte ones (docs/sm90-kernel.md, "Measurements").
 inline bool UseBf16Partials(const LaunchOptions& options, int score_n, bool wide_combine) {
   if (options.bf16_partials >= 0) return options.bf16_partials != 0;
   return score_n == 0 && wide_combine;

@@ -38,6 +38,23 @@ __host__ __device__ __forceinline__ int RequestCost(int seq_len, int max_pages, 
   return n > 0 ? n + fixed_cost : 0;
 }
 
+// The last index b in [0, n) with prefix[b] <= x, or 0 (n >= 1); `load(ptr)` reads prefix[].
+template <class Load>
+__host__ __device__ __forceinline__ int LastAtMost(const int32_t* prefix, int n, int x, Load load) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (load(prefix + mid) <= x) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// Q: the cost units of a part, for `total` units over num_parts parts.
+__host__ __device__ __forceinline__ int UnitsPerPart(int total, int num_parts, int min_blocks) {
+  int q = (total + num_parts - 1) / num_parts;
+  return q < min_blocks ? min_blocks : q;
+}
+
 struct ScheduleView {
   const int32_t* prefix;  // S[0..batch]
   int batch;
@@ -49,20 +66,13 @@ struct ScheduleView {
     v.prefix = p.schedule;
     v.batch = p.batch;
     v.fixed_cost = p.fixed_cost_blocks;
-    int total = v.prefix[p.batch];
-    int q = (total + num_parts - 1) / num_parts;
-    v.units_per_part = q < p.min_blocks_per_part ? p.min_blocks_per_part : q;
+    v.units_per_part = UnitsPerPart(v.prefix[p.batch], num_parts, p.min_blocks_per_part);
     return v;
   }
   __host__ __device__ __forceinline__ int Total() const { return prefix[batch]; }
   // Last request b with S[b] <= x (x >= 0).
   __host__ __device__ __forceinline__ int FindRequest(int x) const {
-    int lo = 0, hi = batch - 1;
-    while (lo < hi) {
-      int mid = (lo + hi + 1) >> 1;
-      if (prefix[mid] <= x) lo = mid; else hi = mid - 1;
-    }
-    return lo;
+    return LastAtMost(prefix, batch, x, [](const int32_t* v) { return *v; });
   }
   __host__ __device__ __forceinline__ int PartOf(int b, int block) const {
     return (prefix[b] + fixed_cost + block) / units_per_part;
@@ -149,14 +159,10 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
   const int32_t* prefix = p.schedule;
   const int total = load(prefix + p.batch);
   if (total <= 0) return;
-  const int per_part = max(CeilDivInt(total, num_parts), p.min_blocks_per_part);
+  const int per_part = UnitsPerPart(total, num_parts, p.min_blocks_per_part);
   if (part >= CeilDivInt(total, per_part)) return;
   const int x0 = part * per_part;
-  int lo = 0, hi = p.batch - 1;  // the last request b with prefix[b] <= x0
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (load(prefix + mid) <= x0) lo = mid; else hi = mid - 1;
-  }
+  const int lo = LastAtMost(prefix, p.batch, x0, load);  // as ScheduleView::FindRequest
   const int page_shift = p.page_size == 64 ? 6 : 5;
   int half = 0;  // halves visited or passed over so far
   for (int b = lo; b < min(lo + 2, p.batch) && half < max_halves; ++b) {
