@@ -26,8 +26,9 @@
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
-//   --fp32-partials (checks only): LaunchOptions' transposed_scores = 0, wide_combine = 1,
-//   wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0.
+//   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
+//   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
+//   bf16_partials = 1 (in 64-row tiles; the transposed kernels keep the default).
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -60,7 +61,8 @@ static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wi
                                  // "--narrow-combine": 0)
 static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--split-release": 1,
                                   // "--whole-release": 0)
-static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0)
+static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
+                                  // "--bf16-partials": 1)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -433,6 +435,8 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
+  // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
+  if (g_bf16_partials == 1 && g_transposed != 0 && pb.rows() <= 32) opt.bf16_partials = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -674,7 +678,10 @@ static std::vector<Variant> CombineVariants() {
 }
 
 static std::vector<Variant> PartialsVariants() {
-  return {{"fp32-partials", With([](LaunchOptions& o) { o.bf16_partials = 0; })}};
+  return {{"fp32-partials", With([](LaunchOptions& o) { o.bf16_partials = 0; })},
+          {"bf16-partials", With([](LaunchOptions& o) { o.bf16_partials = 1; })},
+          {"combine-8-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 8; })},
+          {"combine-32-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 32; })}};
 }
 
 static std::vector<Variant> ReleaseVariants() {
@@ -773,6 +780,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
   for (const Variant& var : variants) {
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
+    if (opt.bf16_partials == 1 && rows <= 32) continue;  // needs 64-row tiles
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
@@ -990,6 +998,7 @@ int main(int argc, char** argv) {
     else if (a == "--split-release") g_split_release = 1;
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
+    else if (a == "--bf16-partials") g_bf16_partials = 1;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);

@@ -69,17 +69,11 @@ int main() {
   Run("split_release=-2", [](DecodeParams&, LaunchOptions& o) { o.split_release = -2; });
   Run("bf16_partials=2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 2; });
   Run("bf16_partials=-2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = -2; });
-  Run("bf16_partials=1,transposed", [](DecodeParams&, LaunchOptions& o) {
-    o.bf16_partials = 1;
-    o.wide_combine = 1;
-  });
-  RunH128("bf16_partials=1,default_combine", [](DecodeParams&, LaunchOptions& o) {
-    o.bf16_partials = 1;
-  });
-  RunH128("bf16_partials=1,narrow_combine", [](DecodeParams&, LaunchOptions& o) {
-    o.bf16_partials = 1;
-    o.wide_combine = 0;
-  });
+  Run("bf16_partials=1,transposed", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 1; });
+  Run("combine_rows_in_flight=16",
+      [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
+  Run("combine_rows_in_flight=0",
+      [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
   RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
   RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });

@@ -1,4 +1,4 @@
-// Combine kernels of the SM90 decode: merge the fp32 partial outputs of split requests.
+// Combine kernels of the SM90 decode: merge the partial outputs (fp32 or bf16) of split requests.
 //
 // CombineKernel: one warp per output row. A request with no KV blocks (length 0 after clamping)
 // gets zeros and LSE -inf here; a request handled by one part was written whole by the decode
@@ -96,12 +96,27 @@ __host__ __device__ __forceinline__ int CombineGridRows(int batch, int num_parts
   return CombineByBoundary(batch, num_parts) ? num_parts - 1 + CeilDivInt(batch, 32) : batch;
 }
 
+// Four consecutive columns of a partial output row, as the decode stored them (kBf16Partials:
+// DecodeKernelArgs::bf16_partials).
+struct alignas(8) Bf16x4 {
+  __nv_bfloat162 lo, hi;
+};
+template <bool kBf16Partials>
+using PartialCols = std::conditional_t<kBf16Partials, Bf16x4, float4>;
+
+__device__ __forceinline__ float4 Widen(const float4& v) { return v; }
+__device__ __forceinline__ float4 Widen(const Bf16x4& v) {
+  const float2 lo = __bfloat1622float2(v.lo), hi = __bfloat1622float2(v.hi);
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
 // Grid (ceil(rows / kCombineRowsPerBlock), CombineGridRows(batch, parts)). By request, block y
 // merges request y if it is split and writes it if it is empty. By boundary, block y < parts - 1
 // merges the request that ScheduleView::FirstSplitAt names for boundary y, if any (the request
 // holding the boundary's unit, found by FindRequestInWarp), and block parts - 1 + g writes
 // the empty requests among 32 g .. 32 g + 31: a grid of about parts blocks where one per request
-// would make most of them skip.
+// would make most of them skip. kBf16Partials: the partial outputs are bf16, else fp32.
+template <bool kBf16Partials>
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
   GridDependencyLaunchDependents();
@@ -174,10 +189,11 @@ CombineKernel(const DecodeParams p, int num_parts) {
   for (int s = first; s <= last; ++s) {
     const size_t slot_row = req.SlotRow(b, s, row);
     const float w = __expf(req.part_lse[slot_row] - lse);
-    const float* src = req.part_out + slot_row * kLatentDim;
+    const auto* src = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out) +
+                      slot_row * (kLatentDim / 4);
 #pragma unroll
     for (int g = 0; g < kColsPerLane / 4; ++g) {
-      const float4 v = *reinterpret_cast<const float4*>(src + g * 128 + lane * 4);
+      const float4 v = Widen(src[g * 32 + lane]);
       acc[4 * g + 0] = fmaf(w, v.x, acc[4 * g + 0]);
       acc[4 * g + 1] = fmaf(w, v.y, acc[4 * g + 1]);
       acc[4 * g + 2] = fmaf(w, v.z, acc[4 * g + 2]);
@@ -230,9 +246,6 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
   constexpr float kNegInf = -__builtin_huge_valf();
 
-  struct alignas(8) Bf16x4 {
-    __nv_bfloat162 lo, hi;
-  };
   auto write = [&](float4 v, float lse) {
     *reinterpret_cast<Bf16x4*>(out) =
         Bf16x4{__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
@@ -248,9 +261,8 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
   // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last),
   // as stored (bf16 ones are widened where they are accumulated).
-  using PartialCols = std::conditional_t<kBf16Partials, Bf16x4, float4>;
-  const auto* part_out = reinterpret_cast<const PartialCols*>(req.part_out);
-  PartialCols v[kRowsInFlight];
+  const auto* part_out = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out);
+  PartialCols<kBf16Partials> v[kRowsInFlight];
   auto load_rows = [&](int s0) {
 #pragma unroll
     for (int i = 0; i < kRowsInFlight; ++i) {
@@ -292,13 +304,7 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
       for (int i = 0; i < kRowsInFlight; ++i) {
         if (base + sub + i <= last) {
           const float w = __shfl_sync(0xffffffffu, w_lane, sub + i);
-          float4 x;
-          if constexpr (kBf16Partials) {
-            const float2 lo = __bfloat1622float2(v[i].lo), hi = __bfloat1622float2(v[i].hi);
-            x = make_float4(lo.x, lo.y, hi.x, hi.y);
-          } else {
-            x = v[i];
-          }
+          const float4 x = Widen(v[i]);
           acc.x = fmaf(w, x.x, acc.x);
           acc.y = fmaf(w, x.y, acc.y);
           acc.z = fmaf(w, x.z, acc.z);

@@ -13,8 +13,9 @@
 //  - both warpgroups run PV over the 64 tokens for their own 256 output columns (WGMMA 64x256x16,
 //    V read as the transposed view of the KV tile in place), warpgroup 1 after rescaling its half
 //    of the output by warpgroup 0's factors;
-//  - a request handled whole writes bf16 output and LSE; a split one writes fp32 partial output
-//    and LSE to the workspace for the combine kernel.
+//  - a request handled whole writes bf16 output and LSE; a split one writes its partial output
+//    (bf16 in 64-row tiles, fp32 in the transposed kernels) and LSE to the workspace for the
+//    combine kernel.
 // Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
 // Up to 32 query rows the scores and PV are computed transposed (kScoreN). With the fp8 cache
 // (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile per
@@ -53,7 +54,7 @@ struct DecodeKernelArgs {
   int q_box_rows;       // rows per query bulk-tensor box: min(64, q_len * num_heads)
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
-  bool bf16_partials;   // split requests' partial outputs in bf16 (CombineKernelWide<.., true>)
+  bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
 };
 
 namespace detail {

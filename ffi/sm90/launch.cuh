@@ -44,8 +44,11 @@ struct LaunchOptions {
   int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
                               // -1 (default) with two or more M tiles, 1 always, 0 never
   int bf16_partials = -1;     // split requests' partial outputs in bf16 instead of fp32:
-                              // -1 (default) in 64-row tiles where the wide combine runs; 1
-                              // always (needs 64-row tiles and wide_combine = 1); 0 never
+                              // -1 (default) and 1 in 64-row tiles (1 elsewhere is rejected);
+                              // 0 never
+  int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
+                                    // (default) 32 where its grid fits the SMs in one wave,
+                                    // else 8; 8 or 32 always; other values rejected
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -225,12 +228,12 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
 }
 
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
-// the wide combine reads them): by default in the 64-row tiles (score_n == 0) where the wide
-// combine runs, whose partial stores are whole 16-byte chunks, not in the transposed kernels,
-// whose stores are scattered 2-byte ones (docs/sm90-kernel.md, "Measurements").
-inline bool UseBf16Partials(const LaunchOptions& options, int score_n, bool wide_combine) {
+// both combine kernels read either): by default in the 64-row tiles (score_n == 0), whose
+// partial stores are whole 16-byte chunks, not in the transposed kernels, whose stores are
+// scattered 2-byte ones (docs/sm90-kernel.md, "Measurements").
+inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
   if (options.bf16_partials >= 0) return options.bf16_partials != 0;
-  return score_n == 0 && wide_combine;
+  return score_n == 0;
 }
 
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
@@ -314,7 +317,9 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (options.cluster < -1 || options.cluster == 0 || options.transposed_scores < -1 ||
       options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
-      options.bf16_partials > 1) {
+      options.bf16_partials > 1 ||
+      (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
+       options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
   const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
@@ -322,7 +327,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int score_n = detail::TransposedScoreRows(options, cluster, rows);
-  if (options.bf16_partials == 1 && (score_n != 0 || options.wide_combine != 1)) {
+  if (options.bf16_partials == 1 && score_n != 0) {
     return cudaErrorInvalidValue;
   }
   const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
@@ -336,7 +341,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
     if (fit >= 1 && fit < parts) parts = fit;
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
-  const bool bf16_partials = detail::UseBf16Partials(options, score_n, wide_combine);
+  const bool bf16_partials = detail::UseBf16Partials(options, score_n);
   DecodeKernelArgs args;
   args.p = p;
   args.num_parts = parts;
@@ -371,17 +376,20 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (wide_combine) {
     // 32 partial rows in flight per lane where the grid fits the SMs with one CTA each.
     const int row_blocks = CeilDivInt(rows, kCombineWideRowsPerBlock);
-    const bool one_wave = static_cast<long long>(row_blocks) * p.batch <= p.num_sms;
+    const bool many = options.combine_rows_in_flight < 0
+                          ? static_cast<long long>(row_blocks) * p.batch <= p.num_sms
+                          : options.combine_rows_in_flight == 32;
     const void* combine =
-        bf16_partials ? (one_wave ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
-                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
-                      : (one_wave ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
-                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
+        bf16_partials ? (many ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                              : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
+                      : (many ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
+                              : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
     return detail::LaunchEx(combine, dim3(row_blocks, p.batch),
                             dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
                             p.enable_pdl, stream, combine_args);
   }
-  return detail::LaunchEx(reinterpret_cast<const void*>(&CombineKernel),
+  return detail::LaunchEx(bf16_partials ? reinterpret_cast<const void*>(&CombineKernel<true>)
+                                        : reinterpret_cast<const void*>(&CombineKernel<false>),
                           dim3(CeilDivInt(rows, kCombineRowsPerBlock),
                                CombineGridRows(p.batch, parts)),
                           dim3(kCombineRowsPerBlock * 32), 0, p.enable_pdl, stream, combine_args);
