@@ -236,13 +236,19 @@ def _runs_format_here(backend: Backend, cache_format: str, platform: str) -> boo
 def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) -> bool:
     """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
     heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
-    fa3 where the committed benchmark (benchmarks/results/h200-sm90.md) has it faster, a batch of
-    32 or more with up to 64 heads at q_len 1, with up to 32 query rows (q_len x heads) below a
-    batch of 512, or with more than 64 heads and up to 64 query tokens (batch x q_len)."""
+    fa3 where the committed measurements (benchmarks/results/h200-sm90.md) have it faster. Below
+    32 requests (the GPU's time in a 61-layer step) at q_len 1: up to 16 heads or 33-64 at any
+    batch, more than 64 heads from 8 requests. From 32 requests (the benchmark): up to 64 heads
+    at q_len 1, up to 32 query rows (q_len x heads) below a batch of 512, or more than 64 heads
+    and up to 64 query tokens (batch x q_len)."""
     if instead_of == XLA:
         return True
     if batch < 32:
-        return False
+        if q_len != 1:
+            return False
+        if num_heads > 64:
+            return batch >= 8
+        return num_heads <= 16 or num_heads > 32
     if q_len == 1 and num_heads <= 64:
         return True
     if q_len * num_heads <= 32:
