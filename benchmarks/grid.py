@@ -51,6 +51,12 @@ def heads_grid() -> list[Point]:
     return [Point(b, l, h, 1, 64) for h in (8, 32, 64) for b in (32, 128) for l in (4096, 16384)]
 
 
+def batches_grid() -> list[Point]:
+    """128 heads (one device's share under data-parallel attention) at batches between the full
+    grid's 32, 128 and 512."""
+    return [Point(b, l, 128, 1, 64) for b in (64, 256) for l in (1024, 4096, 16384)]
+
+
 def quick_grid() -> list[Point]:
     return [Point(1, 1024, 128, 1, 64), Point(32, 4096, 128, 1, 64), Point(128, 4096, 16, 1, 64),
             Point(128, 4096, 128, 2, 64), Point(128, 16384, 128, 1, 64), Point(512, 4096, 128, 1, 64)]
@@ -61,7 +67,7 @@ def dry_grid() -> list[Point]:
 
 
 GRIDS = {"full": full_grid, "quick": quick_grid, "page32": page32_grid, "heads": heads_grid,
-         "dry": dry_grid}
+         "batches": batches_grid, "dry": dry_grid}
 
 _FIELDS = {"b": "B", "l": "L", "h": "H", "q": "q_len", "q_len": "q_len", "p": "page_size",
            "page": "page_size", "page_size": "page_size"}
