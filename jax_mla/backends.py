@@ -240,7 +240,7 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     32 requests (the GPU's time in a 61-layer step) at q_len 1: up to 16 heads or 33-64 at any
     batch, more than 64 heads from 8 requests. From 32 requests (the benchmark): up to 64 heads
     at q_len 1, up to 32 query rows (q_len x heads) below a batch of 512, or more than 64 heads
-    and up to 64 query tokens (batch x q_len)."""
+    with up to 64 query tokens (batch x q_len) or up to 128 requests at q_len 1."""
     if instead_of == XLA:
         return True
     if batch < 32:
@@ -253,7 +253,7 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
         return True
     if q_len * num_heads <= 32:
         return batch < 512
-    return num_heads > 64 and batch * q_len <= 64
+    return num_heads > 64 and (batch * q_len <= 64 or (q_len == 1 and batch <= 128))
 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,
