@@ -358,8 +358,9 @@ def sm90_workspace_bytes(batch: int, q_len: int, num_heads: int, num_sms: int) -
     """Scratch bytes of one sm90 decode: ``WorkspaceBytes`` of ffi/sm90/decode_params.h.
 
     fp32 partial LSEs [slots, rows_pad] and room for fp32 partial outputs [slots, rows_pad, 512]
-    (the 64-row tiles store them in bf16), each region 256-byte aligned; slots = batch + parts, rows_pad = the query rows (q_len * num_heads) rounded
-    up to 64-row tiles, parts = num_sms // M tiles (>= 1).
+    (the 64-row tiles store them in bf16), each region 256-byte aligned; slots = batch + parts,
+    rows_pad = the query rows (q_len * num_heads) rounded up to 64-row tiles, parts = num_sms // M
+    tiles (>= 1).
     """
     def align(x: int) -> int:
         return -(-x // 256) * 256

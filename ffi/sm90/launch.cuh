@@ -376,14 +376,14 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (wide_combine) {
     // 32 partial rows in flight per lane where the grid fits the SMs with one CTA each.
     const int row_blocks = CeilDivInt(rows, kCombineWideRowsPerBlock);
-    const bool many = options.combine_rows_in_flight < 0
-                          ? static_cast<long long>(row_blocks) * p.batch <= p.num_sms
-                          : options.combine_rows_in_flight == 32;
+    const bool rows_32 = options.combine_rows_in_flight < 0
+                             ? static_cast<long long>(row_blocks) * p.batch <= p.num_sms
+                             : options.combine_rows_in_flight == 32;
     const void* combine =
-        bf16_partials ? (many ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
-                              : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
-                      : (many ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
-                              : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
+        bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
+                      : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
+                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
     return detail::LaunchEx(combine, dim3(row_blocks, p.batch),
                             dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
                             p.enable_pdl, stream, combine_args);
