@@ -769,10 +769,9 @@ constexpr int kPrefetchMaxBatch = 16;
 // which, and why they stay inside the cache), so that their loads after the wait find them there.
 // Its reads go through L2 (ld.global.cg), so that no L1 line of them is left for the reads after
 // the wait.
-template <bool kFp8>
 __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int num_parts,
                                                       int part, int mtile, int m_tiles) {
-  constexpr int kRowBytesInCache = kFp8 ? kFp8RowBytes : kHeadDim * 2;
+  constexpr int kRowBytesInCache = kHeadDim * 2;  // the bf16 cache
   ForEachPrefetchHalf(
       p, num_parts, part, mtile, m_tiles, 2 * kStages,
       [](const int32_t* x) { return __ldcg(x); },
@@ -1124,10 +1123,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 
   if (warp >= kConsumerThreads / 32) {
     // ---------------------------------------------------------------- producer warpgroup
-    constexpr bool kPrefetch = !kFp8 && kScoreN == 0;
-    if (kPrefetch && p.batch <= kPrefetchMaxBatch && warp == kConsumerThreads / 32 + 1 &&
-        lane == 0) {
-      PrefetchFirstKvBlocks<kFp8>(p, args.num_parts, part, mtile, m_tiles);
+    if constexpr (!kFp8 && kScoreN == 0) {
+      if (p.batch <= kPrefetchMaxBatch && warp == kConsumerThreads / 32 + 1 && lane == 0) {
+        PrefetchFirstKvBlocks(p, args.num_parts, part, mtile, m_tiles);
+      }
     }
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     // Everything below reads inputs that earlier kernels in the stream may write.
