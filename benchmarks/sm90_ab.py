@@ -75,14 +75,22 @@ def parse_points(spec: str) -> list[tuple[str, ...]]:
     return points
 
 
+# Seconds a harness run may take before it counts as hung (a kernel that waits forever).
+POINT_TIMEOUT_S = 120
+SUITE_TIMEOUT_S = 300
+
+
 def harness_rows(binary: str, label: str, point: tuple[str, ...], flags: list[str]) -> list[str]:
     """The harness's timing rows of one point, their variant column renamed to `label`; a failed
-    check, or a harness that exits with an error, gives a FAIL line."""
+    check, or a harness that exits with an error or hangs, gives a FAIL line."""
     b, length, heads, q_len, iters, dist = point
-    result = subprocess.run([binary, "one", "--B", b, "--L", length, "--H", heads, "--q-len",
-                             q_len, "--dist", dist, "--iters", iters, "--ref-requests", "1",
-                             "--variants", "default", *flags],
-                            capture_output=True, text=True)
+    try:
+        result = subprocess.run([binary, "one", "--B", b, "--L", length, "--H", heads, "--q-len",
+                                 q_len, "--dist", dist, "--iters", iters, "--ref-requests", "1",
+                                 "--variants", "default", *flags],
+                                capture_output=True, text=True, timeout=POINT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [f"FAIL {label} {','.join(point)}: no result within {POINT_TIMEOUT_S} s"]
     if result.returncode != 0 and "FAIL" not in result.stdout:
         return [f"FAIL {label} {','.join(point)}: exit {result.returncode} "
                 f"{(result.stdout + result.stderr).strip().splitlines()[-1:]}"]
@@ -97,21 +105,30 @@ def harness_rows(binary: str, label: str, point: tuple[str, ...], flags: list[st
     return rows
 
 
+def logged_run(cmd: list[str], log: str) -> int:
+    """Runs cmd with its output in `log`; its exit status, or "timeout" appended to the log and
+    124 when it takes longer than SUITE_TIMEOUT_S."""
+    with open(log, "w") as f:
+        try:
+            return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=SUITE_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            f.write(f"timeout: no result within {SUITE_TIMEOUT_S} s\n")
+            return 124
+
+
 def checks(out_dir: str, flags: list[str]) -> list[str]:
     """The new build's check suites and, on its -lineinfo build, the three sanitizers."""
     summary = []
     for mode in ("check", "check-fp8"):
         log = os.path.join(out_dir, f"sm90-ab-{mode}.log")
-        with open(log, "w") as f:
-            rc = subprocess.run([NEW, mode, *flags], stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = logged_run([NEW, mode, *flags], log)
         summary.append(f"{mode}: rc={rc} {last_line(log)}")
     for tool in ("memcheck", "racecheck", "synccheck"):
         for suite in ("sanitize", "sanitize-fp8"):
             log = os.path.join(out_dir, f"sm90-ab-{suite}-{tool}.log")
-            with open(log, "w") as f:
-                rc = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "9",
-                                     LINEINFO, suite, *flags],
-                                    stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = logged_run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "9",
+                             LINEINFO, suite, *flags], log)
             found = [line for line in open(log) if "SUMMARY" in line]
             summary.append(f"{suite} {tool}: rc={rc} {found[-1].strip() if found else ''}")
     return summary

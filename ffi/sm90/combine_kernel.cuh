@@ -17,7 +17,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "decode_params.h"
@@ -215,34 +214,32 @@ CombineKernel(const DecodeParams p, int num_parts) {
   if (lane == 0) *lse_out = lse;
 }
 
-// Partial results as stored, read through L2 (ld.global.cg): the in-kernel merge reads them in the
-// kernel that wrote them, from other SMs, so no L1 line of them may be used.
-__device__ __forceinline__ float4 LoadPartial(const float4* ptr) { return __ldcg(ptr); }
-__device__ __forceinline__ Bf16x4 LoadPartial(const Bf16x4* ptr) {
-  const uint2 bits = __ldcg(reinterpret_cast<const uint2*>(ptr));
-  Bf16x4 v;
-  memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-__device__ __forceinline__ float LoadPartial(const float* ptr) { return __ldcg(ptr); }
-
-// Row `row` of request b from its splits (req), by kCombineWarpsPerRow warps: warp_in_row owns 512
-// / that many columns (4 per lane). Writes zeros and LSE -inf where the request has no KV block or
-// the row sees no token; does nothing where one part handled the request whole. The splits' LSEs
-// are read by the lanes in parallel (lane j: splits j, j + 32, ...) and reduced across the warp in
-// a fixed order; the outputs are accumulated in part order, each lane loading kRowsInFlight
-// partial rows at a time, the first ones before the LSEs are reduced. Deterministic, and the same
-// bits for any kRowsInFlight. kBf16Partials: the partial outputs are bf16 (the decode's
+// The same merge with kCombineWarpsPerRow warps per output row, each owning 512 / that many
+// columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
+// over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
+// j + 32, ...) and reduced across the warp in a fixed order; the outputs are accumulated in part
+// order, each lane loading kRowsInFlight partial rows at a time, the first ones before the LSEs
+// are reduced. 32 rows in flight take more registers than several CTAs per SM leave: for grids
+// that fit the SMs in one wave of one CTA each (LaunchDecode). Deterministic; grid:
+// (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
+// kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are bf16 (the decode's
 // DecodeKernelArgs::bf16_partials), else fp32.
 template <int kRowsInFlight, bool kBf16Partials>
-__device__ __forceinline__ void MergeSplitRow(const DecodeParams& p, const SplitRequest& req,
-                                              int b, int rows, int row, int warp_in_row,
-                                              int lane) {
+__global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
+CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
+  GridDependencyLaunchDependents();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = blockIdx.y;
+  const int rows = p.q_len * p.num_heads;
+  const int row = blockIdx.x * kCombineWideRowsPerBlock + warp / kCombineWarpsPerRow;
+  if (row >= rows) return;  // not the block's first warp, which waits below
   constexpr int kCols = kLatentDim / kCombineWarpsPerRow;  // 128: 4 per lane
   static_assert(kCols == 4 * 32, "one float4 of columns per lane");
-  const int col0 = warp_in_row * kCols + lane * 4;
-  const bool writes_lse = warp_in_row == 0 && lane == 0;
+  const int col0 = (warp % kCombineWarpsPerRow) * kCols + lane * 4;
+  const bool writes_lse = warp % kCombineWarpsPerRow == 0 && lane == 0;
+  const SplitRequest req = SplitRequest::Load(p, ScheduleView::Load(p, num_parts), num_parts, b);
+  GridDependencyWait();
   const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                        (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
@@ -262,7 +259,6 @@ __device__ __forceinline__ void MergeSplitRow(const DecodeParams& p, const Split
   }
   if (first == last) return;
   auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
-  auto split_lse = [&](int s) { return LoadPartial(req.part_lse + slot_row(s)); };
   // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last),
   // as stored (bf16 ones are widened where they are accumulated).
   const auto* part_out = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out);
@@ -270,15 +266,17 @@ __device__ __forceinline__ void MergeSplitRow(const DecodeParams& p, const Split
   auto load_rows = [&](int s0) {
 #pragma unroll
     for (int i = 0; i < kRowsInFlight; ++i) {
-      if (s0 + i <= last) v[i] = LoadPartial(part_out + (slot_row(s0 + i) * kLatentDim + col0) / 4);
+      if (s0 + i <= last) v[i] = part_out[(slot_row(s0 + i) * kLatentDim + col0) / 4];
     }
   };
   load_rows(first);
 
   // Lane j's LSE of split first + j (the common case of at most 32 splits reads each once).
-  const float lse_first = first + lane <= last ? split_lse(first + lane) : kNegInf;
+  const float lse_first = first + lane <= last ? req.part_lse[slot_row(first + lane)] : kNegInf;
   float max_lse = lse_first;
-  for (int s = first + 32 + lane; s <= last; s += 32) max_lse = fmaxf(max_lse, split_lse(s));
+  for (int s = first + 32 + lane; s <= last; s += 32) {
+    max_lse = fmaxf(max_lse, req.part_lse[slot_row(s)]);
+  }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
   if (max_lse == kNegInf) {
@@ -286,7 +284,9 @@ __device__ __forceinline__ void MergeSplitRow(const DecodeParams& p, const Split
     return;
   }
   float sum = __expf(lse_first - max_lse);
-  for (int s = first + 32 + lane; s <= last; s += 32) sum += __expf(split_lse(s) - max_lse);
+  for (int s = first + 32 + lane; s <= last; s += 32) {
+    sum += __expf(req.part_lse[slot_row(s)] - max_lse);
+  }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
   const float lse = max_lse + __logf(sum);
@@ -295,7 +295,7 @@ __device__ __forceinline__ void MergeSplitRow(const DecodeParams& p, const Split
   for (int base = first; base <= last; base += 32) {
     // Lane j holds the weight of split base + j.
     const float lse_lane = base == first ? lse_first
-                           : base + lane <= last ? split_lse(base + lane)
+                           : base + lane <= last ? req.part_lse[slot_row(base + lane)]
                                                  : kNegInf;
     const float w_lane = __expf(lse_lane - lse);
     for (int sub = 0; sub < 32 && base + sub <= last; sub += kRowsInFlight) {
@@ -315,26 +315,6 @@ __device__ __forceinline__ void MergeSplitRow(const DecodeParams& p, const Split
   }
   const float f = p.output_scale;
   write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
-}
-
-// MergeSplitRow as a kernel, for requests split over many parts (few requests: B = 1 splits one
-// request over up to all parts). 32 partial rows in flight take more registers than several CTAs
-// per SM leave: for grids that fit the SMs in one wave of one CTA each (LaunchDecode). Grid:
-// (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
-// kCombineWarpsPerRow warps.
-template <int kRowsInFlight, bool kBf16Partials>
-__global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
-CombineKernelWide(const DecodeParams p, int num_parts) {
-  GridDependencyLaunchDependents();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int b = blockIdx.y;
-  const int rows = p.q_len * p.num_heads;
-  const int row = blockIdx.x * kCombineWideRowsPerBlock + warp / kCombineWarpsPerRow;
-  if (row >= rows) return;  // not the block's first warp, which waits below
-  const SplitRequest req = SplitRequest::Load(p, ScheduleView::Load(p, num_parts), num_parts, b);
-  GridDependencyWait();
-  MergeSplitRow<kRowsInFlight, kBf16Partials>(p, req, b, rows, row, warp % kCombineWarpsPerRow,
-                                              lane);
 }
 
 }  // namespace sm90

@@ -41,7 +41,6 @@
 
 #include "decode_params.h"
 #include "fragment_layout.h"
-#include "merge.cuh"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
 #include "trace.cuh"
@@ -56,8 +55,6 @@ struct DecodeKernelArgs {
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
   bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
-  bool merge_splits;    // the CTAs merge split requests and write empty ones themselves, with the
-                        // counters of p.merge_slot (merge.cuh); else a combine kernel follows
 };
 
 namespace detail {
@@ -1615,23 +1612,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
                sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
-    if (args.merge_splits && !seg_info.whole) {
-      if constexpr (kScoreN > 0) ConsumerSync();  // StorePlain ends with this barrier
-      if (tid == 0) CountStoredSplit(MergeCounter(p.merge_slot, seg_info.b, m_tiles, mtile));
-    }
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
-  }
-  if (args.merge_splits) {
-    const ScheduleView view = ScheduleView::Load(p, args.num_parts);
-    SegmentWalker splits(view, part, p.seq_lens, p.max_pages, p.page_size);
-    Segment split;
-    while (splits.Next(split)) {
-      if (split.whole) continue;
-      MergeSplitTile(p, view, args.num_parts, part, split.b, mtile, m_tiles,
-                                       args.bf16_partials, tid, [] { ConsumerSync(); });
-    }
-    WriteEmptyRequests(p, blockIdx.x, gridDim.x, tid);
   }
   SM90_TRACE(kTraceEnd, 0);
   }

@@ -1,8 +1,7 @@
 // Host launchers of the SM90 MLA decode.
 //
 // Per step:   LaunchSchedule(params, stream)   (reads seq_lens, writes params.schedule)
-// Per layer:  LaunchDecode(params, stream)     (decode kernel, then a combine kernel unless the
-//                                              decode merges split requests itself)
+// Per layer:  LaunchDecode(params, stream)     (decode kernel, then combine kernel)
 // Both only enqueue work (no host sync, no allocation): safe inside CUDA graph capture and XLA
 // command buffers. The caller owns the schedule (int32 [batch + 1]) and the workspace
 // (WorkspaceBytes(...) bytes) and must keep batch, seq_lens, max_pages and page_size equal
@@ -50,13 +49,6 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
-  int merge_splits = -1;      // the decode CTAs merge split requests themselves (merge.cuh)
-                              // instead of a combine kernel: -1 (default) where requests are
-                              // split over many parts (FewRequestsSplitMany) and
-                              // DecodeParams::merge_slot's counters fit, 1 wherever they fit
-                              // (elsewhere rejected), 0 never
-  bool cooperative_merge = true;  // a merging decode is a cooperative launch (co-residency of
-                                  // its CTAs guaranteed or the launch fails)
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -105,7 +97,6 @@ inline bool ValidShape(const DecodeParams& p) {
   if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
   if (!(p.softmax_scale > 0.f) || p.num_sms < 1 || p.schedule == nullptr) return false;
   if (p.fixed_cost_blocks < 0 || p.min_blocks_per_part < 1) return false;
-  if (p.merge_slot < -1 || p.merge_slot >= kMergeCounterSlots) return false;
   if ((reinterpret_cast<uintptr_t>(p.query) | reinterpret_cast<uintptr_t>(p.kv_cache) |
        reinterpret_cast<uintptr_t>(p.out) | reinterpret_cast<uintptr_t>(p.workspace)) & 15) {
     return false;
@@ -114,20 +105,14 @@ inline bool ValidShape(const DecodeParams& p) {
 }
 
 inline cudaError_t LaunchEx(const void* kernel, dim3 grid, dim3 block, size_t smem, bool pdl,
-                            cudaStream_t stream, void** args, int cluster = 1,
-                            bool cooperative = false) {
+                            cudaStream_t stream, void** args, int cluster = 1) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attr[3];
+  cudaLaunchAttribute attr[2];
   int n = 0;
-  if (cooperative) {
-    attr[n].id = cudaLaunchAttributeCooperative;
-    attr[n].val.cooperative = 1;
-    ++n;
-  }
   if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n].val.programmaticStreamSerializationAllowed = 1;
@@ -234,28 +219,12 @@ inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int ro
   return rows <= 32 ? 32 : 0;
 }
 
-// At least kCombineWarpsPerRow parts per request: few requests, each split many ways.
-inline bool FewRequestsSplitMany(int batch, int parts) {
-  return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
-}
-
-// The default combine: CombineKernelWide where few requests are split many ways (its parallel
-// reads of the splits pay off), else CombineKernel (fewer, cheaper CTAs for the many requests that
-// are mostly handled whole).
+// The default combine: CombineKernelWide when there are at least kCombineWarpsPerRow parts per
+// request (few requests, each split many ways: its parallel reads of the splits pay off), else
+// CombineKernel (fewer, cheaper CTAs for the many requests that are mostly handled whole).
 inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   if (options.wide_combine >= 0) return options.wide_combine != 0;
-  return FewRequestsSplitMany(batch, parts);
-}
-
-// Whether the decode CTAs merge split requests themselves (DecodeKernelArgs::merge_splits): by
-// default where few requests are split many ways, whose merge is short beside the combine kernel's
-// launch and the wait for it; only where the caller gave a counter slot and its counters fit.
-inline bool MergeInKernel(const LaunchOptions& options, const DecodeParams& p, int parts,
-                          int m_tiles) {
-  if (options.merge_splits == 0 || !MergeCountersFit(p.merge_slot, p.batch, m_tiles)) {
-    return false;
-  }
-  return options.merge_splits == 1 || FewRequestsSplitMany(p.batch, parts);
+  return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
 }
 
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
@@ -350,8 +319,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 32) ||
-      options.merge_splits < -1 || options.merge_splits > 1) {
+       options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
   const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
@@ -360,9 +328,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int score_n = detail::TransposedScoreRows(options, cluster, rows);
   if (options.bf16_partials == 1 && score_n != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (options.merge_splits == 1 && !MergeCountersFit(p.merge_slot, p.batch, m_tiles)) {
     return cudaErrorInvalidValue;
   }
   const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
@@ -377,12 +342,10 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
-  const bool merge = detail::MergeInKernel(options, p, parts, m_tiles);
   DecodeKernelArgs args;
   args.p = p;
   args.num_parts = parts;
   args.bf16_partials = bf16_partials;
-  args.merge_splits = merge;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
       options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;
@@ -404,8 +367,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
   // same KV tiles, start side by side (and a cluster of two is a pair of them).
   err = detail::LaunchEx(kernel, dim3(parts * m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
-                         stream, decode_args, cluster, merge && options.cooperative_merge);
-  if (err != cudaSuccess || !options.combine || merge) return err;
+                         stream, decode_args, cluster);
+  if (err != cudaSuccess || !options.combine) return err;
 
   DecodeParams cp = p;
   int num_parts = parts;
