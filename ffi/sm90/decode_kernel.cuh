@@ -150,22 +150,32 @@ constexpr float kNegInf = -__builtin_huge_valf();
 // 64-row tiles: masks this thread's scores of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e) in
 // kGroups groups of eight tokens (element (j, e) is token tok0 + 8 j + e; half_ok(j): its page was
 // loaded) to -inf past each row's causal limit, and returns the rows' maxima over the quad's lanes.
+// visible: every token of the groups is loaded and within both limits (nothing to mask).
 template <int kGroups, class HalfOk>
 __device__ __forceinline__ void MaskRows(float (&s)[4 * kGroups], int tok0, HalfOk half_ok,
-                                         int limit0, int limit1, float& mx0, float& mx1) {
+                                         int limit0, int limit1, bool visible, float& mx0,
+                                         float& mx1) {
   mx0 = kNegInf;
   mx1 = kNegInf;
+  if (visible) {
 #pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
+    for (int j = 0; j < kGroups; ++j) {
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+  } else {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tok = tok0 + 8 * j + e;
-      const float a = (half_ok(j) && tok <= limit0) ? s[4 * j + e] : kNegInf;
-      const float c = (half_ok(j) && tok <= limit1) ? s[4 * j + 2 + e] : kNegInf;
-      s[4 * j + e] = a;
-      s[4 * j + 2 + e] = c;
-      mx0 = fmaxf(mx0, a);
-      mx1 = fmaxf(mx1, c);
+    for (int j = 0; j < kGroups; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = tok0 + 8 * j + e;
+        const float a = (half_ok(j) && tok <= limit0) ? s[4 * j + e] : kNegInf;
+        const float c = (half_ok(j) && tok <= limit1) ? s[4 * j + 2 + e] : kNegInf;
+        s[4 * j + e] = a;
+        s[4 * j + 2 + e] = c;
+        mx0 = fmaxf(mx0, a);
+        mx1 = fmaxf(mx1, c);
+      }
     }
   }
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
@@ -1433,9 +1443,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
             m0 = m1 = 0.f;
           } else {
             float mx0, mx1;
+            const bool visible = half_ok0 && half_ok1 &&
+                                 token_base + kBlockN - 1 <= min(limit0, limit1);
             MaskRows<kBlockN / 8>(s_full, token_base + quad_col,
                                   [&](int j) { return j < kHalfN / 8 ? half_ok0 : half_ok1; },
-                                  limit0, limit1, mx0, mx1);
+                                  limit0, limit1, visible, mx0, mx1);
             SoftmaxRows<kBlockN / 8>(s_full, mx0, mx1, sl2, m0, m1, alpha0, alpha1, sum0, sum1,
                                      p_packed);
           }
@@ -1517,8 +1529,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       } else {
       const bool half_ok = wg == 0 ? half_ok0 : half_ok1;
       float mx0, mx1;
-      MaskRows<kHalfN / 8>(s_acc, token_base + wg * kHalfN + quad_col,
-                           [&](int) { return half_ok; }, limit0, limit1, mx0, mx1);
+      const int half_base = token_base + wg * kHalfN;
+      MaskRows<kHalfN / 8>(s_acc, half_base + quad_col, [&](int) { return half_ok; }, limit0,
+                           limit1, half_ok && half_base + kHalfN - 1 <= min(limit0, limit1), mx0,
+                           mx1);
       if ((lane & 3) == 0) {
         row_max[wg * kBlockM + r0] = mx0;
         row_max[wg * kBlockM + r1] = mx1;
