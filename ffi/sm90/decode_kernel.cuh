@@ -367,9 +367,8 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
 // The pipeline's barriers in shared memory: the query tile's pair, then for each slot (a KV stage,
 // or with half stages a 32-token stage) "full" (the producer's pieces landed) and "empty" (its
 // consumer warpgroups, of every CTA that multicasts into it, released it). When a bf16 stage is
-// released in two parts (DecodeKernel's kSplitRelease), Full/Empty guard warpgroup 1's V chunks
-// [kWg0VChunks, kNumVChunks) and V0Full/V0Empty warpgroup 0's V chunks [0, kWg0VChunks) and the
-// rope chunk (which holds the block's P once its scores are done).
+// released in two parts (DecodeKernel's kSplitRelease), Full/Empty guard its chunks from
+// kWg0VChunks on and V0Full/V0Empty warpgroup 0's V chunks [0, kWg0VChunks).
 struct Pipeline {
   uint64_t* base;
   uint64_t* v0;
@@ -401,7 +400,7 @@ __device__ __forceinline__ void ReleaseBarrier(uint64_t* empty) {
   }
 }
 
-// Hands a KV stage (with kSplitRelease: warpgroup 1's V chunks) back to the producer of
+// Hands a KV stage (with kSplitRelease: its chunks from kWg0VChunks on) back to the producer of
 // every CTA that multicasts into it (called by one thread of each consumer warpgroup that releases
 // it, or with half stages by every thread of the one that read it).
 template <int kCluster>
@@ -716,8 +715,8 @@ __device__ __forceinline__ void ScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr,
 // Zeroes the query tile's rows that the bulk copy never writes (q_len * num_heads < 64; they stay
 // zero for the whole kernel), initialises the pipeline barriers and synchronises the CTA (the
 // cluster when kCluster > 1: the peer multicasts into this CTA's stages and arrives on its
-// barriers). kSplitRelease: each stage is released in two parts, warpgroup 1's V chunks by
-// warpgroup 1, warpgroup 0's V chunks and the rope chunk by both (Pipeline).
+// barriers). kSplitRelease: each stage is released in two parts, warpgroup 0's V chunks by
+// warpgroup 0 and the rest by warpgroup 1 (Pipeline).
 template <int kCluster, class Layout, bool kSplitRelease = false>
 __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -743,7 +742,7 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
       Barrier::init(pipe.Empty(s), releasers * kCluster);
       if (kSplitRelease) {
         Barrier::init(pipe.V0Full(s), 1);
-        Barrier::init(pipe.V0Empty(s), kConsumerWarpgroups * kCluster);
+        Barrier::init(pipe.V0Empty(s), kCluster);
       }
     }
     Barrier::init(pipe.QFull(), 1);
@@ -875,11 +874,8 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       const int boxes = p.page_size == kBlockN ? 1 : 2;
       const uint32_t bytes_per_chunk =
           ((kv_rows[0] >= 0) + (boxes > 1 && kv_rows[1] >= 0)) * (kChunkBytes / boxes);
-      // Chunks [c_begin, c_end), completing on `barrier`, which expects their bytes.
-      auto expect_chunks = [&](int chunks, uint64_t* barrier) {
-        TxBarrier::arrive_and_expect_tx(barrier, kNoLoad ? 0 : chunks * bytes_per_chunk);
-      };
       auto load_chunks = [&](int c_begin, int c_end, uint64_t* barrier) {
+        TxBarrier::arrive_and_expect_tx(barrier, kNoLoad ? 0 : (c_end - c_begin) * bytes_per_chunk);
 #pragma unroll
         for (int h = 0; h < (kNoLoad ? 0 : 2); ++h) {
           const int kv_row = kv_rows[h];
@@ -900,15 +896,11 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         }
       };
       if constexpr (kSplitRelease) {
-        // Warpgroup 1 releases its V chunks one block before the rest of the stage comes back.
-        expect_chunks(kNumVChunks - kWg0VChunks, full);
-        load_chunks(kWg0VChunks, kNumVChunks, full);
+        // Warpgroup 1 releases its part of a stage one block before warpgroup 0 releases its V.
+        load_chunks(kWg0VChunks, kNumChunks, full);
         if (round > 0) Barrier::wait(pipe.V0Empty(stage), (round - 1) & 1);
-        expect_chunks(kWg0VChunks + kNumChunks - kNumVChunks, pipe.V0Full(stage));
         load_chunks(0, kWg0VChunks, pipe.V0Full(stage));
-        load_chunks(kNumVChunks, kNumChunks, pipe.V0Full(stage));
       } else {
-        expect_chunks(kNumChunks, full);
         load_chunks(0, kNumChunks, full);
       }
     }
@@ -1080,11 +1072,11 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // Every path rescales the output only when a row's running maximum grows by more than
 // 2^kLazyRescaleLog2 (NextRowMax).
 // kSplitRelease (64-row tiles of the bf16 cache): warpgroup 0 leaves its PV in flight
-// under the next block's QK^T, so a stage goes back to the producer in two parts: warpgroup 1's
-// V chunks once its PV is done (released by warpgroup 1), and warpgroup 0's V chunks with the
-// rope chunk, which holds the P both PVs read, once both PVs are done (released by both:
-// warpgroup 0 once the next QK^T is issued). With kCluster == 2 each part's release arrives on
-// both CTAs' barriers, as a whole stage's does.
+// under the next block's QK^T, so a stage goes back to the producer in two parts: warpgroup 1
+// releases the chunks from kWg0VChunks on (its V, and the rope chunk that holds P) once its PV is
+// done, warpgroup 0 its V chunks once the next QK^T is issued and its PV is done; warpgroup 0's PV
+// reads its own copy of P (the P tile), since the rope chunk may be refilled under it. With
+// kCluster == 2 each part's release arrives on both CTAs' barriers, as a whole stage's does.
 // kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
 // convert them into the one bf16 KV tile, which QK^T and PV read.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
@@ -1461,6 +1453,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
           StoreWarpTile16x32(p_block, r0 - lane / 4, 0, lane, p_packed[0]);
           StoreWarpTile16x32(p_block, r0 - lane / 4, kHalfN, lane, p_packed[1]);
+          if (kSplitRelease) {
+            // Warpgroup 0's own copy of P: its PV is still reading it after warpgroup 1 has
+            // released the rope chunk.
+            StoreWarpTile16x32(p_tile, r0 - lane / 4, 0, lane, p_packed[0]);
+            StoreWarpTile16x32(p_tile, r0 - lane / 4, kHalfN, lane, p_packed[1]);
+          }
           if ((lane & 3) == 0) {
             row_alpha[r0] = alpha0;
             row_alpha[r1] = alpha1;
@@ -1575,7 +1573,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
       FenceRegisters(o);
       cute::warpgroup_arrive();
-      const uint64_t p_desc = KMajorDesc(SmemAddr(p_block));
+      const uint64_t p_desc = KMajorDesc(SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block));
       const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
 #pragma unroll
       for (int kk = 0; kk < ((kSkip & 2) ? 0 : kBlockN / 16); ++kk) {
@@ -1587,10 +1585,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         v0_pending = stage;  // its PV runs on under the next block's QK^T
       } else if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
-        if (!kFp8 && wg_tid == 0) {
-          ReleaseStage<kCluster>(pipe, stage);
-          if (kSplitRelease) ReleaseBarrier<kCluster>(pipe.V0Empty(stage));  // its P reads
-        }
+        if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
       SM90_TRACE(kTraceBlockDone, k);
     }
