@@ -28,8 +28,7 @@
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
-//   bf16_partials = 1 (where the kernel takes them; the fp8 cache's transposed kernels keep the
-//   default).
+//   bf16_partials = 1 (in 64-row tiles; the transposed kernels keep the default).
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -426,12 +425,11 @@ static void ApplyClusterFlag(LaunchOptions& opt, int q_len, int heads) {
   }
 }
 
-// Whether LaunchDecode's kernel for this problem with these options takes bf16_partials = 1, by
-// the launcher's own choice of cluster and transposed path.
-static bool TakesBf16Partials(const LaunchOptions& opt, const CaseSpec& s) {
+// Whether LaunchDecode runs this problem in 64-row tiles with these options (the tiles that take
+// bf16_partials = 1), by the launcher's own choice of cluster and transposed path.
+static bool In64RowTiles(const LaunchOptions& opt, const CaseSpec& s) {
   const int cluster = detail::ClusterSize(opt, s.fp8, NumMTiles(s.q_len, s.heads));
-  return detail::Bf16PartialsStoredWhole(
-      s.fp8, detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads));
+  return detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads) == 0;
 }
 
 static void RunOnce(const Problem& pb, int copy) {
@@ -444,8 +442,8 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
-  // --bf16-partials forces them where the launcher takes them.
-  if (g_bf16_partials == 1 && !TakesBf16Partials(opt, pb.spec)) opt.bf16_partials = -1;
+  // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
+  if (g_bf16_partials == 1 && !In64RowTiles(opt, pb.spec)) opt.bf16_partials = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -789,7 +787,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
   for (const Variant& var : variants) {
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
-    if (opt.bf16_partials == 1 && !TakesBf16Partials(opt, s)) continue;
+    if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {

@@ -69,10 +69,7 @@ int main() {
   Run("split_release=-2", [](DecodeParams&, LaunchOptions& o) { o.split_release = -2; });
   Run("bf16_partials=2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 2; });
   Run("bf16_partials=-2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = -2; });
-  Run("bf16_partials=1,fp8,transposed", [](DecodeParams& p, LaunchOptions& o) {
-    p.kv_fp8 = true;
-    o.bf16_partials = 1;
-  });
+  Run("bf16_partials=1,transposed", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 1; });
   Run("combine_rows_in_flight=16",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Run("combine_rows_in_flight=0",

@@ -311,20 +311,14 @@ __device__ __forceinline__ void WarpgroupSync(int wg) {
 
 // Transposed scores: writes a segment's results from this thread's O^T values (kOTiles tiles of 64
 // of the warpgroup's columns x kScoreN query rows) and its rows' sums l and maxima m (query rows
-// TransposedScores::QueryRow(lane, i)): bf16 out and LSE for a request handled whole; partial out
-// (bf16 with bf16_partials, else fp32) and LSE in the workspace for a split one. Rows >= rows are
-// padding, not written. kBounce: the bf16 values go through `bounce`, this warpgroup's kScoreN x
-// 128 bytes of the P tile (dead between a segment's last PV and the next segment's first P; the
-// caller has synchronised both warpgroups), one tile of 64 columns at a time, so that each 16-byte
-// store holds eight consecutive columns of one row (straight from the accumulator a thread's
-// values of a row are single columns).
-template <int kScoreN, bool kBounce, int kOTiles, int kOPerTile>
+// TransposedScores::QueryRow(lane, i)): bf16 out and LSE for a request handled whole, fp32
+// partial out and LSE in the workspace for a split one. Rows >= rows are padding, not written.
+template <int kScoreN, int kOTiles, int kOPerTile>
 __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Segment& seg,
                                                 int part, int num_parts, int rows, int wg,
                                                 int wg_tid, const float (&o)[kOTiles][kOPerTile],
                                                 const float (&l)[kScoreN / 4],
-                                                const float (&m)[kScoreN / 4], float scale_log2,
-                                                bool bf16_partials, uint8_t* bounce) {
+                                                const float (&m)[kScoreN / 4], float scale_log2) {
   constexpr int kRowsT = kScoreN / 4;
   constexpr float kLn2 = 0.6931471805599453f;
   const int lane = wg_tid % 32;
@@ -333,69 +327,39 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   const bool writes_lse = wg == 0 && wg_tid < 4;
   const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, num_parts);
   uint8_t* wsb = static_cast<uint8_t*>(p.workspace);
+  float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
   float* part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
   const size_t out_row0 = static_cast<size_t>(seg.b) * rows;
   const size_t slot_row0 = static_cast<size_t>(seg.b + part) * ws.rows_pad;
-  // Each row's output factor (1 / sum, times output_scale for a whole request) and LSE.
-  float f[kRowsT];
-#pragma unroll
-  for (int i = 0; i < kRowsT; ++i) {
-    const int row = TransposedScores::QueryRow(lane, i);
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    f[i] = seg.whole ? inv * p.output_scale : inv;
-    const float lse = l[i] > 0.f ? (m[i] * scale_log2 + __log2f(l[i])) * kLn2 : kNegInf;
-    if (writes_lse && row < rows) (seg.whole ? p.lse + out_row0 : part_lse + slot_row0)[row] = lse;
-  }
-  if (kBounce && (seg.whole || bf16_partials)) {
-    static_assert(!kBounce || kScoreN * kRowBytes <= 4096, "a tile's rows fit the bounce");
-    __nv_bfloat16* dst = seg.whole ? static_cast<__nv_bfloat16*>(p.out) + out_row0 * kLatentDim
-                                   : reinterpret_cast<__nv_bfloat16*>(wsb + ws.partial_out) +
-                                         slot_row0 * kLatentDim;
-#pragma unroll
-    for (int t = 0; t < kOTiles; ++t) {
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          *reinterpret_cast<__nv_bfloat16*>(
-              bounce + SwizzledOffset(TransposedScores::QueryRow(lane, i),
-                                      TransposedScores::Token(wg_tid, half))) =
-              __float2bfloat16_rn(o[t][TransposedScores::Element(i, half)] * f[i]);
-        }
-      }
-      WarpgroupSync(wg);
-#pragma unroll
-      for (int u = wg_tid; u < kScoreN * (kChunkCols / 8); u += 128) {
-        const int row = u / (kChunkCols / 8), c = u % (kChunkCols / 8);
-        if (row < rows) {
-          *reinterpret_cast<uint4*>(dst + row * kLatentDim + col_base + t * kChunkCols + 8 * c) =
-              *reinterpret_cast<const uint4*>(bounce + SwizzledOffset(row, 8 * c));
-        }
-      }
-      WarpgroupSync(wg);  // the bounce is free for the next tile
-    }
-    return;
-  }
 #pragma unroll
   for (int i = 0; i < kRowsT; ++i) {
     const int row = TransposedScores::QueryRow(lane, i);
     if (row >= rows) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float lse = l[i] > 0.f ? (m[i] * scale_log2 + __log2f(l[i])) * kLn2 : kNegInf;
+    if (seg.whole) {
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (out_row0 + row) * kLatentDim;
+      const float f = inv * p.output_scale;
 #pragma unroll
-    for (int t = 0; t < kOTiles; ++t) {
+      for (int t = 0; t < kOTiles; ++t) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int col = col_base + t * kChunkCols + TransposedScores::Token(wg_tid, half);
-        const float v = o[t][TransposedScores::Element(i, half)] * f[i];
-        if (seg.whole) {
-          static_cast<__nv_bfloat16*>(p.out)[(out_row0 + row) * kLatentDim + col] =
-              __float2bfloat16_rn(v);
-        } else if (bf16_partials) {
-          reinterpret_cast<__nv_bfloat16*>(wsb + ws.partial_out)[(slot_row0 + row) * kLatentDim +
-                                                                 col] = __float2bfloat16_rn(v);
-        } else {
-          reinterpret_cast<float*>(wsb + ws.partial_out)[(slot_row0 + row) * kLatentDim + col] = v;
+        for (int half = 0; half < 2; ++half) {
+          dst[col_base + t * kChunkCols + TransposedScores::Token(wg_tid, half)] =
+              __float2bfloat16_rn(o[t][TransposedScores::Element(i, half)] * f);
         }
       }
+      if (writes_lse) p.lse[out_row0 + row] = lse;
+    } else {
+      float* dst = part_out + (slot_row0 + row) * kLatentDim;
+#pragma unroll
+      for (int t = 0; t < kOTiles; ++t) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          dst[col_base + t * kChunkCols + TransposedScores::Token(wg_tid, half)] =
+              o[t][TransposedScores::Element(i, half)] * inv;
+        }
+      }
+      if (writes_lse) part_lse[slot_row0 + row] = lse;
     }
   }
 }
@@ -1143,8 +1107,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
   static_assert(kScoreN > 0 || Layout::kPTileBytes >= kConsumerThreads / 32 * detail::kBounceBytes,
                 "each consumer warp's epilogue bounce slice fits the P tile");
-  static_assert(kScoreN == 0 || kFp8 || kScoreN * kRowBytes <= Layout::kPTileBytes / 2,
-                "each consumer warpgroup's epilogue bounce tile fits its half of the P tile");
   static_assert(!kSplitRelease || (kWg0Scores && !kFp8),
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
@@ -1658,13 +1620,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                wg_exchange[3 * kScoreN + row];
       }
       WarpgroupSync(wg);  // the exchange buffer is free for the next segment
-      // The bf16 cache's kernels store through the P tile, which the other warpgroup's last PV
-      // may still read (the fp8 cache's 32-row P tile is too small to bounce 32 rows).
-      constexpr bool kBounce = !kFp8;
-      if constexpr (kBounce) ConsumerSync();
-      StoreTransposed<kScoreN, kBounce>(p, seg_info, part, args.num_parts, rows, wg, wg_tid,
-                                        o_tiles, l, m_t, sl2, args.bf16_partials,
-                                        p_tile + wg * (Layout::kPTileBytes / 2));
+      StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
+                               m_t, sl2);
     } else {
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
                sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);

@@ -44,8 +44,8 @@ struct LaunchOptions {
   int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
                               // -1 (default) with two or more M tiles, 1 always, 0 never
   int bf16_partials = -1;     // split requests' partial outputs in bf16 instead of fp32:
-                              // -1 (default) and 1 but in the fp8 cache's transposed kernels
-                              // (1 there is rejected); 0 never
+                              // -1 (default) and 1 in 64-row tiles (1 elsewhere is rejected);
+                              // 0 never
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
@@ -227,17 +227,13 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
 }
 
-// Whether the decode kernel for this cache and kScoreN score_n stores split requests' partial
-// outputs in whole 16-byte chunks of bf16 (through shared memory): all but the fp8 cache's
-// transposed kernels, whose P tile is too small for it and whose stores would be scattered 2-byte
-// ones (docs/sm90-kernel.md, "Measurements").
-inline bool Bf16PartialsStoredWhole(bool fp8, int score_n) { return score_n == 0 || !fp8; }
-
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
-// both combine kernels read either): by default where Bf16PartialsStoredWhole.
-inline bool UseBf16Partials(const LaunchOptions& options, bool fp8, int score_n) {
+// both combine kernels read either): by default in the 64-row tiles (score_n == 0), whose
+// partial stores are whole 16-byte chunks, not in the transposed kernels, whose stores are
+// scattered 2-byte ones (docs/sm90-kernel.md, "Measurements").
+inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
   if (options.bf16_partials >= 0) return options.bf16_partials != 0;
-  return Bf16PartialsStoredWhole(fp8, score_n);
+  return score_n == 0;
 }
 
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
@@ -331,7 +327,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int score_n = detail::TransposedScoreRows(options, cluster, rows);
-  if (options.bf16_partials == 1 && !detail::Bf16PartialsStoredWhole(p.kv_fp8, score_n)) {
+  if (options.bf16_partials == 1 && score_n != 0) {
     return cudaErrorInvalidValue;
   }
   const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
@@ -345,7 +341,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
     if (fit >= 1 && fit < parts) parts = fit;
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
-  const bool bf16_partials = detail::UseBf16Partials(options, p.kv_fp8, score_n);
+  const bool bf16_partials = detail::UseBf16Partials(options, score_n);
   DecodeKernelArgs args;
   args.p = p;
   args.num_parts = parts;
