@@ -302,6 +302,23 @@ def test_sm90_ab_reports_a_harness_that_exits_with_an_error(tmp_path):
     assert sm90_ab.table(rows).endswith("1 failed check(s)")
 
 
+def test_sm90_ab_gives_up_on_a_hung_harness(tmp_path, monkeypatch):
+    """A harness that never returns (a kernel waiting forever) costs one timeout, not the device
+    call: a point gives a FAIL line, a suite a log that says so and exit status 124."""
+    from benchmarks import sm90_ab
+
+    harness = tmp_path / "sm90_harness"
+    harness.write_text("#!/bin/sh\nexec sleep 30\n")
+    harness.chmod(0o755)
+    monkeypatch.setattr(sm90_ab, "POINT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(sm90_ab, "SUITE_TIMEOUT_S", 0.5)
+    rows = sm90_ab.harness_rows(str(harness), "base", ("1", "4096", "128", "1", "10", "fixed"), [])
+    assert rows == ["FAIL base 1,4096,128,1,10,fixed: no result within 0.5 s"]
+    log = tmp_path / "suite.log"
+    assert sm90_ab.logged_run([str(harness), "check"], str(log)) == 124
+    assert sm90_ab.last_line(str(log)) == "timeout: no result within 0.5 s"
+
+
 def test_profiled_kernel_time_says_why_when_the_trace_has_no_such_kernel():
     """On a CPU the profiler runs but sees no GPU kernel: no durations, and the reason recorded
     (time_device_plan then falls back to the graph wall time and keeps the reason)."""
