@@ -8,8 +8,7 @@
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
-//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|
-//                                    merge|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
@@ -18,7 +17,7 @@
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|segments|transposed|combine|release|
-//                                     partials|merge|all]
+//                                     partials|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -30,9 +29,6 @@
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
 //   bf16_partials = 1 (in 64-row tiles; the transposed kernels keep the default).
-//   --merge, --no-merge (checks only): LaunchOptions::merge_splits = 1 (where the counters fit) or
-//   0. --merge-vs-wide (checks only): each check's first run merges split requests in the decode,
-//   its second with the wide combine kernel, and "deterministic" compares the two bit for bit.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -67,12 +63,6 @@ static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--
                                   // "--whole-release": 0)
 static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
                                   // "--bf16-partials": 1)
-static int g_merge = -1;  // LaunchOptions::merge_splits of checks ("--merge": 1 where the counters
-                          // fit, "--no-merge": 0)
-static bool g_merge_vs_wide = false;  // "--merge-vs-wide": a check's second run merges with the
-                                      // wide combine kernel instead of in the decode where the
-                                      // first merges in the decode (its determinism column then
-                                      // says whether the two agree bit for bit)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -308,7 +298,6 @@ struct Problem {
     p.num_sms = num_sms;
     p.enable_pdl = true;
     p.kv_fp8 = spec.fp8;
-    p.merge_slot = 0;  // the harness's decodes run one after another on one stream
     return p;
   }
 
@@ -443,15 +432,7 @@ static bool In64RowTiles(const LaunchOptions& opt, const CaseSpec& s) {
   return detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads) == 0;
 }
 
-// Whether LaunchOptions::merge_splits = 1 is possible for this problem.
-static bool CanMergeInKernel(const Problem& pb) {
-  const DecodeParams p = pb.Params(0);
-  return MergeCountersFit(p.merge_slot,
-                          NumParts(p.num_sms, p.q_len, p.num_heads) * NumMTiles(p.q_len, p.num_heads));
-}
-
-// run: which of a check's two runs (--merge-vs-wide makes them differ).
-static void RunOnce(const Problem& pb, int copy, int run = 0) {
+static void RunOnce(const Problem& pb, int copy) {
   DecodeParams p = pb.Params(copy);
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
   CHECK_CUDA(cudaGetLastError());
@@ -463,12 +444,6 @@ static void RunOnce(const Problem& pb, int copy, int run = 0) {
   opt.bf16_partials = g_bf16_partials;
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
   if (g_bf16_partials == 1 && !In64RowTiles(opt, pb.spec)) opt.bf16_partials = -1;
-  opt.merge_splits = g_merge;
-  if (g_merge_vs_wide) {
-    opt.merge_splits = run == 0 ? 1 : 0;
-    if (run == 1) opt.wide_combine = 1;
-  }
-  if (opt.merge_splits == 1 && !CanMergeInKernel(pb)) opt.merge_splits = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -491,7 +466,7 @@ static CheckResult Check(Problem& pb, double tol) {
     CHECK_CUDA(cudaMemset(pb.out, 0xFF, out_elems * 2));
     CHECK_CUDA(cudaMemset(pb.lse, 0xFF, lse1.size() * 4));
     CHECK_CUDA(cudaDeviceSynchronize());
-    RunOnce(pb, 0, run);
+    RunOnce(pb, 0);
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaMemcpy(run ? out2.data() : out1.data(), pb.out, out_elems * 2,
                           cudaMemcpyDeviceToHost));
@@ -725,11 +700,6 @@ static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
 }
 
-static std::vector<Variant> MergeVariants() {
-  return {{"merge-off", With([](LaunchOptions& o) { o.merge_splits = 0; })},
-          {"merge-on", With([](LaunchOptions& o) { o.merge_splits = 1; })}};
-}
-
 static std::vector<Variant> ClusterVariants() {
   return {{"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
           {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
@@ -777,7 +747,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
   else if (which == "partials") append(PartialsVariants());
-  else if (which == "merge") append(MergeVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -794,7 +763,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     append(CombineVariants());
     append(ReleaseVariants());
     append(PartialsVariants());
-    append(MergeVariants());
   }
   return v;
 }
@@ -820,7 +788,6 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
-    if (opt.merge_splits == 1 && !CanMergeInKernel(pb)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
@@ -1039,9 +1006,6 @@ int main(int argc, char** argv) {
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--bf16-partials") g_bf16_partials = 1;
-    else if (a == "--merge") g_merge = 1;
-    else if (a == "--no-merge") g_merge = 0;
-    else if (a == "--merge-vs-wide") g_merge_vs_wide = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);

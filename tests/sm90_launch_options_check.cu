@@ -74,17 +74,6 @@ int main() {
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
-  Run("merge_splits=2", [](DecodeParams&, LaunchOptions& o) { o.merge_splits = 2; });
-  Run("merge_splits=-2", [](DecodeParams&, LaunchOptions& o) { o.merge_splits = -2; });
-  Run("merge_splits=1,no_slot", [](DecodeParams&, LaunchOptions& o) { o.merge_splits = 1; });
-  Run("merge_splits=1,counters_do_not_fit", [](DecodeParams& p, LaunchOptions& o) {
-    p.merge_slot = 0;
-    p.num_sms = kMergeCountersPerSlot + 1;
-    o.merge_splits = 1;
-  });
-  Run("merge_slot=-2", [](DecodeParams& p, LaunchOptions&) { p.merge_slot = -2; });
-  Run("merge_slot=kMergeCounterSlots",
-      [](DecodeParams& p, LaunchOptions&) { p.merge_slot = kMergeCounterSlots; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
   RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
   RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });

@@ -18,8 +18,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_combine=-2",
          "split_release=2", "split_release=-2", "bf16_partials=2", "bf16_partials=-2",
          "bf16_partials=1,transposed", "combine_rows_in_flight=16", "combine_rows_in_flight=0",
-         "merge_splits=2", "merge_splits=-2", "merge_splits=1,no_slot",
-         "merge_splits=1,counters_do_not_fit", "merge_slot=-2", "merge_slot=kMergeCounterSlots",
          "cluster=3", "cluster=0", "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release",
          "cluster=2,experiment=1",
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0", "softmax_scale=0", "query_misaligned",

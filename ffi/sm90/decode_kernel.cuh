@@ -41,7 +41,6 @@
 
 #include "decode_params.h"
 #include "fragment_layout.h"
-#include "merge.cuh"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
 #include "trace.cuh"
@@ -56,8 +55,6 @@ struct DecodeKernelArgs {
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
   bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
-  bool merge_splits;    // the CTAs merge split requests and write empty ones themselves, with the
-                        // counters of p.merge_slot (merge.cuh); else a combine kernel follows
 };
 
 namespace detail {
@@ -1047,38 +1044,6 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   ConsumerSync();
 }
 
-// After a split segment's partial results of request b are stored and every consumer thread has
-// passed a barrier since: counts them (merge.cuh) and returns, to every consumer thread, whether
-// they complete the request's splits of this M tile, i.e. whether this CTA merges them.
-// `flag` is a shared int that only this function touches.
-__device__ __forceinline__ bool CountSplit(const DecodeParams& p, const ScheduleView& view,
-                                          int num_parts, int b, int mtile, int m_tiles, int tid,
-                                          int* flag) {
-  if (tid == 0) {
-    const SplitRequest req = SplitRequest::Load(p, view, num_parts, b);
-    *flag = CountStoredSplit(MergeCounter(p.merge_slot, req.first * m_tiles + mtile),
-                             req.last - req.first + 1);
-  }
-  ConsumerSync();
-  return *flag != 0;
-}
-
-// Merges request b's splits of this M tile (kConsumerThreads threads, after CountSplit returned
-// true; kMaxRows: the tile's rows at most).
-template <int kMaxRows>
-__device__ __forceinline__ void MergeSplits(const DecodeParams& p, const ScheduleView& view,
-                                            int num_parts, bool bf16_partials, int b, int mtile,
-                                            int rows, int tid) {
-  const SplitRequest req = SplitRequest::Load(p, view, num_parts, b);
-  const int row0 = mtile * kBlockM;
-  const int tile_rows = min(kBlockM, rows - row0);
-  if (bf16_partials) {
-    MergeTileOfSplits<kMaxRows, true>(p, req, b, rows, row0, tile_rows, tid);
-  } else {
-    MergeTileOfSplits<kMaxRows, false>(p, req, b, rows, row0, tile_rows, tid);
-  }
-}
-
 }  // namespace detail
 
 // kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
@@ -1239,9 +1204,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int half_part = wg_tid / kHalfN;
   // kSplitRelease: the stage whose V chunks warpgroup 0's PV, still in flight, reads (-1: none).
   int v0_pending = -1;
-  // Split requests whose splits this CTA completes (args.merge_splits; -1: none).
-  int merge_first = -1, merge_last = -1;
-  if (args.merge_splits) WriteEmptyRequests(p, blockIdx.x, gridDim.x, tid);
 
   while (walker.Next(seg_info)) {
     SM90_TRACE(kTraceSegment, seg_info.b);
@@ -1664,26 +1626,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
                sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
-    if (args.merge_splits && !seg_info.whole) {
-      if constexpr (kScoreN > 0) ConsumerSync();  // StorePlain ends with this barrier
-      if (CountSplit(p, walker.view, args.num_parts, seg_info.b, mtile, m_tiles, tid,
-                     reinterpret_cast<int*>(smem + Layout::kMergeFlag))) {
-        (merge_first < 0 ? merge_first : merge_last) = seg_info.b;
-      }
-    }
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
-  }
-  // A part has at most two split segments (its first and its last), merged here, after the
-  // segment loop, whose registers they would otherwise compete with.
-  constexpr int kMergeRows = kScoreN > 0 ? kScoreN : kBlockM;
-  if (merge_first >= 0) {
-    MergeSplits<kMergeRows>(p, walker.view, args.num_parts, args.bf16_partials, merge_first, mtile,
-                            rows, tid);
-  }
-  if (merge_last >= 0) {
-    MergeSplits<kMergeRows>(p, walker.view, args.num_parts, args.bf16_partials, merge_last, mtile,
-                            rows, tid);
   }
   SM90_TRACE(kTraceEnd, 0);
   }

@@ -59,13 +59,6 @@ constexpr int kCombineRowsPerBlock = 8;
 constexpr int kCombineWarpsPerRow = 4;
 constexpr int kCombineWideRowsPerBlock = 2;
 
-// Merging split requests inside the decode kernel (merge.cuh): a pool of counter slots per device,
-// one slot per call site that may run a decode (DecodeParams::merge_slot), each with a counter per
-// CTA of the decode grid (the CTA of a split request's first part counts its M tile's splits), so
-// the grid must have at most kMergeCountersPerSlot CTAs.
-constexpr int kMergeCounterSlots = 4096;
-constexpr int kMergeCountersPerSlot = 256;
-
 struct DecodeParams {
   // Inputs.
   const void* query;         // bf16 [batch, q_len, num_heads, 576]
@@ -96,10 +89,6 @@ struct DecodeParams {
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1
-  // Counter slot in [0, kMergeCounterSlots) of the in-kernel merge of split requests (merge.cuh),
-  // owned by this caller: no other decode that may run at the same time on the device uses it.
-  // -1: split requests are always merged by a separate combine kernel.
-  int merge_slot = -1;
 };
 
 __host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }

@@ -1,8 +1,7 @@
 // Host launchers of the SM90 MLA decode.
 //
 // Per step:   LaunchSchedule(params, stream)   (reads seq_lens, writes params.schedule)
-// Per layer:  LaunchDecode(params, stream)     (decode kernel, then a combine kernel unless the
-//                                              decode merges split requests itself)
+// Per layer:  LaunchDecode(params, stream)     (decode kernel, then combine kernel)
 // Both only enqueue work (no host sync, no allocation): safe inside CUDA graph capture and XLA
 // command buffers. The caller owns the schedule (int32 [batch + 1]) and the workspace
 // (WorkspaceBytes(...) bytes) and must keep batch, seq_lens, max_pages and page_size equal
@@ -50,10 +49,6 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
-  int merge_splits = -1;      // the decode CTAs merge split requests themselves (merge.cuh)
-                              // instead of a combine kernel: -1 (default) where MergeInKernel
-                              // picks it, 1 wherever DecodeParams::merge_slot's counters fit
-                              // (elsewhere rejected), 0 never; other values rejected
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -102,7 +97,6 @@ inline bool ValidShape(const DecodeParams& p) {
   if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
   if (!(p.softmax_scale > 0.f) || p.num_sms < 1 || p.schedule == nullptr) return false;
   if (p.fixed_cost_blocks < 0 || p.min_blocks_per_part < 1) return false;
-  if (p.merge_slot < -1 || p.merge_slot >= kMergeCounterSlots) return false;
   if ((reinterpret_cast<uintptr_t>(p.query) | reinterpret_cast<uintptr_t>(p.kv_cache) |
        reinterpret_cast<uintptr_t>(p.out) | reinterpret_cast<uintptr_t>(p.workspace)) & 15) {
     return false;
@@ -233,21 +227,6 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
 }
 
-// Whether the decode CTAs merge split requests themselves (DecodeKernelArgs::merge_splits): only
-// where the caller gave a counter slot and the largest grid of the shape (NumParts x m_tiles
-// CTAs) fits it; by default where requests are not split over many parts (the merge of a request
-// by the one CTA that completes it reads all its splits, which the wide combine spreads over many
-// CTAs).
-inline bool MergeInKernel(const LaunchOptions& options, const DecodeParams& p, int parts,
-                          int m_tiles) {
-  if (options.merge_splits == 0 ||
-      !MergeCountersFit(p.merge_slot, NumParts(p.num_sms, p.q_len, p.num_heads) * m_tiles)) {
-    return false;
-  }
-  return options.merge_splits == 1 ||
-         static_cast<long long>(p.batch) * kCombineWarpsPerRow > parts;
-}
-
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
 // both combine kernels read either): by default in the 64-row tiles (score_n == 0), whose
 // partial stores are whole 16-byte chunks, not in the transposed kernels, whose stores are
@@ -340,8 +319,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 32) ||
-      options.merge_splits < -1 || options.merge_splits > 1) {
+       options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
   const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
@@ -350,10 +328,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int score_n = detail::TransposedScoreRows(options, cluster, rows);
   if (options.bf16_partials == 1 && score_n != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (options.merge_splits == 1 &&
-      !MergeCountersFit(p.merge_slot, NumParts(p.num_sms, p.q_len, p.num_heads) * m_tiles)) {
     return cudaErrorInvalidValue;
   }
   const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
@@ -368,12 +342,10 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
-  const bool merge = detail::MergeInKernel(options, p, parts, m_tiles);
   DecodeKernelArgs args;
   args.p = p;
   args.num_parts = parts;
   args.bf16_partials = bf16_partials;
-  args.merge_splits = merge;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
       options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;
@@ -396,7 +368,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   // same KV tiles, start side by side (and a cluster of two is a pair of them).
   err = detail::LaunchEx(kernel, dim3(parts * m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
                          stream, decode_args, cluster);
-  if (err != cudaSuccess || !options.combine || merge) return err;
+  if (err != cudaSuccess || !options.combine) return err;
 
   DecodeParams cp = p;
   int num_parts = parts;

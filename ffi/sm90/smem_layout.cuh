@@ -72,9 +72,7 @@ struct SmemLayout {
   // stage's warpgroup-0 V chunks when a stage is released in two parts (Pipeline in
   // decode_kernel.cuh).
   static constexpr int kNumBarriers = 2 + 2 * kStageSlots + (kFp8 ? 0 : 2 * kStages);
-  // int: whether this CTA merges the split it just stored (merge.cuh, MergeIfLastSplit).
-  static constexpr int kMergeFlag = kBarriers + kNumBarriers * 8;
-  static constexpr int kUsed = kMergeFlag + 16;
+  static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
   static_assert(kKv % 1024 == 0 && kP % 1024 == 0 && kFp8Stages % 16 == 0,
