@@ -8,8 +8,7 @@
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
-//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|
-//                                    converted|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
@@ -18,7 +17,7 @@
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|segments|transposed|combine|release|
-//                                     partials|converted|all]
+//                                     partials|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -30,8 +29,6 @@
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
 //   bf16_partials = 1 (in 64-row tiles; the transposed kernels keep the default).
-//   --fp8-converted, --fp8-not-converted (checks only): LaunchOptions::fp8_converted = 1 (where it
-//   runs: the fp8 cache up to 16 query rows) or 0.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -64,9 +61,6 @@ static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wi
                                  // "--narrow-combine": 0)
 static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--split-release": 1,
                                   // "--whole-release": 0)
-static int g_fp8_converted = -1;  // LaunchOptions::fp8_converted of checks ("--fp8-converted": 1
-                                  // where it runs, "--fp8-not-converted": 0)
-static int g_fp8_prefetch = 0;  // LaunchOptions::fp8_prefetch_blocks of checks ("--fp8-prefetch N")
 static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
                                   // "--bf16-partials": 1)
 
@@ -438,15 +432,6 @@ static bool In64RowTiles(const LaunchOptions& opt, const CaseSpec& s) {
   return detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads) == 0;
 }
 
-// Whether LaunchOptions::fp8_converted = 1 runs for this case (the fp8 cache up to 16 rows).
-static bool Converts(const LaunchOptions& opt, const CaseSpec& s) {
-  const int cluster = detail::ClusterSize(opt, s.fp8, NumMTiles(s.q_len, s.heads));
-  LaunchOptions on = opt;
-  on.fp8_converted = 1;
-  return detail::UseConvertedStages(on, s.fp8,
-                                    detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads));
-}
-
 static void RunOnce(const Problem& pb, int copy) {
   DecodeParams p = pb.Params(copy);
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
@@ -459,9 +444,6 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.bf16_partials = g_bf16_partials;
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
   if (g_bf16_partials == 1 && !In64RowTiles(opt, pb.spec)) opt.bf16_partials = -1;
-  opt.fp8_converted = g_fp8_converted;
-  if (g_fp8_converted == 1 && !Converts(opt, pb.spec)) opt.fp8_converted = -1;
-  opt.fp8_prefetch_blocks = g_fp8_prefetch;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -709,23 +691,6 @@ static std::vector<Variant> PartialsVariants() {
           {"combine-32-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 32; })}};
 }
 
-static std::vector<Variant> ConvertedVariants() {
-  return {{"fp8-converted", With([](LaunchOptions& o) { o.fp8_converted = 1; })},
-          {"fp8-converted-l2-2", With([](LaunchOptions& o) {
-             o.fp8_converted = 1;
-             o.fp8_prefetch_blocks = 2;
-           })},
-          {"fp8-converted-l2-4", With([](LaunchOptions& o) {
-             o.fp8_converted = 1;
-             o.fp8_prefetch_blocks = 4;
-           })},
-          {"fp8-converted-l2-8", With([](LaunchOptions& o) {
-             o.fp8_converted = 1;
-             o.fp8_prefetch_blocks = 8;
-           })},
-          {"fp8-not-converted", With([](LaunchOptions& o) { o.fp8_converted = 0; })}};
-}
-
 static std::vector<Variant> ReleaseVariants() {
   return {{"release-whole", With([](LaunchOptions& o) { o.split_release = 0; })},
           {"release-split", With([](LaunchOptions& o) { o.split_release = 1; })}};
@@ -782,7 +747,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
   else if (which == "partials") append(PartialsVariants());
-  else if (which == "converted") append(ConvertedVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -799,7 +763,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     append(CombineVariants());
     append(ReleaseVariants());
     append(PartialsVariants());
-    append(ConvertedVariants());
   }
   return v;
 }
@@ -825,7 +788,6 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
-    if (opt.fp8_converted == 1 && !Converts(opt, s)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
@@ -1044,9 +1006,6 @@ int main(int argc, char** argv) {
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--bf16-partials") g_bf16_partials = 1;
-    else if (a == "--fp8-converted") g_fp8_converted = 1;
-    else if (a == "--fp8-not-converted") g_fp8_converted = 0;
-    else if (a == "--fp8-prefetch" && i + 1 < argc) g_fp8_prefetch = atoi(argv[++i]);
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
@@ -1115,7 +1074,7 @@ int main(int argc, char** argv) {
     // How many clusters of n CTAs of the 64-row bf16 decode kernel (one CTA per SM) the device
     // holds at once, n = 1..16 (above 8 a non-portable cluster size).
     const void* kernel = detail::SelectKernel(LaunchOptions(), 2, 128, false, 2);
-    const int smem = detail::KernelSmemBytes(false, 0, false);
+    const int smem = detail::KernelSmemBytes(false, 0);
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     printf("| cluster size | clusters at once | CTAs at once |\n|---|---|---|\n");

@@ -55,7 +55,6 @@ struct DecodeKernelArgs {
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
   bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
-  int fp8_prefetch_blocks;  // producer-converted fp8 stages: KV blocks asked of L2 ahead of copies
 };
 
 namespace detail {
@@ -277,16 +276,17 @@ __device__ __forceinline__ uint32_t QkStepOffset(int g) {
 }
 
 // Transposed scores: slot v (four floats per thread) of warpgroup wg's partial S^T, which the
-// other warpgroup adds. With a 64-row query tile (the bf16 cache) the slots live in its rows
-// kScoreN..63, which the scores never read (the bulk copy writes at most kScoreN rows); with the
-// fp8 cache's smaller query tiles in their own area. Each slot is 128 threads x 16 bytes,
-// thread-contiguous (conflict-free float4 accesses).
-template <int kScoreN, class Layout>
+// other warpgroup adds. With the bf16 cache the slots live in the query tile's rows kScoreN..63,
+// which the scores never read (the bulk copy writes at most kScoreN rows); with the fp8 cache in
+// their own area. Each slot is 128 threads x 16 bytes, thread-contiguous (conflict-free float4
+// accesses).
+template <int kScoreN, bool kFp8>
 __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int v, int wg_tid) {
+  using Layout = KernelSmemLayout<kFp8, kScoreN>;
   constexpr int kSlotBytes = 128 * 16;
   constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
   const int slot = wg * kSlotsPerWarpgroup + v;
-  if constexpr (Layout::kQChunkRows < kBlockM) {
+  if constexpr (kFp8) {
     static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <= kFp8ExchangeBytes,
                   "the exchange slots fit in their area");
     return reinterpret_cast<float4*>(smem + Layout::kExchange + slot * kSlotBytes + wg_tid * 16);
@@ -368,9 +368,7 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
 // or with half stages a 32-token stage) "full" (the producer's pieces landed) and "empty" (its
 // consumer warpgroups, of every CTA that multicasts into it, released it). When a bf16 stage is
 // released in two parts (DecodeKernel's kSplitRelease), Full/Empty guard its chunks from
-// kWg0VChunks on and V0Full/V0Empty warpgroup 0's V chunks [0, kWg0VChunks). Where the producer
-// converts the fp8 cache (SmemLayout::kConvertedStages), Full/Empty guard the bf16 stages (filled
-// by the converter threads) and RawFull/RawEmpty the ring of 32-token stages of raw rows.
+// kWg0VChunks on and V0Full/V0Empty warpgroup 0's V chunks [0, kWg0VChunks).
 struct Pipeline {
   uint64_t* base;
   uint64_t* v0;
@@ -386,8 +384,6 @@ struct Pipeline {
   __device__ __forceinline__ uint64_t* Empty(int slot) const { return base + 3 + 2 * slot; }
   __device__ __forceinline__ uint64_t* V0Full(int stage) const { return v0 + 2 * stage; }
   __device__ __forceinline__ uint64_t* V0Empty(int stage) const { return v0 + 1 + 2 * stage; }
-  __device__ __forceinline__ uint64_t* RawFull(int slot) const { return v0 + 2 * slot; }
-  __device__ __forceinline__ uint64_t* RawEmpty(int slot) const { return v0 + 1 + 2 * slot; }
 };
 
 // Warpgroup 0's V columns (its 256 output columns) are the stage's first chunks.
@@ -418,11 +414,10 @@ struct HalfSlot {
   int index;
   int round;
 
-  // In a ring of kSlots stages.
-  template <int kSlots>
+  template <class Layout>
   __device__ __forceinline__ static HalfSlot Of(int it, int h) {
     const int q = 2 * it + h;
-    return {q % kSlots, q / kSlots};
+    return {q % Layout::kStageSlots, q / Layout::kStageSlots};
   }
 };
 
@@ -739,8 +734,7 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
   }
   if (tid == kConsumerThreads) {
     for (int s = 0; s < Layout::kStageSlots; ++s) {
-      // A converted stage is full once every converter thread wrote its rows.
-      Barrier::init(pipe.Full(s), Layout::kConvertedStages ? kConverterThreads : 1);
+      Barrier::init(pipe.Full(s), 1);
       // A half stage goes back once every thread of its warpgroup read it.
       const int releasers = Layout::kHalfStages ? kHalfStageReleasers
                             : kSplitRelease         ? 1
@@ -749,13 +743,6 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
       if (kSplitRelease) {
         Barrier::init(pipe.V0Full(s), 1);
         Barrier::init(pipe.V0Empty(s), kCluster);
-      }
-    }
-    if constexpr (Layout::kConvertedStages) {
-      for (int s = 0; s < kFp8ConvertedSlots; ++s) {
-        Barrier::init(pipe.RawFull(s), 1);
-        // Every (row, part) item of the stage's rows is converted by one thread, which arrives.
-        Barrier::init(pipe.RawEmpty(s), kFp8ConvertedSlotRows * kFp8ScaleGroups);
       }
     }
     Barrier::init(pipe.QFull(), 1);
@@ -807,26 +794,12 @@ __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int
       });
 }
 
-// Asks L2 for the fp8 cache rows of KV block k of the segment (its loaded 32-token halves).
-__device__ __forceinline__ void PrefetchFp8Block(const DecodeParams& p, const Segment& seg, int k) {
-  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = KvRow(p, seg.b, k * kBlockN + h * kHalfN, seg.len);
-    if (row < 0) continue;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(
-                     cache + static_cast<size_t>(row) * kFp8RowBytes),
-                 "r"(static_cast<uint32_t>(kFp8HalfStageBytes))
-                 : "memory");
-  }
-}
-
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
 // consumers released it; with kSplitRelease each of the stage's two parts once its warpgroup
 // released it), as one bulk-tensor box per page and 64-column chunk, or with the fp8 cache as
-// one bulk copy of each half's 32 contiguous cache rows (with half stages, or where the producer
-// converts, each half into the next slot of the ring, once whoever read it before released it); halves that are past the
+// one bulk copy of each half's 32 contiguous cache rows (with half stages, each half into the next
+// slot of the ring, once the warpgroup that read it before released it); halves that are past the
 // length or whose page id is out of range are not loaded and not counted. With kCluster == 2 this
 // CTA issues every other piece, multicast into both CTAs of the cluster.
 template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false, bool kSplitRelease = false>
@@ -863,43 +836,13 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       for (int h = 0; h < 2; ++h) {
         kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
       }
-      if constexpr (Layout::kConvertedStages) {
-        const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
-        if (args.fp8_prefetch_blocks > 0) {
-          const int ahead_end = min(k + args.fp8_prefetch_blocks + 1, seg_info.kv_end);
-#pragma unroll 1
-          for (int j = k == seg_info.kv_begin ? k + 1 : k + args.fp8_prefetch_blocks; j < ahead_end;
-               ++j) {
-            PrefetchFp8Block(p, seg_info, j);
-          }
-        }
-        constexpr int kPieces = kBlockN / kFp8ConvertedSlotRows;
-#pragma unroll 1
-        for (int i = 0; i < kPieces; ++i) {
-          const int q = kPieces * it + i;
-          const int slot = q % kFp8ConvertedSlots, round = q / kFp8ConvertedSlots;
-          const int kv_row =
-              KvRow(p, seg_info.b, k * kBlockN + i * kFp8ConvertedSlotRows, seg_info.len);
-          if (round > 0) Barrier::wait(pipe.RawEmpty(slot), (round - 1) & 1);
-          TxBarrier::arrive_and_expect_tx(pipe.RawFull(slot),
-                                          kv_row >= 0 ? kFp8ConvertedSlotBytes : 0);
-          if (kv_row < 0) continue;
-          BulkCopyG2S(smem + Layout::kFp8Stages + slot * kFp8ConvertedSlotBytes,
-                      cache + static_cast<size_t>(kv_row) * kFp8RowBytes, kFp8ConvertedSlotBytes,
-                      pipe.RawFull(slot), args.kv_cache_hint);
-        }
-        continue;
-      }
       if constexpr (Layout::kHalfStages) {
         const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const HalfSlot slot = HalfSlot::Of<Layout::kFp8Slots>(it, h);
-          uint64_t* half_empty = Layout::kConvertedStages ? pipe.RawEmpty(slot.index)
-                                                          : pipe.Empty(slot.index);
-          if (slot.round > 0) Barrier::wait(half_empty, (slot.round - 1) & 1);
-          uint64_t* half_full = Layout::kConvertedStages ? pipe.RawFull(slot.index)
-                                                         : pipe.Full(slot.index);
+          const HalfSlot slot = HalfSlot::Of<Layout>(it, h);
+          if (slot.round > 0) Barrier::wait(pipe.Empty(slot.index), (slot.round - 1) & 1);
+          uint64_t* half_full = pipe.Full(slot.index);
           TxBarrier::arrive_and_expect_tx(half_full, kv_rows[h] >= 0 ? kFp8HalfStageBytes : 0);
           if (kv_rows[h] < 0) continue;
           BulkCopyG2S(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes,
@@ -962,52 +905,6 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       }
     }
     ++seg;
-  }
-}
-
-// fp8 cache converted by the producer warpgroup (SmemLayout::kConvertedStages): its converter
-// threads (ctid 0 .. kConverterThreads - 1) walk the part's blocks as the consumers do. Once both
-// 32-token raw stages of a block have landed and the consumers released the bf16 stage it goes to,
-// they convert the block into that stage (DequantiseRow, (row, part) items ctid, ctid +
-// kConverterThreads, ...: eight consecutive threads take eight consecutive rows of one part; rows
-// not loaded become zeros, so the consumers zero nothing), fence the stage's writes for the
-// consumers' WGMMAs and the raw stages' reads for their refill, and each arrives on both raw
-// stages' empty barriers and on the bf16 stage's full barrier.
-template <class Layout>
-__device__ __forceinline__ void ConvertStages(const DecodeParams& p, uint8_t* smem,
-                                              SegmentWalker& walker, int ctid) {
-  using Barrier = cutlass::arch::ClusterBarrier;
-  static_assert(Layout::kConvertedStages, "a layout with converted stages");
-  const Pipeline pipe = Pipeline::At<Layout>(smem);
-  Segment seg;
-  int it = 0;
-  while (walker.Next(seg)) {
-    for (int k = seg.kv_begin; k < seg.kv_end; ++k, ++it) {
-      const BlockLoad load = BlockLoad::Of(p, seg, k);
-      const int stage = it % kStages;
-      if (it >= kStages) Barrier::wait(pipe.Empty(stage), (it / kStages - 1) & 1);
-      uint8_t* tile = smem + Layout::kKv + stage * kTileBytes;
-      constexpr int kPieces = kBlockN / kFp8ConvertedSlotRows;
-      constexpr int kItemsPerPiece = kFp8ConvertedSlotRows * kFp8ScaleGroups;
-#pragma unroll 1
-      for (int item = ctid; item < kBlockN * kFp8ScaleGroups; item += kConverterThreads) {
-        const int piece = item / kItemsPerPiece;
-        const int prow = item % kFp8ConvertedSlotRows;
-        const int part = (item / kFp8ConvertedSlotRows) % kFp8ScaleGroups;
-        const int q = kPieces * it + piece;
-        const int slot = q % kFp8ConvertedSlots;
-        Barrier::wait(pipe.RawFull(slot), (q / kFp8ConvertedSlots) & 1);
-        const int row = piece * kFp8ConvertedSlotRows + prow;
-#ifndef JAX_MLA_SM90_TIMING_NO_CONVERSION
-        DequantiseRow(smem + Layout::kFp8Stages + slot * kFp8ConvertedSlotBytes +
-                          prow * kFp8RowBytes,
-                      load.RowLoaded(row), part, tile, row);
-#endif
-        cutlass::arch::fence_view_async_shared();
-        Barrier::arrive(pipe.RawEmpty(slot));
-      }
-      Barrier::arrive(pipe.Full(stage));
-    }
   }
 }
 
@@ -1194,7 +1091,7 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 //    once both halves are in the tile, warpgroup 0 scores the block as in the bf16 cache's 64-row
 //    tiles (kWg0Scores), with P over the tile's rope chunk.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false,
-          bool kSplitRelease = false, bool kConverted = false>
+          bool kSplitRelease = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
@@ -1204,11 +1101,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 "the fp8 cache needs early release, no experiment and no cluster");
   static_assert(!kFp8 || kScoreN == 0 || kScoreN <= kFp8TransposedRows,
                 "the fp8 cache's transposed scores fit its query tile");
-  static_assert(!kConverted || (kFp8 && kScoreN == kFp8ConvertedRows),
-                "the producer converts the fp8 cache for up to kFp8ConvertedRows rows");
-  using Layout = KernelSmemLayout<kFp8, kScoreN, kConverted>;
-  // The consumers convert the fp8 cache into one bf16 tile (else they read bf16 stages).
-  constexpr bool kFp8Tile = kFp8 && !kConverted;
+  using Layout = KernelSmemLayout<kFp8, kScoreN>;
   // 64-row tiles: warpgroup 0 computes the scores and the softmax of the whole block, both
   // warpgroups PV.
   constexpr bool kWg0Scores = kScoreN == 0 && kEarlyRelease;
@@ -1245,7 +1138,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         PrefetchFirstKvBlocks(p, args.num_parts, part, mtile, m_tiles);
       }
     }
-    cutlass::arch::warpgroup_reg_dealloc<kConverted ? kConverterRegisters : kProducerRegisters>();
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
     // Everything below reads inputs that earlier kernels in the stream may write.
     GridDependencyWait();
     GridDependencyLaunchDependents();
@@ -1254,20 +1147,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                            p.page_size);
       ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease>(
           q_map, kv_map, args, smem, walker, mtile, cta_rank);
-    } else if constexpr (kConverted) {
-      if (warp > kConsumerThreads / 32) {
-        SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens,
-                             p.max_pages, p.page_size);
-        ConvertStages<Layout>(p, smem, walker, tid - kConsumerThreads - 32);
-      }
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
   GridDependencyWait();
   GridDependencyLaunchDependents();
   SM90_TRACE(kTraceStart, 0);
-  cutlass::arch::warpgroup_reg_alloc<kConverted ? kConvertedConsumerRegisters
-                                                 : kConsumerRegisters>();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
                        p.page_size);
   Segment seg_info;
@@ -1340,7 +1226,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
 
     Barrier::wait(pipe.QFull(), seg & 1);
     SM90_TRACE(kTraceQuery, 0);
-    if constexpr (kFp8Tile && kScoreN == 16) {
+    if constexpr (kFp8 && kScoreN == 16) {
       PermuteQueryColumns<Layout::kQChunkRows>(smem + Layout::kQ, tid);
       cutlass::arch::fence_view_async_shared();
       ConsumerSync();
@@ -1355,18 +1241,18 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         Barrier::wait(pipe.V0Full(stage), (it / kStages) & 1);
       }
       SM90_TRACE(kTraceBlockReady, k);
-      const uint32_t kv_addr = kv_addr0 + (kFp8Tile ? 0 : stage * kTileBytes);
+      const uint32_t kv_addr = kv_addr0 + (kFp8 ? 0 : stage * kTileBytes);
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
       KFragments frag;  // fp8 cache, up to 16 rows: the block's keys as QK^T's A operand
-      if constexpr (kFp8Tile && kScoreN == 0) {
+      if constexpr (kFp8 && kScoreN == 0) {
         // Both warpgroups' PV of the previous block are done with the bf16 tile. Warpgroup wg
         // converts half wg of the block (its own QK^T's tokens) from that half's stage, and each
         // thread hands the stage back after its reads; the fence orders the stage's reads before
         // its refill (async proxy) and the tile's writes before QK^T's WGMMAs.
         ConsumerSync();
-        const HalfSlot slot = HalfSlot::Of<Layout::kStageSlots>(it, wg);
+        const HalfSlot slot = HalfSlot::Of<Layout>(it, wg);
         Barrier::wait(pipe.Full(slot.index), slot.round & 1);
         DequantiseRow(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes +
                           (wg_tid % kHalfN) * kFp8RowBytes,
@@ -1374,7 +1260,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ReleaseStage<kCluster>(pipe, slot.index);
         ConsumerSync();  // warpgroup 0's QK^T reads both halves
-      } else if constexpr (kFp8Tile) {
+      } else if constexpr (kFp8) {
         // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
         // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
         // (32 rows), else by the fence before PV.
@@ -1391,7 +1277,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
         WarpgroupSync(wg);
         if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
-      } else if (!kConverted && !load.Complete()) {
+      } else if (!load.Complete()) {
         ZeroUnloadedRows(smem + Layout::kKv + stage * kTileBytes, load, tid);
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
@@ -1400,7 +1286,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       // fp8 cache's one bf16 tile's; only warpgroup 0's QK^T reads it), and the rows' factors into
       // the half of row_max of the block's parity, so that what warpgroup 0 writes for a block
       // never meets warpgroup 1's reads of the block before.
-      uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + (kFp8Tile ? 0 : stage * kTileBytes) +
+      uint8_t* const p_block = kWg0Scores ? smem + Layout::kKv + (kFp8 ? 0 : stage * kTileBytes) +
                                                 kNumVChunks * kChunkBytes
                                           : p_tile;
 
@@ -1409,9 +1295,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // columns (with the fp8 cache: its two latent groups and half the rope), then each adds
         // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
         // both warpgroups hold the same S^T.
-        if constexpr (kFp8Tile && kScoreN == 16) {
+        if constexpr (kFp8 && kScoreN == 16) {
           ScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, st);
-        } else if constexpr (kFp8Tile) {
+        } else if constexpr (kFp8) {
           ScoresFp8Smem<QkT, Layout::kQChunkBytes>(kv_addr, q_addr, wg, st);
         } else {
           FenceRegisters(st);
@@ -1430,13 +1316,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 #pragma unroll
         for (int v = 0; v < kStN / 4; ++v) {
-          *ScoreExchangeSlot<kScoreN, Layout>(smem, wg, v, wg_tid) =
+          *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
               make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
         }
         ConsumerSync();
 #pragma unroll
         for (int v = 0; v < kStN / 4; ++v) {
-          const float4 other = *ScoreExchangeSlot<kScoreN, Layout>(smem, wg ^ 1, v, wg_tid);
+          const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
           st[4 * v] += other.x;
           st[4 * v + 1] += other.y;
           st[4 * v + 2] += other.z;
@@ -1699,7 +1585,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         v0_pending = stage;  // its PV runs on under the next block's QK^T
       } else if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
-        if (!kFp8Tile && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
+        if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
       SM90_TRACE(kTraceBlockDone, k);
     }

@@ -46,14 +46,6 @@ constexpr int kEntryRegisters = (65536 / kThreads) / 8 * 8;
 static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * kProducerRegisters <=
                   kThreads * kEntryRegisters,
               "setmaxnreg budgets exceed the CTA's register allocation");
-// Where the producer warpgroup converts the fp8 cache (its converter threads need registers for
-// the raw rows in flight), the consumers of up to 16 query rows take fewer.
-constexpr int kConvertedConsumerRegisters = 216;
-constexpr int kConverterRegisters = 64;
-static_assert(kConsumerThreads * kConvertedConsumerRegisters +
-                      kProducerThreads * kConverterRegisters <=
-                  kThreads * kEntryRegisters,
-              "setmaxnreg budgets exceed the CTA's register allocation");
 
 // Schedule cost model (defaults of DecodeParams' schedule fields): a request costs
 // fixed_cost_blocks + (its KV blocks) units; parts get contiguous ranges of ceil(total / parts)

@@ -49,13 +49,6 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
-  int fp8_converted = -1;     // the fp8 cache up to 16 query rows: the producer warpgroup
-                              // converts each block into bf16 stages (DecodeKernel's
-                              // kConverted) instead of the consumers into one tile: -1 (default)
-                              // where UseConvertedStages picks it, 1 wherever it runs (elsewhere
-                              // rejected), 0 never; other values rejected
-  int fp8_prefetch_blocks = 0;  // where the producer converts the fp8 cache: KV blocks whose
-                                // raw rows are asked of L2 ahead of their copies (0: none)
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -243,17 +236,9 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
   return score_n == 0;
 }
 
-// Whether the producer warpgroup converts the fp8 cache (DecodeKernel's kConverted): only where the
-// transposed scores have at most kFp8ConvertedRows rows (score_n 16).
-inline bool UseConvertedStages(const LaunchOptions& options, bool fp8, int score_n) {
-  if (!fp8 || score_n != kFp8ConvertedRows) return false;
-  return options.fp8_converted > 0;
-}
-
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
-inline int KernelSmemBytes(bool fp8, int score_n, bool converted) {
+inline int KernelSmemBytes(bool fp8, int score_n) {
   if (!fp8) return SmemLayout<false>::kBytes;
-  if (converted) return KernelSmemLayout<true, kFp8ConvertedRows, true>::kBytes;
   return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
                      : KernelSmemLayout<true, 0>::kBytes;
 }
@@ -281,10 +266,7 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   if (fp8) {
     if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
     switch (TransposedScoreRows(options, cluster, rows)) {
-      case 16:
-        return UseConvertedStages(options, fp8, 16)
-                   ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true, false, true>)
-                   : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
+      case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
       case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32, true>);
       default: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true>);
     }
@@ -337,9 +319,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 32) ||
-      options.fp8_converted < -1 || options.fp8_converted > 1 || options.fp8_prefetch_blocks < 0 ||
-      options.fp8_prefetch_blocks > 64) {
+       options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
   const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
@@ -350,9 +330,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (options.bf16_partials == 1 && score_n != 0) {
     return cudaErrorInvalidValue;
   }
-  const bool converted = detail::UseConvertedStages(options, p.kv_fp8, score_n);
-  if (options.fp8_converted == 1 && !converted) return cudaErrorInvalidValue;
-  const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n, converted);
+  const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
   detail::KernelInfo info;
   cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;
@@ -368,7 +346,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   args.p = p;
   args.num_parts = parts;
   args.bf16_partials = bf16_partials;
-  args.fp8_prefetch_blocks = options.fp8_prefetch_blocks;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
       options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;

@@ -37,14 +37,6 @@ constexpr int kFp8ScaleGroups = kLatentDim / kFp8GroupSize;  // 4
 // released by every thread of the warpgroup that read it.
 constexpr int kFp8HalfStages = 3;
 constexpr int kHalfStageReleasers = kConsumerThreads / kConsumerWarpgroups;
-// fp8 cache converted by the producer warpgroup (up to kFp8ConvertedRows query rows): the query
-// tile's rows, the 32-token stages of raw rows in a ring, and the producer threads that convert
-// them (all but the first warp, whose first thread issues the copies).
-constexpr int kFp8ConvertedRows = 16;
-constexpr int kFp8ConvertedSlots = 4;
-constexpr int kFp8ConvertedSlotRows = 16;  // tokens a raw stage holds (a quarter block)
-constexpr int kFp8ConvertedSlotBytes = kFp8ConvertedSlotRows * kFp8RowBytes;
-constexpr int kConverterThreads = kProducerThreads - 32;
 
 // Byte offsets of the regions of one DecodeKernel instantiation, from the 1024-aligned base; kQRows
 // is the query tile's rows.
@@ -56,31 +48,21 @@ constexpr int kConverterThreads = kProducerThreads - 32;
 //  - fp8 cache, 64-row tiles (kQRows 64): the query tile, the bf16 KV tile, a ring of
 //    kFp8HalfStages stages of 32 tokens (a block's half h is converted by warpgroup h), P, the row
 //    statistics and the barriers.
-//  - fp8 cache converted by the producer warpgroup (kConverted, kQRows = kFp8ConvertedRows): the
-//    query tile, kStages bf16 KV stages as the bf16 cache's (the producer's converter threads
-//    fill them), a ring of kFp8ConvertedSlots stages of kFp8ConvertedSlotRows tokens of raw rows, P, the exchange
-//    area, the row statistics and the barriers (those of the bf16 stages, then those of the ring).
-template <bool kFp8, int kQRows = kBlockM, bool kConverted = false>
+template <bool kFp8, int kQRows = kBlockM>
 struct SmemLayout {
-  static_assert(kQRows == kBlockM || (kFp8 && kQRows == kFp8TransposedRows) ||
-                    (kConverted && kQRows == kFp8ConvertedRows),
-                "query tile rows");
-  static_assert(!kConverted || kFp8, "only the fp8 cache is converted");
-  static constexpr bool kConvertedStages = kConverted;
-  static constexpr bool kHalfStages = kFp8 && !kConverted && kQRows == kBlockM;
+  static_assert(kQRows == kBlockM || (kFp8 && kQRows == kFp8TransposedRows), "query tile rows");
+  static constexpr bool kHalfStages = kFp8 && kQRows == kBlockM;
   // Pipeline slots, each with a full and an empty barrier: the KV stages, or the half stages.
   static constexpr int kStageSlots = kHalfStages ? kFp8HalfStages : kStages;
   static constexpr int kQChunkRows = kQRows;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
   static constexpr int kQ = 0;
   static constexpr int kKv = kQ + kNumChunks * kQChunkBytes;
-  static constexpr int kKvTiles = kFp8 && !kConverted ? 1 : kStages;
+  static constexpr int kKvTiles = kFp8 ? 1 : kStages;
   static constexpr int kFp8Stages = kKv + kKvTiles * kTileBytes;
-  static constexpr int kFp8StageSize =
-      kConverted ? kFp8ConvertedSlotBytes : kHalfStages ? kFp8HalfStageBytes : kFp8StageBytes;
-  // Stages of raw fp8 rows.
-  static constexpr int kFp8Slots = kConverted ? kFp8ConvertedSlots : kFp8 ? kStageSlots : 0;
-  static constexpr int kP = (kFp8Stages + kFp8Slots * kFp8StageSize + 1023) / 1024 * 1024;
+  static constexpr int kFp8StageSize = kHalfStages ? kFp8HalfStageBytes : kFp8StageBytes;
+  static constexpr int kP =
+      (kFp8Stages + (kFp8 ? kStageSlots * kFp8StageSize : 0) + 1023) / 1024 * 1024;
   static constexpr int kPTileBytes = kQRows * kRowBytes;  // P: kQRows rows x 64 tokens, bf16
   static constexpr int kExchange = kP + kPTileBytes;
   static constexpr int kRowMax = kExchange + (kFp8 && !kHalfStages ? kFp8ExchangeBytes : 0);
@@ -89,8 +71,7 @@ struct SmemLayout {
   // q_full, q_empty, then full and empty of each slot, then (bf16 cache) full and empty of each
   // stage's warpgroup-0 V chunks when a stage is released in two parts (Pipeline in
   // decode_kernel.cuh).
-  static constexpr int kNumBarriers =
-      2 + 2 * kStageSlots + (kConverted ? 2 * kFp8ConvertedSlots : kFp8 ? 0 : 2 * kStages);
+  static constexpr int kNumBarriers = 2 + 2 * kStageSlots + (kFp8 ? 0 : 2 * kStages);
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
@@ -98,15 +79,10 @@ struct SmemLayout {
                 "swizzled tiles need 1024-byte alignment, bulk copies 16");
 };
 
-// The layout of DecodeKernel<..., kScoreN, kFp8, ..., kConverted>: the fp8 cache's transposed
-// scores have their own query tile of kFp8TransposedRows rows (kFp8ConvertedRows where the producer
-// converts).
-template <bool kFp8, int kScoreN, bool kConverted = false>
-using KernelSmemLayout =
-    SmemLayout<kFp8,
-               kConverted ? kFp8ConvertedRows
-                          : (kFp8 && kScoreN > 0) ? kFp8TransposedRows : kBlockM,
-               kConverted>;
+// The layout of DecodeKernel<..., kScoreN, kFp8>: the fp8 cache's transposed scores have their own
+// query tile of kFp8TransposedRows rows.
+template <bool kFp8, int kScoreN>
+using KernelSmemLayout = SmemLayout<kFp8, (kFp8 && kScoreN > 0) ? kFp8TransposedRows : kBlockM>;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
