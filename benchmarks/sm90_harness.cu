@@ -8,8 +8,7 @@
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
-//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|
-//                                    counters|all]
+//   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|all]
 //                                      # timing grid (graph replay, rotating caches), with the
 //                                      # default launch and the named LaunchOptions variants
 //                                      # (variants other than default, transposed and combine
@@ -18,7 +17,7 @@
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|segments|transposed|combine|release|
-//                                     partials|counters|all]
+//                                     partials|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -30,10 +29,6 @@
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
 //   bf16_partials = 1 (in 64-row tiles; the transposed kernels keep the default).
-//   --counted, --not-counted (checks only): LaunchOptions::count_splits = 1 (where the counters
-//   fit) or 0. --counted-vs-not (checks only): each check's first run has the combine wait on the
-//   split counters, its second for the whole decode, and "deterministic" compares the two bit for
-//   bit.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -68,11 +63,6 @@ static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--
                                   // "--whole-release": 0)
 static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
                                   // "--bf16-partials": 1)
-static int g_counted = -1;  // LaunchOptions::count_splits of checks ("--counted": 1 where the
-                            // counters fit, "--not-counted": 0)
-static bool g_counted_vs_not = false;  // "--counted-vs-not": a check's first run counts splits,
-                                       // its second does not (its determinism column then says
-                                       // whether the two agree bit for bit)
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -308,7 +298,6 @@ struct Problem {
     p.num_sms = num_sms;
     p.enable_pdl = true;
     p.kv_fp8 = spec.fp8;
-    p.split_counter_slot = 0;  // the harness's decodes run one after another on one stream
     return p;
   }
 
@@ -443,15 +432,7 @@ static bool In64RowTiles(const LaunchOptions& opt, const CaseSpec& s) {
   return detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads) == 0;
 }
 
-// Whether LaunchOptions::count_splits = 1 is possible for this problem.
-static bool CanCountSplits(const Problem& pb) {
-  const DecodeParams p = pb.Params(0);
-  const int m_tiles = NumMTiles(p.q_len, p.num_heads);
-  return SplitCountersFit(p.split_counter_slot, NumParts(p.num_sms, p.q_len, p.num_heads) * m_tiles);
-}
-
-// run: which of a check's two runs (--counted-vs-not makes them differ).
-static void RunOnce(const Problem& pb, int copy, int run = 0) {
+static void RunOnce(const Problem& pb, int copy) {
   DecodeParams p = pb.Params(copy);
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
   CHECK_CUDA(cudaGetLastError());
@@ -463,9 +444,6 @@ static void RunOnce(const Problem& pb, int copy, int run = 0) {
   opt.bf16_partials = g_bf16_partials;
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
   if (g_bf16_partials == 1 && !In64RowTiles(opt, pb.spec)) opt.bf16_partials = -1;
-  opt.count_splits = g_counted;
-  if (g_counted_vs_not) opt.count_splits = run == 0 ? 1 : 0;
-  if (opt.count_splits == 1 && !CanCountSplits(pb)) opt.count_splits = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -488,7 +466,7 @@ static CheckResult Check(Problem& pb, double tol) {
     CHECK_CUDA(cudaMemset(pb.out, 0xFF, out_elems * 2));
     CHECK_CUDA(cudaMemset(pb.lse, 0xFF, lse1.size() * 4));
     CHECK_CUDA(cudaDeviceSynchronize());
-    RunOnce(pb, 0, run);
+    RunOnce(pb, 0);
     CHECK_CUDA(cudaDeviceSynchronize());
     CHECK_CUDA(cudaMemcpy(run ? out2.data() : out1.data(), pb.out, out_elems * 2,
                           cudaMemcpyDeviceToHost));
@@ -722,11 +700,6 @@ static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
 }
 
-static std::vector<Variant> CounterVariants() {
-  return {{"counters-off", With([](LaunchOptions& o) { o.count_splits = 0; })},
-          {"counters-on", With([](LaunchOptions& o) { o.count_splits = 1; })}};
-}
-
 static std::vector<Variant> ClusterVariants() {
   return {{"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
           {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
@@ -774,7 +747,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
   else if (which == "partials") append(PartialsVariants());
-  else if (which == "counters") append(CounterVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -791,7 +763,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     append(CombineVariants());
     append(ReleaseVariants());
     append(PartialsVariants());
-    append(CounterVariants());
   }
   return v;
 }
@@ -817,7 +788,6 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
-    if (opt.count_splits == 1 && !CanCountSplits(pb)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
@@ -1036,9 +1006,6 @@ int main(int argc, char** argv) {
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--bf16-partials") g_bf16_partials = 1;
-    else if (a == "--counted") g_counted = 1;
-    else if (a == "--not-counted") g_counted = 0;
-    else if (a == "--counted-vs-not") g_counted_vs_not = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);

@@ -20,17 +20,12 @@
 //   workspace    u8   [>= JaxMlaSm90WorkspaceBytes(B, q_len, H, sm_count)]
 // Attributes: softmax_scale (f64), output_scale (f64), sm_count (i64), enable_pdl (bool); the
 // schedule's: max_pages, page_size (i64), enable_pdl.
-// State: each decode call site holds a slot of split counters (SplitCounterSlot, made by
-// JaxMlaSm90DecodeInstantiate; DecodeParams::split_counter_slot).
 #include <cuda_runtime.h>
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <string>
-#include <vector>
 
 #include "sm90/launch.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -77,61 +72,11 @@ ffi::Error Launched(const std::string& what, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
-// The decode handlers' state, one per call site: a slot of split counters
-// (DecodeParams::split_counter_slot, split_counters.cuh) that no other live call site holds, so
-// that decodes which may run at the same time on a device never share counters (a call site's own
-// decodes run one after another on its stream). The slot goes back to the pool with the state; while kSplitCounterSlots call
-// sites hold one, further ones get none (-1: their combine kernels wait for the whole decode).
-class SplitCounterSlot {
- public:
-  static ffi::TypeId id;
-
-  SplitCounterSlot() : slot_(Pool().Acquire()) {}
-  ~SplitCounterSlot() { Pool().Release(slot_); }
-  SplitCounterSlot(const SplitCounterSlot&) = delete;
-  SplitCounterSlot& operator=(const SplitCounterSlot&) = delete;
-  int slot() const { return slot_; }
-
- private:
-  struct SlotPool {
-    std::mutex mutex;
-    std::vector<int> released;
-    int next = 0;
-
-    int Acquire() {
-      std::lock_guard<std::mutex> lock(mutex);
-      if (!released.empty()) {
-        const int slot = released.back();
-        released.pop_back();
-        return slot;
-      }
-      return next < sm90::kSplitCounterSlots ? next++ : -1;
-    }
-    void Release(int slot) {
-      if (slot < 0) return;
-      std::lock_guard<std::mutex> lock(mutex);
-      released.push_back(slot);
-    }
-  };
-  static SlotPool& Pool() {
-    static SlotPool* pool = new SlotPool;  // never destroyed: states may outlive static teardown
-    return *pool;
-  }
-
-  int slot_;
-};
-
-ffi::TypeId SplitCounterSlot::id = {};
-
-ffi::ErrorOr<std::unique_ptr<SplitCounterSlot>> InstantiateSplitCounterSlot() {
-  return std::make_unique<SplitCounterSlot>();
-}
-
 // kCacheType: ffi::BF16 for the bf16 cache, ffi::U8 for the fp8 cache.
 template <ffi::DataType kCacheType>
-ffi::Error Sm90DecodeImpl(cudaStream_t stream, SplitCounterSlot* counter_slot,
-                          ffi::Buffer<ffi::BF16> query, ffi::Buffer<kCacheType> kv_cache,
-                          ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> schedule,
+ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
+                          ffi::Buffer<kCacheType> kv_cache, ffi::Buffer<ffi::S32> block_tables,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> schedule,
                           ffi::Result<ffi::Buffer<ffi::BF16>> out,
                           ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, double softmax_scale,
@@ -235,7 +180,6 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, SplitCounterSlot* counter_slot,
   p.num_sms = static_cast<int>(sm_count);
   p.enable_pdl = enable_pdl;
   p.kv_fp8 = kFp8;
-  p.split_counter_slot = counter_slot->slot();
 
   return Launched("decode", LaunchDecode(p, stream));
 }
@@ -292,7 +236,6 @@ template <ffi::DataType kCacheType>
 auto DecodeBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::State<SplitCounterSlot>>()
       .Arg<ffi::Buffer<ffi::BF16>>()                // query
       .Arg<ffi::Buffer<kCacheType>>()               // kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables
@@ -309,22 +252,6 @@ auto DecodeBinding() {
 
 }  // namespace
 }  // namespace jax_mla
-
-// For jax.ffi.register_ffi_type, before the decode targets are registered.
-extern "C" XLA_FFI_TypeId* JaxMlaSm90SplitCounterSlotTypeId() {
-  return &jax_mla::SplitCounterSlot::id;
-}
-
-extern "C" const XLA_FFI_TypeInfo* JaxMlaSm90SplitCounterSlotTypeInfo() {
-  static const XLA_FFI_TypeInfo info = {
-      XLA_FFI_TypeInfo_STRUCT_SIZE, /*extension_start=*/nullptr,
-      /*deleter=*/[](void* state) { delete static_cast<jax_mla::SplitCounterSlot*>(state); }};
-  return &info;
-}
-
-// Instantiates the state of both decode targets.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90DecodeInstantiate, jax_mla::InstantiateSplitCounterSlot,
-                              ffi::Ffi::BindInstantiate());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxMlaSm90Decode, jax_mla::Sm90DecodeImpl<ffi::BF16>,
                               jax_mla::DecodeBinding<ffi::BF16>(),

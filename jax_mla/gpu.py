@@ -33,10 +33,8 @@ TARGETS = {
     "jax_mla_trtllm_decode_fp8": {"execute": "JaxMlaTrtllmDecodeFp8"},
     "jax_mla_device_plan": {"execute": "JaxMlaDevicePlan"},
     "jax_mla_sm90_schedule": {"execute": "JaxMlaSm90Schedule"},
-    "jax_mla_sm90_decode": {"instantiate": "JaxMlaSm90DecodeInstantiate",
-                            "execute": "JaxMlaSm90Decode"},
-    "jax_mla_sm90_decode_fp8": {"instantiate": "JaxMlaSm90DecodeInstantiate",
-                                "execute": "JaxMlaSm90DecodeFp8"},
+    "jax_mla_sm90_decode": {"execute": "JaxMlaSm90Decode"},
+    "jax_mla_sm90_decode_fp8": {"execute": "JaxMlaSm90DecodeFp8"},
 }
 # Targets a library may have been built without (ffi/CMakeLists.txt skips the sm90 handler when it
 # finds no CUTLASS headers): register_targets skips them, sm90_missing() says why.
@@ -44,11 +42,7 @@ OPTIONAL_TARGETS = ("jax_mla_sm90_schedule", "jax_mla_sm90_decode", "jax_mla_sm9
 # ffi::State types of the handlers: name -> symbols returning its type id and type info.
 STATE_TYPES = {
     "jax_mla_plan_staging": ("JaxMlaPlanStagingTypeId", "JaxMlaPlanStagingTypeInfo"),
-    "jax_mla_sm90_split_counter_slot": ("JaxMlaSm90SplitCounterSlotTypeId",
-                                        "JaxMlaSm90SplitCounterSlotTypeInfo"),
 }
-# State types of the optional targets (absent with them).
-OPTIONAL_STATE_TYPES = ("jax_mla_sm90_split_counter_slot",)
 FLASHINFER_VERSION = "0.7.2.post1"
 TRTLLM_WORKSPACE_BYTES = 128 * 1024 * 1024  # what FlashInfer and vLLM give trtllm-gen
 TRTLLM_PAGE_SIZES = (32, 64)
@@ -115,8 +109,6 @@ def register_targets() -> None:
                            "JAX_MLA_FFI_LIB to a built libjax_mla_ffi.so")
     library = ctypes.CDLL(str(path))
     for name, symbols in STATE_TYPES.items():  # before the handlers that keep such state
-        if name in OPTIONAL_STATE_TYPES and not all(hasattr(library, s) for s in symbols):
-            continue
         type_id, type_info = (getattr(library, symbol) for symbol in symbols)
         type_id.restype = type_info.restype = ctypes.c_void_p
         jax.ffi.register_ffi_type(name, {"type_id": jax.ffi.pycapsule(type_id()),

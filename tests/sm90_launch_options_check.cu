@@ -74,17 +74,6 @@ int main() {
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
-  Run("count_splits=2", [](DecodeParams&, LaunchOptions& o) { o.count_splits = 2; });
-  Run("count_splits=-2", [](DecodeParams&, LaunchOptions& o) { o.count_splits = -2; });
-  Run("count_splits=1,no_slot", [](DecodeParams&, LaunchOptions& o) { o.count_splits = 1; });
-  Run("count_splits=1,counters_do_not_fit", [](DecodeParams& p, LaunchOptions& o) {
-    p.split_counter_slot = 0;
-    p.num_sms = kSplitCountersPerSlot + 1;
-    o.count_splits = 1;
-  });
-  Run("split_counter_slot=-2", [](DecodeParams& p, LaunchOptions&) { p.split_counter_slot = -2; });
-  Run("split_counter_slot=kSplitCounterSlots",
-      [](DecodeParams& p, LaunchOptions&) { p.split_counter_slot = kSplitCounterSlots; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
   RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
   RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });

@@ -6,26 +6,21 @@
 // next kernel in the stream launch as soon as they start (programmatic dependent launch): its CTAs
 // set up while the merge runs and wait for its results in their own GridDependencyWait.
 //
-// Each warp finds its request's splits before it waits for them: the lengths and the schedule
-// were written by kernels that had completed when the decode kernel, having waited for them, let
-// the combine launch; only the partial results and the outputs need the decode. With split
-// counters (DecodeParams::split_counter_slot >= 0, split_counters.cuh) a warp merging a split
-// request waits for that request's count of stored splits, so that it merges while the rest of the
-// decode runs, and counts itself out after its reads; without them, for the whole decode
-// (GridDependencyWait). Either way every warp with an output row also waits for the whole decode
-// before it exits, also one with nothing to write (every CTA has one), so that a combine never
-// completes before its decode: a next kernel's wait is on the combine.
+// Each warp finds its request's splits before its own GridDependencyWait: the lengths and the
+// schedule were written by kernels that had completed when the decode kernel, having waited for
+// them, let the combine launch; only the partial results and the outputs need the decode to be
+// done. Every warp with an output row then waits, also one with nothing to write (every CTA has
+// one), so that a combine never completes before its decode: a next kernel's wait is on the
+// combine.
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 
 #include "decode_params.h"
 #include "schedule.cuh"
-#include "split_counters.cuh"
 
 namespace jax_mla {
 namespace sm90 {
@@ -115,107 +110,6 @@ __device__ __forceinline__ float4 Widen(const Bf16x4& v) {
   return make_float4(lo.x, lo.y, hi.x, hi.y);
 }
 
-// Partial results as stored, read through L2 (ld.global.cg): with split counters they are written
-// by other SMs while this kernel runs, so no L1 line of them may be used.
-__device__ __forceinline__ float4 LoadPartial(const float4* ptr) { return __ldcg(ptr); }
-__device__ __forceinline__ Bf16x4 LoadPartial(const Bf16x4* ptr) {
-  const uint2 bits = __ldcg(reinterpret_cast<const uint2*>(ptr));
-  Bf16x4 v;
-  memcpy(&v, &bits, sizeof(v));
-  return v;
-}
-__device__ __forceinline__ float LoadPartialLse(const float* ptr) { return __ldcg(ptr); }
-
-// How a combine warp that merges split request b's row `row` waits for the row's partial results
-// (Wait) and says it has read them (Done): on the counter of the row's M tile with split counters,
-// `warps_per_row` warps merging each row; else for the whole decode.
-struct SplitsReady {
-  uint32_t* counter;  // nullptr: no split counters
-  uint32_t n, readers;
-
-  __device__ __forceinline__ static SplitsReady For(const DecodeParams& p, const SplitRequest& req,
-                                                    int row, int rows, int warps_per_row) {
-    SplitsReady r{nullptr, 0, 0};
-    if (p.split_counter_slot < 0) return r;
-    const int mtile = row / kBlockM;
-    const int key = req.first * NumMTiles(p.q_len, p.num_heads) + mtile;
-    r.counter = SplitCounter(p.split_counter_slot, key);
-    r.n = req.last - req.first + 1;
-    r.readers = warps_per_row * min(kBlockM, rows - mtile * kBlockM);
-    return r;
-  }
-  __device__ __forceinline__ void Wait(int lane) const {
-    if (counter != nullptr) {
-      WaitForSplits(counter, n, lane);
-    } else {
-      GridDependencyWait();
-    }
-  }
-  __device__ __forceinline__ void Done(int lane) const {
-    if (counter == nullptr) return;
-    DepartSplits(counter, n, readers, lane);
-    GridDependencyWait();
-  }
-};
-
-// Merges the splits of request b's output row `row` (one warp, once they are stored): LSE-weighted
-// in part order into the bf16 output x output_scale and the LSE; zeros and LSE -inf where no split
-// saw a token.
-template <bool kBf16Partials>
-__device__ __forceinline__ void MergeRow(const DecodeParams& p, const SplitRequest& req, int b,
-                                         int rows, int row, int lane) {
-  const int first = req.first, last = req.last;
-  constexpr float kNegInf = -__builtin_huge_valf();
-  constexpr int kColsPerLane = kLatentDim / 32;  // 16, as 4 groups of 4 columns
-  float max_lse = kNegInf;
-#pragma unroll 4
-  for (int s = first; s <= last; ++s) {
-    max_lse = fmaxf(max_lse, LoadPartialLse(req.part_lse + req.SlotRow(b, s, row)));
-  }
-  if (max_lse == kNegInf) {
-    WriteEmptyRow(p, rows, b, row, lane);
-    return;
-  }
-  float sum = 0.f;
-#pragma unroll 4
-  for (int s = first; s <= last; ++s) {
-    sum += __expf(LoadPartialLse(req.part_lse + req.SlotRow(b, s, row)) - max_lse);
-  }
-  const float lse = max_lse + __logf(sum);
-  float acc[kColsPerLane];
-#pragma unroll
-  for (int i = 0; i < kColsPerLane; ++i) acc[i] = 0.f;
-#pragma unroll 4
-  for (int s = first; s <= last; ++s) {
-    const size_t slot_row = req.SlotRow(b, s, row);
-    const float w = __expf(LoadPartialLse(req.part_lse + slot_row) - lse);
-    const auto* src = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out) +
-                      slot_row * (kLatentDim / 4);
-#pragma unroll
-    for (int g = 0; g < kColsPerLane / 4; ++g) {
-      const float4 v = Widen(LoadPartial(src + g * 32 + lane));
-      acc[4 * g + 0] = fmaf(w, v.x, acc[4 * g + 0]);
-      acc[4 * g + 1] = fmaf(w, v.y, acc[4 * g + 1]);
-      acc[4 * g + 2] = fmaf(w, v.z, acc[4 * g + 2]);
-      acc[4 * g + 3] = fmaf(w, v.w, acc[4 * g + 3]);
-    }
-  }
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
-                       (static_cast<size_t>(b) * rows + row) * kLatentDim;
-#pragma unroll
-  for (int g = 0; g < kColsPerLane / 4; ++g) {
-    __nv_bfloat162 lo = __floats2bfloat162_rn(acc[4 * g] * p.output_scale,
-                                              acc[4 * g + 1] * p.output_scale);
-    __nv_bfloat162 hi = __floats2bfloat162_rn(acc[4 * g + 2] * p.output_scale,
-                                              acc[4 * g + 3] * p.output_scale);
-    uint2 v;
-    v.x = *reinterpret_cast<uint32_t*>(&lo);
-    v.y = *reinterpret_cast<uint32_t*>(&hi);
-    *reinterpret_cast<uint2*>(out + g * 128 + lane * 4) = v;
-  }
-  if (lane == 0) p.lse[static_cast<size_t>(b) * rows + row] = lse;
-}
-
 // Grid (ceil(rows / kCombineRowsPerBlock), CombineGridRows(batch, parts)). By request, block y
 // merges request y if it is split and writes it if it is empty. By boundary, block y < parts - 1
 // merges the request that ScheduleView::FirstSplitAt names for boundary y, if any (the request
@@ -256,15 +150,68 @@ CombineKernel(const DecodeParams p, int num_parts) {
   }
   SplitRequest req{};
   if (b >= 0) req = SplitRequest::Load(p, view, num_parts, b);
-  if (b < 0 || req.n == 0 || req.first == req.last) {  // nothing to merge
-    GridDependencyWait();
-    if (b >= 0 && req.n == 0) WriteEmptyRow(p, rows, b, row, lane);
+  GridDependencyWait();
+  if (b < 0) return;
+  const int first = req.first, last = req.last;
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
+                       (static_cast<size_t>(b) * rows + row) * kLatentDim;
+  float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
+  constexpr float kNegInf = -__builtin_huge_valf();
+  constexpr int kColsPerLane = kLatentDim / 32;  // 16, as 4 groups of 4 columns
+
+  auto write_empty = [&]() { WriteEmptyRow(p, rows, b, row, lane); };
+
+  if (req.n == 0) {
+    write_empty();
     return;
   }
-  const SplitsReady ready = SplitsReady::For(p, req, row, rows, 1);
-  ready.Wait(lane);
-  MergeRow<kBf16Partials>(p, req, b, rows, row, lane);
-  ready.Done(lane);
+  if (first == last) return;
+
+  float max_lse = kNegInf;
+#pragma unroll 4
+  for (int s = first; s <= last; ++s) {
+    max_lse = fmaxf(max_lse, req.part_lse[req.SlotRow(b, s, row)]);
+  }
+  if (max_lse == kNegInf) {
+    write_empty();
+    return;
+  }
+  float sum = 0.f;
+#pragma unroll 4
+  for (int s = first; s <= last; ++s) {
+    sum += __expf(req.part_lse[req.SlotRow(b, s, row)] - max_lse);
+  }
+  const float lse = max_lse + __logf(sum);
+  float acc[kColsPerLane];
+#pragma unroll
+  for (int i = 0; i < kColsPerLane; ++i) acc[i] = 0.f;
+#pragma unroll 4
+  for (int s = first; s <= last; ++s) {
+    const size_t slot_row = req.SlotRow(b, s, row);
+    const float w = __expf(req.part_lse[slot_row] - lse);
+    const auto* src = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out) +
+                      slot_row * (kLatentDim / 4);
+#pragma unroll
+    for (int g = 0; g < kColsPerLane / 4; ++g) {
+      const float4 v = Widen(src[g * 32 + lane]);
+      acc[4 * g + 0] = fmaf(w, v.x, acc[4 * g + 0]);
+      acc[4 * g + 1] = fmaf(w, v.y, acc[4 * g + 1]);
+      acc[4 * g + 2] = fmaf(w, v.z, acc[4 * g + 2]);
+      acc[4 * g + 3] = fmaf(w, v.w, acc[4 * g + 3]);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kColsPerLane / 4; ++g) {
+    __nv_bfloat162 lo = __floats2bfloat162_rn(acc[4 * g] * p.output_scale,
+                                              acc[4 * g + 1] * p.output_scale);
+    __nv_bfloat162 hi = __floats2bfloat162_rn(acc[4 * g + 2] * p.output_scale,
+                                              acc[4 * g + 3] * p.output_scale);
+    uint2 v;
+    v.x = *reinterpret_cast<uint32_t*>(&lo);
+    v.y = *reinterpret_cast<uint32_t*>(&hi);
+    *reinterpret_cast<uint2*>(out + g * 128 + lane * 4) = v;
+  }
+  if (lane == 0) *lse_out = lse;
 }
 
 // The same merge with kCombineWarpsPerRow warps per output row, each owning 512 / that many
@@ -292,6 +239,7 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   const int col0 = (warp % kCombineWarpsPerRow) * kCols + lane * 4;
   const bool writes_lse = warp % kCombineWarpsPerRow == 0 && lane == 0;
   const SplitRequest req = SplitRequest::Load(p, ScheduleView::Load(p, num_parts), num_parts, b);
+  GridDependencyWait();
   const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                        (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
@@ -305,80 +253,68 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   };
   const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
 
-  if (req.n == 0 || first == last) {  // nothing to merge
-    GridDependencyWait();
-    if (req.n == 0) write(zero, kNegInf);
+  if (req.n == 0) {
+    write(zero, kNegInf);
     return;
   }
-  const SplitsReady ready = SplitsReady::For(p, req, row, rows, kCombineWarpsPerRow);
-  ready.Wait(lane);
-  auto merge = [&]() {
-    auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
-    // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last),
-    // as stored (bf16 ones are widened where they are accumulated).
-    const auto* part_out = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out);
-    PartialCols<kBf16Partials> v[kRowsInFlight];
-    auto load_rows = [&](int s0) {
+  if (first == last) return;
+  auto slot_row = [=](int s) { return req.SlotRow(b, s, row); };
+  // This lane's columns of the partial rows of splits s0 .. s0 + kRowsInFlight - 1 (up to last),
+  // as stored (bf16 ones are widened where they are accumulated).
+  const auto* part_out = reinterpret_cast<const PartialCols<kBf16Partials>*>(req.part_out);
+  PartialCols<kBf16Partials> v[kRowsInFlight];
+  auto load_rows = [&](int s0) {
+#pragma unroll
+    for (int i = 0; i < kRowsInFlight; ++i) {
+      if (s0 + i <= last) v[i] = part_out[(slot_row(s0 + i) * kLatentDim + col0) / 4];
+    }
+  };
+  load_rows(first);
+
+  // Lane j's LSE of split first + j (the common case of at most 32 splits reads each once).
+  const float lse_first = first + lane <= last ? req.part_lse[slot_row(first + lane)] : kNegInf;
+  float max_lse = lse_first;
+  for (int s = first + 32 + lane; s <= last; s += 32) {
+    max_lse = fmaxf(max_lse, req.part_lse[slot_row(s)]);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+  if (max_lse == kNegInf) {
+    write(zero, kNegInf);
+    return;
+  }
+  float sum = __expf(lse_first - max_lse);
+  for (int s = first + 32 + lane; s <= last; s += 32) {
+    sum += __expf(req.part_lse[slot_row(s)] - max_lse);
+  }
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+  const float lse = max_lse + __logf(sum);
+
+  float4 acc = zero;
+  for (int base = first; base <= last; base += 32) {
+    // Lane j holds the weight of split base + j.
+    const float lse_lane = base == first ? lse_first
+                           : base + lane <= last ? req.part_lse[slot_row(base + lane)]
+                                                 : kNegInf;
+    const float w_lane = __expf(lse_lane - lse);
+    for (int sub = 0; sub < 32 && base + sub <= last; sub += kRowsInFlight) {
+      if (base + sub != first) load_rows(base + sub);
 #pragma unroll
       for (int i = 0; i < kRowsInFlight; ++i) {
-        if (s0 + i <= last) {
-          v[i] = LoadPartial(part_out + (slot_row(s0 + i) * kLatentDim + col0) / 4);
-        }
-      }
-    };
-    load_rows(first);
-
-    // Lane j's LSE of split first + j (the common case of at most 32 splits reads each once).
-    const float lse_first =
-        first + lane <= last ? LoadPartialLse(req.part_lse + slot_row(first + lane)) : kNegInf;
-    float max_lse = lse_first;
-    for (int s = first + 32 + lane; s <= last; s += 32) {
-      max_lse = fmaxf(max_lse, LoadPartialLse(req.part_lse + slot_row(s)));
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) {
-      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
-    }
-    if (max_lse == kNegInf) {
-      write(zero, kNegInf);
-      return;
-    }
-    float sum = __expf(lse_first - max_lse);
-    for (int s = first + 32 + lane; s <= last; s += 32) {
-      sum += __expf(LoadPartialLse(req.part_lse + slot_row(s)) - max_lse);
-    }
-#pragma unroll
-    for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-    const float lse = max_lse + __logf(sum);
-
-    float4 acc = zero;
-    for (int base = first; base <= last; base += 32) {
-      // Lane j holds the weight of split base + j.
-      const float lse_lane =
-          base == first         ? lse_first
-          : base + lane <= last ? LoadPartialLse(req.part_lse + slot_row(base + lane))
-                                : kNegInf;
-      const float w_lane = __expf(lse_lane - lse);
-      for (int sub = 0; sub < 32 && base + sub <= last; sub += kRowsInFlight) {
-        if (base + sub != first) load_rows(base + sub);
-#pragma unroll
-        for (int i = 0; i < kRowsInFlight; ++i) {
-          if (base + sub + i <= last) {
-            const float w = __shfl_sync(0xffffffffu, w_lane, sub + i);
-            const float4 x = Widen(v[i]);
-            acc.x = fmaf(w, x.x, acc.x);
-            acc.y = fmaf(w, x.y, acc.y);
-            acc.z = fmaf(w, x.z, acc.z);
-            acc.w = fmaf(w, x.w, acc.w);
-          }
+        if (base + sub + i <= last) {
+          const float w = __shfl_sync(0xffffffffu, w_lane, sub + i);
+          const float4 x = Widen(v[i]);
+          acc.x = fmaf(w, x.x, acc.x);
+          acc.y = fmaf(w, x.y, acc.y);
+          acc.z = fmaf(w, x.z, acc.z);
+          acc.w = fmaf(w, x.w, acc.w);
         }
       }
     }
-    const float f = p.output_scale;
-    write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
-  };
-  merge();
-  ready.Done(lane);
+  }
+  const float f = p.output_scale;
+  write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
 }
 
 }  // namespace sm90

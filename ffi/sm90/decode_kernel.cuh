@@ -41,7 +41,6 @@
 
 #include "decode_params.h"
 #include "fragment_layout.h"
-#include "split_counters.cuh"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
 #include "trace.cuh"
@@ -56,8 +55,6 @@ struct DecodeKernelArgs {
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
   bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
-  bool count_splits;    // each split segment's stored partial results are counted on the counters
-                        // of p.split_counter_slot, on which the combine kernel waits
 };
 
 namespace detail {
@@ -1047,25 +1044,6 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   ConsumerSync();
 }
 
-constexpr int kSplitStoredBarrier = 6;  // the consumers and the counting warp: a split is stored
-
-// The producer warpgroup's counting warp (DecodeKernelArgs::count_splits): for each split segment
-// of the part, once every consumer thread has stored its partial results and arrived on
-// kSplitStoredBarrier, counts them on the counter of (the request's first part, this M tile), off
-// the consumers' path.
-__device__ __forceinline__ void CountSplits(const DecodeParams& p, SegmentWalker& walker,
-                                            int mtile, int m_tiles, int lane) {
-  Segment seg;
-  while (walker.Next(seg)) {
-    if (seg.whole) continue;
-    cutlass::arch::NamedBarrier::sync(kConsumerThreads + 32, kSplitStoredBarrier);
-    if (lane == 0) {
-      const int first = walker.view.PartOf(seg.b, 0);
-      CountStoredSplit(SplitCounter(p.split_counter_slot, first * m_tiles + mtile));
-    }
-  }
-}
-
 }  // namespace detail
 
 // kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
@@ -1169,10 +1147,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                            p.page_size);
       ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease>(
           q_map, kv_map, args, smem, walker, mtile, cta_rank);
-    } else if (args.count_splits && warp == kConsumerThreads / 32 + 2) {
-      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                           p.page_size);
-      CountSplits(p, walker, mtile, m_tiles, lane);
     }
   } else {
   // ------------------------------------------------------------------ consumer warpgroups
@@ -1652,9 +1626,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
                sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
-    if (args.count_splits && !seg_info.whole) {
-      cutlass::arch::NamedBarrier::arrive(kConsumerThreads + 32, kSplitStoredBarrier);
-    }
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
   }

@@ -59,13 +59,6 @@ constexpr int kCombineRowsPerBlock = 8;
 constexpr int kCombineWarpsPerRow = 4;
 constexpr int kCombineWideRowsPerBlock = 2;
 
-// Split requests' completion counters (split_counters.cuh): a pool of counter slots per device, one
-// slot per call site that may run a decode (DecodeParams::split_counter_slot), each with a counter
-// per CTA of the decode grid (keyed by a split request's first part and M tile), so the grid must
-// have at most kSplitCountersPerSlot CTAs.
-constexpr int kSplitCounterSlots = 4096;
-constexpr int kSplitCountersPerSlot = 256;
-
 struct DecodeParams {
   // Inputs.
   const void* query;         // bf16 [batch, q_len, num_heads, 576]
@@ -96,10 +89,6 @@ struct DecodeParams {
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1
-  // Counter slot in [0, kSplitCounterSlots) of the split requests' completion counters
-  // (split_counters.cuh), owned by this caller: no other decode that may run at the same time on
-  // the device uses it. -1: none; the combine kernel then waits for the whole decode.
-  int split_counter_slot = -1;
 };
 
 __host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }

@@ -49,11 +49,6 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
-  int count_splits = -1;      // the combine waits for each split request's count of stored
-                              // splits (split_counters.cuh) instead of the whole decode: -1
-                              // (default) and 1 wherever DecodeParams::split_counter_slot's
-                              // counters fit (1 elsewhere rejected), 0 never; other values
-                              // rejected
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -102,7 +97,6 @@ inline bool ValidShape(const DecodeParams& p) {
   if (static_cast<long long>(p.batch) * p.q_len * p.num_heads >= (1ll << 31)) return false;
   if (!(p.softmax_scale > 0.f) || p.num_sms < 1 || p.schedule == nullptr) return false;
   if (p.fixed_cost_blocks < 0 || p.min_blocks_per_part < 1) return false;
-  if (p.split_counter_slot < -1 || p.split_counter_slot >= kSplitCounterSlots) return false;
   if ((reinterpret_cast<uintptr_t>(p.query) | reinterpret_cast<uintptr_t>(p.kv_cache) |
        reinterpret_cast<uintptr_t>(p.out) | reinterpret_cast<uintptr_t>(p.workspace)) & 15) {
     return false;
@@ -233,16 +227,6 @@ inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
 }
 
-// Whether the decode counts its stored splits and the combine waits on the counts
-// (DecodeKernelArgs::count_splits): where the caller gave a counter slot and the largest grid of
-// the shape (NumParts x m_tiles CTAs) fits it, unless turned off; never without the combine kernel,
-// which resets the counters.
-inline bool UseSplitCounters(const LaunchOptions& options, const DecodeParams& p, int m_tiles) {
-  return options.count_splits != 0 && options.combine &&
-         SplitCountersFit(p.split_counter_slot,
-                          NumParts(p.num_sms, p.q_len, p.num_heads) * m_tiles);
-}
-
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
 // both combine kernels read either): by default in the 64-row tiles (score_n == 0), whose
 // partial stores are whole 16-byte chunks, not in the transposed kernels, whose stores are
@@ -335,8 +319,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 32) ||
-      options.count_splits < -1 || options.count_splits > 1) {
+       options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
   const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
@@ -345,10 +328,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const int score_n = detail::TransposedScoreRows(options, cluster, rows);
   if (options.bf16_partials == 1 && score_n != 0) {
-    return cudaErrorInvalidValue;
-  }
-  const int max_ctas = NumParts(p.num_sms, p.q_len, p.num_heads) * m_tiles;
-  if (options.count_splits == 1 && !SplitCountersFit(p.split_counter_slot, max_ctas)) {
     return cudaErrorInvalidValue;
   }
   const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
@@ -363,12 +342,10 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
-  const bool count_splits = detail::UseSplitCounters(options, p, m_tiles);
   DecodeKernelArgs args;
   args.p = p;
   args.num_parts = parts;
   args.bf16_partials = bf16_partials;
-  args.count_splits = count_splits;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
       options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;
@@ -394,7 +371,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (err != cudaSuccess || !options.combine) return err;
 
   DecodeParams cp = p;
-  if (!count_splits) cp.split_counter_slot = -1;  // the combine then waits for the whole decode
   int num_parts = parts;
   void* combine_args[] = {&cp, &num_parts};
   if (wide_combine) {
