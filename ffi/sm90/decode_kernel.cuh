@@ -794,24 +794,6 @@ __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int
       });
 }
 
-// Before the dependency wait, beside PrefetchFirstKvBlocks: asks L2 for this CTA's query rows
-// of the part's first request (PrefetchRequest), so that the query tile's load after the wait
-// finds them there. Whatever the schedule holds, the rows lie inside the query.
-__device__ __forceinline__ void PrefetchFirstQueryTile(const DecodeParams& p, int num_parts,
-                                                       int part, int mtile) {
-  constexpr int kQueryRowBytes = kHeadDim * 2;
-  int x0;
-  const int b =
-      PrefetchRequest(p, num_parts, part, [](const int32_t* x) { return __ldcg(x); }, &x0);
-  if (b < 0) return;
-  const int rows = p.q_len * p.num_heads;
-  const int row0 = mtile * kBlockM;
-  const uint32_t bytes = min(kBlockM, rows - row0) * kQueryRowBytes;
-  const char* tile = static_cast<const char*>(p.query) +
-                     (static_cast<size_t>(b) * rows + row0) * kQueryRowBytes;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(tile), "r"(bytes) : "memory");
-}
-
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
 // consumers released it; with kSplitRelease each of the stage's two parts once its warpgroup
@@ -1154,9 +1136,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     if constexpr (!kFp8 && kScoreN == 0) {
       if (p.batch <= kPrefetchMaxBatch && warp == kConsumerThreads / 32 + 1 && lane == 0) {
         PrefetchFirstKvBlocks(p, args.num_parts, part, mtile, m_tiles);
-      }
-      if (p.batch <= kPrefetchMaxBatch && warp == kConsumerThreads / 32 + 2 && lane == 0) {
-        PrefetchFirstQueryTile(p, args.num_parts, part, mtile);
       }
     }
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();

@@ -141,21 +141,6 @@ struct SegmentWalker {
   }
 };
 
-// The request holding part's first cost unit x0 as the schedule reads (-1 where the part has no
-// work), for hints before the decode's dependency wait: whatever the schedule holds, the result
-// is -1 or in [0, batch). load(ptr) reads one int32 of the schedule.
-template <class Load>
-__host__ __device__ __forceinline__ int PrefetchRequest(const DecodeParams& p, int num_parts,
-                                                        int part, Load load, int* x0) {
-  const int32_t* prefix = p.schedule;
-  const int total = load(prefix + p.batch);
-  if (total <= 0) return -1;
-  const int per_part = UnitsPerPart(total, num_parts, p.min_blocks_per_part);
-  if (part >= CeilDivInt(total, per_part)) return -1;
-  *x0 = part * per_part;
-  return LastAtMost(prefix, p.batch, *x0, load);  // as ScheduleView::FindRequest
-}
-
 // The cache rows of a part's first blocks that the decode asks L2 for before its dependency wait
 // (PrefetchFirstKvBlocks in decode_kernel.cuh), when the schedule, lengths and block table may
 // still be being written: whatever they hold, every read stays inside its array and every row
@@ -172,9 +157,12 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
                                                              int max_halves, Load load,
                                                              Visit visit) {
   const int32_t* prefix = p.schedule;
-  int x0;
-  const int lo = PrefetchRequest(p, num_parts, part, load, &x0);
-  if (lo < 0) return;
+  const int total = load(prefix + p.batch);
+  if (total <= 0) return;
+  const int per_part = UnitsPerPart(total, num_parts, p.min_blocks_per_part);
+  if (part >= CeilDivInt(total, per_part)) return;
+  const int x0 = part * per_part;
+  const int lo = LastAtMost(prefix, p.batch, x0, load);  // as ScheduleView::FindRequest
   const int page_shift = p.page_size == 64 ? 6 : 5;
   int half = 0;  // halves visited or passed over so far
   for (int b = lo; b < min(lo + 2, p.batch) && half < max_halves; ++b) {
