@@ -45,10 +45,6 @@
 #include "smem_layout.cuh"
 #include "trace.cuh"
 
-#ifndef JAX_MLA_SM90_PV_WAIT
-#define JAX_MLA_SM90_PV_WAIT 0
-#endif
-
 namespace jax_mla {
 namespace sm90 {
 
@@ -291,7 +287,7 @@ __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int 
   constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
   const int slot = wg * kSlotsPerWarpgroup + v;
   if constexpr (kFp8) {
-    static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <= Layout::kExchangeBytes,
+    static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <= kFp8ExchangeBytes,
                   "the exchange slots fit in their area");
     return reinterpret_cast<float4*>(smem + Layout::kExchange + slot * kSlotBytes + wg_tid * 16);
   } else {
@@ -588,24 +584,21 @@ struct KFragments {
   uint32_t rope[2][4];
 };
 
-// fp8 cache: reads this thread's two tokens of the staged block (32-token halves staged[0] and
-// staged[1]; their 16 bytes of each of the
+// fp8 cache: reads this thread's two tokens of the staged block (their 16 bytes of each of the
 // warpgroup's latent chunks, their scales of its two groups, and 16 bytes of the rope), converts
 // the e4m3 latent values times their scale to bf16 (exact for power-of-two scales) into the A
 // fragments, and stores the same latent values into the bf16 tile, where PV reads them. Tokens
 // that were not loaded (or lie past the length) are zero in both.
-__device__ __forceinline__ void LoadKFragments(const uint8_t* staged0, const uint8_t* staged1,
-                                               uint8_t* tile, const BlockLoad& load, int wg,
-                                               int wg_tid, KFragments& frag) {
+__device__ __forceinline__ void LoadKFragments(const uint8_t* staged, uint8_t* tile,
+                                               const BlockLoad& load, int wg, int wg_tid,
+                                               KFragments& frag) {
   // The thread's 16 latent channels of each chunk: the four k steps' fragments, in order.
   const int channel0 = PermutedQuery::FragmentChannel(wg_tid, 0);
-  // The thread's two tokens are rows of its warp's 16, in one half.
-  const uint8_t* staged = TransposedScores::Token(wg_tid, 0) < kHalfN ? staged0 : staged1;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = TransposedScores::Token(wg_tid, h);
     const bool loaded = load.RowLoaded(row);
-    const uint8_t* src = staged + (row % kHalfN) * kFp8RowBytes;
+    const uint8_t* src = staged + row * kFp8RowBytes;
     // The scales of the warpgroup's groups 2 wg and 2 wg + 1.
     float2 scales = make_float2(0.f, 0.f);
     if (loaded) scales = *reinterpret_cast<const float2*>(src + kFp8ScalesOffset + 8 * wg);
@@ -742,7 +735,10 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
   if (tid == kConsumerThreads) {
     for (int s = 0; s < Layout::kStageSlots; ++s) {
       Barrier::init(pipe.Full(s), 1);
-      const int releasers = kSplitRelease ? 1 : Layout::kSlotReleasers;
+      // A half stage goes back once every thread of its warpgroup read it.
+      const int releasers = Layout::kHalfStages ? kHalfStageReleasers
+                            : kSplitRelease         ? 1
+                                                    : kConsumerWarpgroups;
       Barrier::init(pipe.Empty(s), releasers * kCluster);
       if (kSplitRelease) {
         Barrier::init(pipe.V0Full(s), 1);
@@ -1245,9 +1241,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         Barrier::wait(pipe.V0Full(stage), (it / kStages) & 1);
       }
       SM90_TRACE(kTraceBlockReady, k);
-      const uint32_t kv_addr = kv_addr0 + (Layout::kRegisterScores ? (it & 1) * Layout::kKvTileBytes
-                                           : kFp8                    ? 0
-                                                                     : stage * kTileBytes);
+      const uint32_t kv_addr = kv_addr0 + (kFp8 ? 0 : stage * kTileBytes);
       const int token_base = k * kBlockN;
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
@@ -1266,36 +1260,21 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ReleaseStage<kCluster>(pipe, slot.index);
         ConsumerSync();  // warpgroup 0's QK^T reads both halves
-      } else if constexpr (Layout::kRegisterScores) {
-        // Block it's V tile was last read by the PV of block it - 2, which this warpgroup's QK^T
-        // of the block before waited for. Both warpgroups read both halves of the block (their
-        // own columns); the fence before PV orders the tile's writes before its WGMMAs.
-        const HalfSlot half0 = HalfSlot::Of<Layout>(it, 0), half1 = HalfSlot::Of<Layout>(it, 1);
-        Barrier::wait(pipe.Full(half0.index), half0.round & 1);
-        Barrier::wait(pipe.Full(half1.index), half1.round & 1);
-        WarpgroupSync(wg);
-        LoadKFragments(smem + Layout::kFp8Stages + half0.index * kFp8HalfStageBytes,
-                       smem + Layout::kFp8Stages + half1.index * kFp8HalfStageBytes,
-                       smem + Layout::kKv + (it & 1) * Layout::kKvTileBytes, load, wg, wg_tid,
-                       frag);
-        cutlass::arch::fence_view_async_shared();
-        WarpgroupSync(wg);
-        if (wg_tid == 0) {
-          ReleaseStage<kCluster>(pipe, half0.index);
-          ReleaseStage<kCluster>(pipe, half1.index);
-        }
       } else if constexpr (kFp8) {
         // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
-        // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them.
+        // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
+        // (32 rows), else by the fence before PV.
         const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
         WarpgroupSync(wg);
-        {
+        if constexpr (kScoreN == 16) {
+          LoadKFragments(staged, smem + Layout::kKv, load, wg, wg_tid, frag);
+        } else {
           const int row = wg_tid % kBlockN;
           const int part = 2 * wg + wg_tid / kBlockN;
           DequantiseRow<8>(staged + row * kFp8RowBytes, load.RowLoaded(row), part,
                            smem + Layout::kKv, row);
         }
-        cutlass::arch::fence_view_async_shared();
+        if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
         WarpgroupSync(wg);
         if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       } else if (!load.Complete()) {
@@ -1604,9 +1583,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       cute::warpgroup_commit_batch();
       if (kSplitRelease && wg == 0) {
         v0_pending = stage;  // its PV runs on under the next block's QK^T
-      } else if (kEarlyRelease && (!Layout::kRegisterScores || JAX_MLA_SM90_PV_WAIT)) {
-        // (Register scores: the block's PV runs on under the next block's conversion; that
-        // block's QK^T waits for it.)
+      } else if (kEarlyRelease) {
         cute::warpgroup_wait<0>();
         if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }

@@ -24,7 +24,6 @@ constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRopeDim;                     
 // Query rows (q_len * num_heads) up to which the fp8 cache runs the transposed-score kernel (its
 // query tile has this many rows); more rows run in 64-row tiles.
 constexpr int kFp8TransposedRows = 32;
-constexpr int kFp8RegisterRows = 16;  // the fp8 cache's QK^T from registers: up to 16 query rows
 
 // Tiling.
 constexpr int kBlockM = 64;                       // query rows (q_len * heads, packed) per CTA tile

@@ -239,7 +239,6 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
 inline int KernelSmemBytes(bool fp8, int score_n) {
   if (!fp8) return SmemLayout<false>::kBytes;
-  if (score_n == kFp8RegisterRows) return KernelSmemLayout<true, kFp8RegisterRows>::kBytes;
   return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
                      : KernelSmemLayout<true, 0>::kBytes;
 }

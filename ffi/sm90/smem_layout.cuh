@@ -26,9 +26,12 @@ constexpr int kTileBytes = kNumChunks * kChunkBytes;      // 73728
 constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemBytes = 232448;  // per block on SM90 (227 KB)
 
-// fp8 cache: a staged 64-token block of raw cache rows (docs/fp8-cache.md).
+// fp8 cache: a staged 64-token block of raw cache rows (docs/fp8-cache.md), and the exchange area
+// of the transposed scores' partial S^T (two warpgroups x kFp8TransposedRows / 8 slots of 128 x 16
+// bytes).
 constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;  // 41984
 constexpr int kFp8HalfStageBytes = kFp8StageBytes / 2;  // 32 tokens, one bulk copy
+constexpr int kFp8ExchangeBytes = kConsumerWarpgroups * (kFp8TransposedRows / 8) * 128 * 16;
 constexpr int kFp8ScaleGroups = kLatentDim / kFp8GroupSize;  // 4
 // fp8 cache, 64-row tiles: 32-token stages in a ring (one and a half blocks in flight), each
 // released by every thread of the warpgroup that read it.
@@ -45,39 +48,24 @@ constexpr int kHalfStageReleasers = kConsumerThreads / kConsumerWarpgroups;
 //  - fp8 cache, 64-row tiles (kQRows 64): the query tile, the bf16 KV tile, a ring of
 //    kFp8HalfStages stages of 32 tokens (a block's half h is converted by warpgroup h), P, the row
 //    statistics and the barriers.
-//  - fp8 cache, QK^T from registers (kQRows = kFp8RegisterRows): the query tile, two bf16 V tiles
-//    (the latent columns only; block k's in tile k % 2, so that a block's conversion need not wait
-//    for the PV of the block before), a ring of kFp8HalfStages stages of 32 tokens, each read by
-//    both warpgroups, P, the exchange area, the row statistics and the barriers.
 template <bool kFp8, int kQRows = kBlockM>
 struct SmemLayout {
-  static_assert(kQRows == kBlockM ||
-                    (kFp8 && (kQRows == kFp8TransposedRows || kQRows == kFp8RegisterRows)),
-                "query tile rows");
-  static constexpr bool kRegisterScores = kFp8 && kQRows == kFp8RegisterRows;
-  static constexpr bool kHalfStages = kFp8 && (kQRows == kBlockM || kRegisterScores);
+  static_assert(kQRows == kBlockM || (kFp8 && kQRows == kFp8TransposedRows), "query tile rows");
+  static constexpr bool kHalfStages = kFp8 && kQRows == kBlockM;
   // Pipeline slots, each with a full and an empty barrier: the KV stages, or the half stages.
   static constexpr int kStageSlots = kHalfStages ? kFp8HalfStages : kStages;
-  // Arrivals that hand a slot back: every thread of the warpgroup that converts a 64-row tile's
-  // half stage; one per warpgroup where both read it (register scores) or a stage (the rest).
-  static constexpr int kSlotReleasers =
-      kHalfStages && !kRegisterScores ? kHalfStageReleasers : kConsumerWarpgroups;
   static constexpr int kQChunkRows = kQRows;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
   static constexpr int kQ = 0;
   static constexpr int kKv = kQ + kNumChunks * kQChunkBytes;
-  static constexpr int kKvTiles = kRegisterScores ? 2 : kFp8 ? 1 : kStages;
-  static constexpr int kKvTileBytes = kRegisterScores ? kNumVChunks * kChunkBytes : kTileBytes;
-  static constexpr int kFp8Stages = kKv + kKvTiles * kKvTileBytes;
+  static constexpr int kKvTiles = kFp8 ? 1 : kStages;
+  static constexpr int kFp8Stages = kKv + kKvTiles * kTileBytes;
   static constexpr int kFp8StageSize = kHalfStages ? kFp8HalfStageBytes : kFp8StageBytes;
   static constexpr int kP =
       (kFp8Stages + (kFp8 ? kStageSlots * kFp8StageSize : 0) + 1023) / 1024 * 1024;
   static constexpr int kPTileBytes = kQRows * kRowBytes;  // P: kQRows rows x 64 tokens, bf16
   static constexpr int kExchange = kP + kPTileBytes;
-  // The transposed scores' partial S^T: two warpgroups x kQRows / 8 slots of 128 x 16 bytes.
-  static constexpr int kExchangeBytes =
-      kFp8 && kQRows < kBlockM ? kConsumerWarpgroups * (kQRows / 8) * 128 * 16 : 0;
-  static constexpr int kRowMax = kExchange + kExchangeBytes;
+  static constexpr int kRowMax = kExchange + (kFp8 && !kHalfStages ? kFp8ExchangeBytes : 0);
   static constexpr int kRowSum = kRowMax + kConsumerWarpgroups * kBlockM * 4;  // f32 [2][64]
   static constexpr int kBarriers = kRowSum + kConsumerWarpgroups * kBlockM * 4;
   // q_full, q_empty, then full and empty of each slot, then (bf16 cache) full and empty of each
@@ -92,12 +80,9 @@ struct SmemLayout {
 };
 
 // The layout of DecodeKernel<..., kScoreN, kFp8>: the fp8 cache's transposed scores have their own
-// query tile of kFp8RegisterRows rows (kScoreN 16, QK^T from registers) or kFp8TransposedRows.
+// query tile of kFp8TransposedRows rows.
 template <bool kFp8, int kScoreN>
-using KernelSmemLayout =
-    SmemLayout<kFp8, !kFp8 || kScoreN == 0 ? kBlockM
-                     : kScoreN == kFp8RegisterRows ? kFp8RegisterRows
-                                                   : kFp8TransposedRows>;
+using KernelSmemLayout = SmemLayout<kFp8, (kFp8 && kScoreN > 0) ? kFp8TransposedRows : kBlockM>;
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
