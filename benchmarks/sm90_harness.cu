@@ -56,6 +56,7 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings (--cluster2/1)
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
+static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-registers": 1)
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
@@ -439,6 +440,7 @@ static void RunOnce(const Problem& pb, int copy) {
   LaunchOptions opt;
   ApplyClusterFlag(opt, pb.spec.q_len, pb.spec.heads);
   opt.transposed_scores = g_transposed;
+  opt.fp8_registers = g_fp8_registers;
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
@@ -700,6 +702,10 @@ static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
 }
 
+static std::vector<Variant> Fp8RegistersVariants() {
+  return {{"fp8-registers", With([](LaunchOptions& o) { o.fp8_registers = 1; })}};
+}
+
 static std::vector<Variant> ClusterVariants() {
   return {{"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
           {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
@@ -747,6 +753,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
   else if (which == "partials") append(PartialsVariants());
+  else if (which == "fp8-registers") append(Fp8RegistersVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -1000,6 +1007,7 @@ int main(int argc, char** argv) {
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--cluster1") g_cluster = 1;
     else if (a == "--plain-scores") g_transposed = 0;
+    else if (a == "--fp8-registers") g_fp8_registers = 1;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--split-release") g_split_release = 1;
@@ -1074,7 +1082,7 @@ int main(int argc, char** argv) {
     // How many clusters of n CTAs of the 64-row bf16 decode kernel (one CTA per SM) the device
     // holds at once, n = 1..16 (above 8 a non-portable cluster size).
     const void* kernel = detail::SelectKernel(LaunchOptions(), 2, 128, false, 2);
-    const int smem = detail::KernelSmemBytes(false, 0);
+    const int smem = detail::KernelSmemBytes(LaunchOptions(), false, 0);
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     printf("| cluster size | clusters at once | CTAs at once |\n|---|---|---|\n");

@@ -17,6 +17,7 @@
 #include "ffi/sm90/fragment_layout.h"
 
 using jax_mla::sm90::PermutedQuery;
+using jax_mla::sm90::RegsOperands;
 using jax_mla::sm90::TransposedScores;
 
 static std::string Check(int n) {
@@ -114,6 +115,46 @@ static std::string CheckPermutedQuery() {
   return "";
 }
 
+// DecodeFp8RegsKernel: the f16 query's columns a permutation of each k step, a lane's A fragment
+// columns 2q, 2q + 1, 2q + 8, 2q + 9 the channels 4q .. 4q + 3 of its ldmatrix word, and O^T's
+// rows every column of a 64-column tile once, in pairs of adjacent columns per thread.
+static std::string CheckRegsOperands() {
+  std::set<int> channels;
+  for (int c = 0; c < 16; ++c) {
+    const int channel = RegsOperands::QueryChannel(c);
+    if (channel < 0 || channel >= 16 || !channels.insert(channel).second) {
+      return "query column " + std::to_string(c) + " repeats or leaves its k step";
+    }
+  }
+  for (int lane = 0; lane < 32; ++lane) {
+    const int q = lane % 4;
+    const int columns[4] = {2 * q, 2 * q + 1, 2 * q + 8, 2 * q + 9};
+    for (int e = 0; e < 4; ++e) {
+      if (RegsOperands::QueryChannel(columns[e]) != 4 * q + e) {
+        return "lane " + std::to_string(lane) + ": fragment column " + std::to_string(columns[e]) +
+               " is not byte " + std::to_string(e) + " of its word";
+      }
+    }
+  }
+  std::set<int> columns;
+  for (int t = 0; t < 128; ++t) {
+    const int first = RegsOperands::OutputColumn(t, 0);
+    if (first % 2 != 0 || RegsOperands::OutputColumn(t, 1) != first + 1) {
+      return "thread " + std::to_string(t) + "'s output columns are not an aligned pair";
+    }
+    // The four lanes of a quad hold the same columns (different query rows).
+    if (t % 4 == 0) {
+      for (int half = 0; half < 2; ++half) {
+        if (!columns.insert(RegsOperands::OutputColumn(t, half)).second) {
+          return "output column held by two quads";
+        }
+      }
+    }
+  }
+  if (columns.size() != 64 || *columns.rbegin() != 63) return "output columns not covered";
+  return "";
+}
+
 int main() {
   for (int n : {16, 32}) {
     const std::string failure = Check(n);
@@ -128,6 +169,12 @@ int main() {
     std::printf("ok permuted-query\n");
   } else {
     std::printf("FAIL permuted-query: %s\n", failure.c_str());
+  }
+  const std::string regs_failure = CheckRegsOperands();
+  if (regs_failure.empty()) {
+    std::printf("ok register-operands\n");
+  } else {
+    std::printf("FAIL register-operands: %s\n", regs_failure.c_str());
   }
   return 0;
 }

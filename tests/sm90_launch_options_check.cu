@@ -74,6 +74,8 @@ int main() {
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
+  Run("fp8_registers=2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = 2; });
+  Run("fp8_registers=-2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = -2; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
   RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
   RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });

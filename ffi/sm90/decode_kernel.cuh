@@ -827,8 +827,8 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
                                    q_row);
     }
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-      const int stage = it % kStages;
-      const int round = it / kStages;
+      const int stage = it % Layout::kStageSlots;
+      const int round = it / Layout::kStageSlots;
       uint64_t* full = pipe.Full(stage);
       // The block table is read before waiting for the stage, so the read overlaps the wait.
       int kv_rows[2];

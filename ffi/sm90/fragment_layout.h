@@ -55,6 +55,21 @@ struct PermutedQuery {
   static JAX_MLA_HD int FragmentChannel(int lane, int j) { return 16 * (lane % 4) + 4 * j; }
 };
 
+// fp8 cache, DecodeFp8RegsKernel: both MMAs take the cache operand from registers loaded by
+// ldmatrix from raw cache rows.
+//  - Scores (A = a warp's 16 tokens x 16 channels of a k step, one 16-byte unit of each row): a
+//    lane's four bytes are channels 4q .. 4q + 3 (q = lane % 4) of the unit, so the f16 query's
+//    columns are permuted within each k step: column c holds channel QueryChannel(c).
+//  - PV (A = V^T, ldmatrix.trans of 16 channels x 16 tokens): a lane holds channels 2r and 2r + 1
+//    (r = lane / 4) of the warp's 16, as A rows r and r + 8, so element `half` of a thread's O^T
+//    rows is channel OutputColumn(wg_tid, half) of its 64-column tile.
+struct RegsOperands {
+  static JAX_MLA_HD int QueryChannel(int c) { return 4 * (c % 8 / 2) + c % 2 + 2 * (c / 8); }
+  static JAX_MLA_HD int OutputColumn(int wg_tid, int half) {
+    return 16 * (wg_tid / 32) + 2 * ((wg_tid % 32) / 4) + half;
+  }
+};
+
 }  // namespace sm90
 }  // namespace jax_mla
 

@@ -18,6 +18,7 @@
 #include <mutex>
 
 #include "combine_kernel.cuh"
+#include "decode_fp8_regs_kernel.cuh"
 #include "decode_kernel.cuh"
 #include "decode_params.h"
 #include "schedule.cuh"
@@ -49,6 +50,10 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
+  int fp8_registers = -1;     // the fp8 cache up to 16 query rows in DecodeFp8RegsKernel (cache
+                              // operands in registers, two blocks in flight) instead of
+                              // DecodeKernel's transposed path: -1 (default) never, 1 always,
+                              // 0 never
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -236,9 +241,15 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
   return score_n == 0;
 }
 
+// Whether the fp8 cache's kernel for kScoreN score_n is DecodeFp8RegsKernel.
+inline bool UseFp8Registers(const LaunchOptions& options, bool fp8, int score_n) {
+  return fp8 && score_n == 16 && options.fp8_registers == 1;
+}
+
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
-inline int KernelSmemBytes(bool fp8, int score_n) {
+inline int KernelSmemBytes(const LaunchOptions& options, bool fp8, int score_n) {
   if (!fp8) return SmemLayout<false>::kBytes;
+  if (UseFp8Registers(options, fp8, score_n)) return Fp8RegsSmemLayout::kBytes;
   return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
                      : KernelSmemLayout<true, 0>::kBytes;
 }
@@ -265,7 +276,11 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
                                 int m_tiles) {
   if (fp8) {
     if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
-    switch (TransposedScoreRows(options, cluster, rows)) {
+    const int score_n = TransposedScoreRows(options, cluster, rows);
+    if (UseFp8Registers(options, fp8, score_n)) {
+      return reinterpret_cast<const void*>(&DecodeFp8RegsKernel);
+    }
+    switch (score_n) {
       case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
       case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32, true>);
       default: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true>);
@@ -317,7 +332,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (options.cluster < -1 || options.cluster == 0 || options.transposed_scores < -1 ||
       options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
-      options.bf16_partials > 1 ||
+      options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
        options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
@@ -330,7 +345,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   if (options.bf16_partials == 1 && score_n != 0) {
     return cudaErrorInvalidValue;
   }
-  const int smem_bytes = detail::KernelSmemBytes(p.kv_fp8, score_n);
+  const int smem_bytes = detail::KernelSmemBytes(options, p.kv_fp8, score_n);
   detail::KernelInfo info;
   cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;

@@ -1,0 +1,677 @@
+// The fp8 cache up to 16 query rows with both MMAs' cache operands in registers
+// (DecodeFp8RegsKernel; docs/fp8-cache.md, "Register operands").
+//
+// CTA = 2 consumer warpgroups + 1 producer warpgroup, one CTA per SM, the schedule, segments,
+// producer and combine of DecodeKernel. What differs:
+//  - the two consumer warpgroups take alternate KV blocks of the CTA's walk, each with its own
+//    softmax state and output, so that two blocks are in flight per CTA; at the end of a segment
+//    they merge (through shared memory) and each stores half of the output columns;
+//  - a ring of four 64-token stages of raw cache rows, no bf16 tile: the scores' A operand (the
+//    block's keys, M = 64 tokens) and PV's (V^T, M = 64 latent columns) are loaded from the raw
+//    rows by ldmatrix (PV's transposed) and converted e4m3 -> f16 in registers, one instruction a
+//    pair; the MMAs are f16 with fp32 accumulation;
+//  - the group scales stay out of the operands: the scores keep one accumulator per latent group
+//    (and one for the bf16 rope), summed with each token's scales in fp32; P is written once per
+//    group, times the token's scale over the group's running maximum scale (R_g, a power of two for
+//    write_kv's scales), and the output of group g is in units of R_g;
+//  - the query's latent part is converted once per segment to f16 times a power of two per row
+//    (its largest value lands in [2^14, 2^15)), its columns permuted within each 16-column k step
+//    so that a lane's fragment is four consecutive bytes of a cache row; the rope stays bf16.
+// Safety as DecodeKernel: rows of a block past the length or in a page not loaded are zeroed in
+// the stage before any read (e4m3, scales and rope), and their scores masked by select.
+#pragma once
+
+#include <cuda_fp16.h>
+
+#include "decode_kernel.cuh"
+
+namespace jax_mla {
+namespace sm90 {
+
+// Shared memory of DecodeFp8RegsKernel, byte offsets from the 1024-aligned base: the query tile
+// (16 rows, nine 128-byte-swizzled chunks: eight f16 latent, one bf16 rope), the ring of raw
+// 64-token stages, each warpgroup's four P tiles (one per latent group, f16 [16 rows][64 tokens],
+// K-major), the warpgroups' reduction buffers, the merge statistics, the query rows' scales and
+// the barriers. The P tiles double as the buffer of the end-of-segment merge.
+struct Fp8RegsSmemLayout {
+  static constexpr bool kHalfStages = false;
+  static constexpr int kStageSlots = 4;
+  static constexpr int kQChunkRows = 16;
+  static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
+  static constexpr int kQ = 0;
+  static constexpr int kFp8Stages = kQ + kNumChunks * kQChunkBytes;
+  static constexpr int kKv = kFp8Stages;  // no bf16 tile (ProduceTiles' bf16 branch names it)
+  static constexpr int kPTileBytes = kQChunkRows * kRowBytes;
+  static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
+  // Per warpgroup: f32 [4 warps][32] (16 row maxima or sums, then 4 group scale maxima).
+  static constexpr int kReduceFloats = 4 * 32;
+  static constexpr int kReduce = kP + kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes;
+  // Per warpgroup: f32 [16 rows][2] (m, l), then f32 [4] (R_g).
+  static constexpr int kStatsFloats = 2 * kQChunkRows + kFp8ScaleGroups;
+  static constexpr int kStats = kReduce + kConsumerWarpgroups * kReduceFloats * 4;
+  static constexpr int kRowScale = kStats + kConsumerWarpgroups * kStatsFloats * 4;
+  static constexpr int kBarriers = (kRowScale + kQChunkRows * 4 + 7) / 8 * 8;
+  static constexpr int kNumBarriers = 2 + 2 * kStageSlots;
+  static constexpr int kUsed = kBarriers + kNumBarriers * 8;
+  static constexpr int kBytes = kUsed + kSmemAlign;
+  static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
+  static_assert(kFp8Stages % 1024 == 0 && kP % 1024 == 0, "swizzled tiles need 1024-byte alignment");
+  static_assert(kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes == 128 * 32 * 4,
+                "the P tiles hold a warpgroup's half of the output, 32 floats a thread");
+};
+
+namespace detail {
+
+using QkF16Rs = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
+                                                             cute::SM90::GMMA::Major::K>;
+using QkBf16Rs = TransposedRsMmaFor<16>::type;
+using PvF16Rs = QkF16Rs;
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t addr, uint32_t (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void StMatrixX4Trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// Two e4m3 values (the low byte of `pair` first) as two f16 (the first in the low half): exact.
+__device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t pair) {
+  uint32_t out;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}"
+      : "=r"(out)
+      : "r"(pair));
+  return out;
+}
+
+__device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Converts the segment's query tile in place: the latent columns of each row to f16 times the
+// row's power of two 2^e (its largest magnitude then in [2^14, 2^15); 1 for a zero row), permuted
+// within each 16-column k step by RegsQueryChannel; writes 2^-e to row_scale[row]. The 256
+// consumer threads take 32 columns of one row each; the caller fences and synchronises them.
+__device__ __forceinline__ void ConvertQueryToF16(uint8_t* q_tile, float* row_scale, int tid) {
+  using Layout = Fp8RegsSmemLayout;
+  const int row = tid / 16;
+  const int piece = tid % 16;
+  uint8_t* chunk = q_tile + (piece / 2) * Layout::kQChunkBytes;
+  const int unit0 = 4 * (piece % 2);
+  uint4 raw[4];
+  float v[32];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) {
+    raw[u] = *reinterpret_cast<const uint4*>(chunk + SwizzledOffset(row, 8 * (unit0 + u)));
+    const uint32_t w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[8 * u + 2 * j] = __uint_as_float(w[j] << 16);
+      v[8 * u + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int d = 1; d < 16; d <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+  int e = 0;
+  if (amax > 0.f && amax <= 3.4e38f) {
+    int x;
+    frexpf(amax, &x);  // amax in [2^(x - 1), 2^x)
+    e = min(15 - x, 126);
+  }
+  const float up = ldexpf(1.f, e);
+  if (piece == 0) row_scale[row] = ldexpf(1.f, -e);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {  // the piece's two k steps
+    uint32_t out[8];
+#pragma unroll
+    for (int c = 0; c < 16; c += 2) {
+      out[c / 2] = PackF16x2(v[16 * s + RegsOperands::QueryChannel(c)] * up,
+                             v[16 * s + RegsOperands::QueryChannel(c + 1)] * up);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      *reinterpret_cast<uint4*>(chunk + SwizzledOffset(row, 8 * (unit0 + 2 * s + h))) =
+          make_uint4(out[4 * h], out[4 * h + 1], out[4 * h + 2], out[4 * h + 3]);
+    }
+  }
+}
+
+// Zeroes the raw rows of a staged block that were not loaded or hold tokens past the length
+// (all 656 bytes: e4m3 zero is +0, a zero scale and zero rope), so that nothing of them reaches
+// the MMAs but zeros. The warpgroup's 128 threads take half a row each; the caller fences and
+// synchronises them.
+__device__ __forceinline__ void ZeroUnloadedRawRows(uint8_t* staged, const BlockLoad& load,
+                                                    int wg_tid) {
+  constexpr int kUnits = kFp8RowBytes / 16;  // 41
+  const int row = wg_tid / 2;
+  if (load.RowLoaded(row)) return;
+  uint8_t* dst = staged + row * kFp8RowBytes;
+  for (int u = wg_tid % 2; u < kUnits; u += 2) {
+    *reinterpret_cast<uint4*>(dst + 16 * u) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// This warpgroup's scores of one staged block, S^T (64 tokens x 16 rows), unscaled: sg[g] the sum
+// over latent group g (f16 MMAs on the raw e4m3 values against the f16 query), sr over the rope
+// (bf16). The A fragments go through two register buffers, one latent group (eight k steps) each,
+// so a group converts while the one before runs.
+__device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t q_addr,
+                                                  int warp_in_wg, int lane, float (&sg)[4][8],
+                                                  float (&sr)[8]) {
+  using Layout = Fp8RegsSmemLayout;
+  const uint64_t q_desc = KMajorDesc(q_addr);
+  // ldmatrix row addresses: lane l names token 16 w + 8 ((l / 8) % 2) + l % 8, 16-byte unit l / 16.
+  const uint32_t row_addr =
+      staged_addr + (16 * warp_in_wg + 8 * ((lane / 8) % 2) + lane % 8) * kFp8RowBytes +
+      16 * (lane / 16);
+  uint32_t frag[2][8][4];
+#pragma unroll
+  for (int g = 0; g < 4; ++g) FenceRegisters(sg[g]);
+  FenceRegisters(sr);
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    uint32_t (&f)[8][4] = frag[g % 2];
+    if (g >= 2) cute::warpgroup_wait<1>();
+#pragma unroll
+    for (int pair = 0; pair < 4; ++pair) {
+      uint32_t r[4];
+      LdMatrixX4(row_addr + kFp8GroupSize * g + 32 * pair, r);
+      // r[0], r[1]: tokens g, g + 8 of unit 2 pair; r[2], r[3] of unit 2 pair + 1.
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        f[2 * pair + s][0] = E4m3x2ToF16x2(r[2 * s]);
+        f[2 * pair + s][1] = E4m3x2ToF16x2(r[2 * s + 1]);
+        f[2 * pair + s][2] = E4m3x2ToF16x2(r[2 * s] >> 16);
+        f[2 * pair + s][3] = E4m3x2ToF16x2(r[2 * s + 1] >> 16);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
+    }
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      const int step = 8 * g + s;  // k step of the query tile (16 columns)
+      GmmaRs<QkF16Rs>(f[s], DescAdd(q_desc, QkStepOffset<Layout::kQChunkBytes>(step)), sg[g],
+                      s != 0);
+    }
+    cute::warpgroup_commit_batch();
+  }
+  // The rope: bf16 fragments straight from the rows (buffer 0, free once group 2 is done).
+  cute::warpgroup_wait<1>();
+  uint32_t (&f)[8][4] = frag[0];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) LdMatrixX4(row_addr + kFp8RopeOffset + 32 * j, f[j]);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
+  }
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int step = kLatentDim / 16 + j;
+    GmmaRs<QkBf16Rs>(f[j], DescAdd(q_desc, QkStepOffset<Layout::kQChunkBytes>(step)), sr, j != 0);
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int g = 0; g < 4; ++g) FenceRegisters(sg[g]);
+  FenceRegisters(sr);
+}
+
+// O^T[64 t : 64 t + 64] += V^T P_g^T for the eight 64-column tiles t of the output (group g =
+// t / 2), A = V^T from the raw rows (ldmatrix.trans; row r < 8 of a warp's 16 is latent column
+// 2r of its 16, row r + 8 column 2r + 1), B = the group's P tile. `release` runs once the
+// stage's last values are in registers.
+template <class Release>
+__device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_addr,
+                                              int warp_in_wg, int lane, float (&o)[8][8],
+                                              Release release) {
+  using Layout = Fp8RegsSmemLayout;
+  // ldmatrix.trans row addresses: lane l names token l of a 32-token half, the warp's 16 bytes.
+  const uint32_t row_addr = staged_addr + lane * kFp8RowBytes + 16 * warp_in_wg;
+  uint32_t frag[2][8][4];  // per buffer: [tile of the group][k step]
+#pragma unroll
+  for (int t = 0; t < 8; ++t) FenceRegisters(o[t]);
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    uint32_t (&f)[8][4] = frag[g % 2];
+    if (g >= 2) cute::warpgroup_wait<1>();
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t r[4];
+        LdMatrixX4Trans(row_addr + half * 32 * kFp8RowBytes + 64 * (2 * g + m), r);
+        // r[2 s + j]: k step 2 half + s, tokens 8 j .. 8 j + 7 of it; bytes (column 2r, token 2q),
+        // (2r + 1, 2q), (2r, 2q + 1), (2r + 1, 2q + 1) -> pairs by column.
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const uint32_t by_col = __byte_perm(r[2 * s + j], 0, 0x3120);
+            f[4 * m + 2 * half + s][2 * j] = E4m3x2ToF16x2(by_col);
+            f[4 * m + 2 * half + s][2 * j + 1] = E4m3x2ToF16x2(by_col >> 16);
+          }
+        }
+      }
+    }
+    if (g == 3) release();
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
+    }
+    cute::warpgroup_arrive();
+    const uint64_t p_desc = KMajorDesc(p_addr + g * Layout::kPTileBytes);
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        GmmaRs<PvF16Rs>(f[4 * m + kk], DescAdd(p_desc, kk * 32), o[2 * g + m], true);
+      }
+    }
+    cute::warpgroup_commit_batch();
+  }
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int t = 0; t < 8; ++t) FenceRegisters(o[t]);
+}
+
+// Row i (< 4) of a thread's transposed fragment and the element of token half h.
+__device__ __forceinline__ int RegsElement(int i, int h) { return TransposedScores::Element(i, h); }
+
+}  // namespace detail
+
+// fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
+__global__ void __launch_bounds__(kThreads, 1)
+DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
+                    const __grid_constant__ CUtensorMap kv_map, const DecodeKernelArgs args) {
+  using Layout = Fp8RegsSmemLayout;
+  using namespace detail;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  constexpr int kRowsT = 4;  // query rows per thread
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
+  const Pipeline pipe = Pipeline::At<Layout>(smem);
+  const DecodeParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int rows = p.q_len * p.num_heads;
+  const int part = blockIdx.x;
+
+  if (tid < kConsumerThreads && args.q_box_rows < Layout::kQChunkRows) {
+    const int units = (Layout::kQChunkRows - args.q_box_rows) * kNumChunks * (kRowBytes / 16);
+    for (int i = tid; i < units; i += kConsumerThreads) {
+      const int row = args.q_box_rows + i / (kNumChunks * 8);
+      const int chunk = (i / 8) % kNumChunks;
+      *reinterpret_cast<uint4*>(smem + Layout::kQ + chunk * Layout::kQChunkBytes +
+                                row * kRowBytes + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
+  if (tid == kConsumerThreads) {
+    for (int s = 0; s < Layout::kStageSlots; ++s) {
+      Barrier::init(pipe.Full(s), 1);
+      Barrier::init(pipe.Empty(s), 128);  // every thread of the warpgroup that read it
+    }
+    Barrier::init(pipe.QFull(), 1);
+    Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp >= kConsumerThreads / 32) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    GridDependencyWait();
+    GridDependencyLaunchDependents();
+    if (warp == kConsumerThreads / 32 && lane == 0) {
+      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
+                           p.page_size);
+      ProduceTiles<1, true, Layout>(q_map, kv_map, args, smem, walker, 0, 0);
+    }
+    return;
+  }
+
+  GridDependencyWait();
+  GridDependencyLaunchDependents();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
+                       p.page_size);
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const int wg_tid = tid % 128;
+  const int warp_in_wg = wg_tid / 32;
+  const float sl2 = args.scale_log2;
+  const uint32_t q_addr = SmemAddr(smem + Layout::kQ);
+  const uint32_t stages_addr = SmemAddr(smem + Layout::kFp8Stages);
+  uint8_t* const p_tiles = smem + Layout::kP + wg * kFp8ScaleGroups * Layout::kPTileBytes;
+  const uint32_t p_addr = SmemAddr(p_tiles);
+  float* const reduce = reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
+  float* const stats = reinterpret_cast<float*>(smem + Layout::kStats);
+  float* const row_scale = reinterpret_cast<float*>(smem + Layout::kRowScale);
+  // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
+  // transposed path.
+  const int tok[2] = {TransposedScores::Token(wg_tid, 0), TransposedScores::Token(wg_tid, 1)};
+  auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
+
+  float o[8][8];
+  Segment seg_info;
+  int it = 0, seg = 0;
+  while (walker.Next(seg_info)) {
+    float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
+    int limit_t[kRowsT];
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      const int row = RowT(i);
+      limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
+      m_t[i] = kNegInf;
+      l_t[i] = 0.f;
+    }
+    float r_g[kFp8ScaleGroups];  // running maximum |scale| of each group (0: none yet)
+#pragma unroll
+    for (int g = 0; g < kFp8ScaleGroups; ++g) r_g[g] = 0.f;
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) o[t][e] = 0.f;
+    }
+
+    Barrier::wait(pipe.QFull(), seg & 1);
+    ConvertQueryToF16(smem + Layout::kQ, row_scale, tid);
+    cutlass::arch::fence_view_async_shared();
+    ConsumerSync();
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) q_scale[i] = row_scale[RowT(i)];
+
+    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
+      if ((it & 1) != wg) continue;
+      const int stage = it % Layout::kStageSlots;
+      const BlockLoad load = BlockLoad::Of(p, seg_info, k);
+      uint8_t* const staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
+      const uint32_t staged_addr = stages_addr + stage * kFp8StageBytes;
+      Barrier::wait(pipe.Full(stage), (it / Layout::kStageSlots) & 1);
+      if (!load.Complete()) {
+        ZeroUnloadedRawRows(staged, load, wg_tid);
+        cutlass::arch::fence_view_async_shared();
+        WarpgroupSync(wg);
+      }
+      float sc[2][kFp8ScaleGroups];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float4 s4 =
+            *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
+        sc[h][0] = s4.x;
+        sc[h][1] = s4.y;
+        sc[h][2] = s4.z;
+        sc[h][3] = s4.w;
+      }
+      float sg[kFp8ScaleGroups][8], sr[8];
+      ScoresFromRawRows(staged_addr, q_addr, warp_in_wg, lane, sg, sr);
+
+      // Scores, masked by select; maxima over the thread's tokens, the eight lanes sharing its
+      // rows, then the warpgroup's warps (with each group's largest |scale| in the block).
+      const int token_base = k * kBlockN;
+      float st[8], mx[kRowsT];
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int e = RegsElement(i, h);
+          float latent = 0.f;
+#pragma unroll
+          for (int g = 0; g < kFp8ScaleGroups; ++g) latent = fmaf(sc[h][g], sg[g][e], latent);
+          const float s = fmaf(latent, q_scale[i], sr[e]);
+          st[e] = (load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i]) ? s : kNegInf;
+        }
+        mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
+#pragma unroll
+        for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+      }
+      float smax[kFp8ScaleGroups];
+#pragma unroll
+      for (int g = 0; g < kFp8ScaleGroups; ++g) {
+        smax[g] = fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g]));
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          smax[g] = fmaxf(smax[g], __shfl_xor_sync(0xffffffffu, smax[g], d));
+        }
+      }
+      if (lane < 4) {
+#pragma unroll
+        for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * 32 + RowT(i)] = mx[i];
+      }
+      if (lane == 0) {
+#pragma unroll
+        for (int g = 0; g < kFp8ScaleGroups; ++g) reduce[warp_in_wg * 32 + 16 + g] = smax[g];
+      }
+      WarpgroupSync(wg);
+      float alpha[kRowsT];
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+        const int row = RowT(i);
+        float m_blk = reduce[row];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * 32 + row]);
+        const float m_new = NextRowMax(m_t[i], m_blk, sl2);
+        const float mu = m_new == kNegInf ? 0.f : m_new;
+        alpha[i] = Exp2((m_t[i] - mu) * sl2);
+        m_t[i] = m_new;
+        const float nb = -mu * sl2;
+        const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
+        st[ea] = Exp2(fmaf(st[ea], sl2, nb));
+        st[eb] = Exp2(fmaf(st[eb], sl2, nb));
+        l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
+      }
+      float gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
+#pragma unroll
+      for (int g = 0; g < kFp8ScaleGroups; ++g) {
+        float r_blk = reduce[16 + g];
+#pragma unroll
+        for (int w = 1; w < 4; ++w) r_blk = fmaxf(r_blk, reduce[w * 32 + 16 + g]);
+        const float r_new = fmaxf(r_g[g], r_blk);
+        gf[g] = r_new > r_g[g] ? r_g[g] / r_new : 1.f;
+        r_g[g] = r_new;
+        inv_r[g] = r_new > 0.f ? 1.f / r_new : 0.f;
+      }
+      bool rescale = false;
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
+#pragma unroll
+      for (int g = 0; g < kFp8ScaleGroups; ++g) rescale |= gf[g] != 1.f;
+      if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) {
+            const float f = alpha[i] * gf[t / 2];
+            o[t][RegsElement(i, 0)] *= f;
+            o[t][RegsElement(i, 1)] *= f;
+          }
+        }
+      }
+      // P_g[row][token] = p * scale_g(token) / R_g in f16, one stmatrix.trans per group: matrix
+      // 2 j + h holds tokens 8 h .. of the warp's 16 x query rows 8 j ...
+      {
+        const int mi = lane / 8;
+        const int dst_row = 8 * (mi / 2) + lane % 8;
+        const int dst_tok = 16 * warp_in_wg + 8 * (mi % 2);
+#pragma unroll
+        for (int g = 0; g < kFp8ScaleGroups; ++g) {
+          uint32_t r[4];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float f = sc[h][g] * inv_r[g];
+              r[2 * j + h] = PackF16x2(st[RegsElement(2 * j, h)] * f, st[RegsElement(2 * j + 1, h)] * f);
+            }
+          }
+          StMatrixX4Trans(p_addr + g * Layout::kPTileBytes + SwizzledOffset(dst_row, dst_tok), r);
+        }
+      }
+      cutlass::arch::fence_view_async_shared();
+      WarpgroupSync(wg);
+      PvFromRawRows(staged_addr, p_addr, warp_in_wg, lane, o,
+                    [&] { Barrier::arrive(pipe.Empty(stage)); });
+    }
+    if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
+
+    // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
+    float l[kRowsT];
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      l[i] = l_t[i];
+#pragma unroll
+      for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
+    }
+    if (lane < 4) {
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * 32 + RowT(i)] = l[i];
+    }
+    WarpgroupSync(wg);
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      const int row = RowT(i);
+      l[i] = ((reduce[row] + reduce[32 + row]) + reduce[64 + row]) + reduce[96 + row];
+    }
+    // Merge the two warpgroups: statistics both ways, then each keeps four output tiles and adds
+    // the other's (scaled) values of them through the P tiles.
+    float* const my_stats = stats + wg * Layout::kStatsFloats;
+    const float* const other_stats = stats + (wg ^ 1) * Layout::kStatsFloats;
+    if (warp_in_wg == 0 && lane < 4) {
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+        my_stats[2 * RowT(i)] = m_t[i];
+        my_stats[2 * RowT(i) + 1] = l[i];
+      }
+    }
+    if (wg_tid == 0) {
+#pragma unroll
+      for (int g = 0; g < kFp8ScaleGroups; ++g) my_stats[2 * Layout::kQChunkRows + g] = r_g[g];
+    }
+    ConsumerSync();
+    float m_all[kRowsT], l_all[kRowsT], f_me[kRowsT];
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      const float m_o = other_stats[2 * RowT(i)];
+      const float l_o = other_stats[2 * RowT(i) + 1];
+      const float m = fmaxf(m_t[i], m_o);
+      const float mu = m == kNegInf ? 0.f : m;
+      f_me[i] = m_t[i] == kNegInf ? 0.f : Exp2((m_t[i] - mu) * sl2);
+      const float f_o = m_o == kNegInf ? 0.f : Exp2((m_o - mu) * sl2);
+      l_all[i] = l[i] * f_me[i] + l_o * f_o;
+      m_all[i] = m;
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) {
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+        const float f = f_me[i] * r_g[t / 2];
+        o[t][RegsElement(i, 0)] *= f;
+        o[t][RegsElement(i, 1)] *= f;
+      }
+    }
+    float4* const xbuf = reinterpret_cast<float4*>(smem + Layout::kP);
+#pragma unroll
+    for (int round = 0; round < 2; ++round) {
+      // Round 0: warpgroup 1 hands over tiles 0-3; round 1: warpgroup 0 tiles 4-7.
+      const int giver = round == 0 ? 1 : 0;
+      const int t0 = 4 * round;
+      if (wg == giver) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            xbuf[(2 * t + v) * 128 + wg_tid] = make_float4(o[t0 + t][4 * v], o[t0 + t][4 * v + 1],
+                                                           o[t0 + t][4 * v + 2], o[t0 + t][4 * v + 3]);
+          }
+        }
+      }
+      ConsumerSync();
+      if (wg != giver) {
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+#pragma unroll
+          for (int v = 0; v < 2; ++v) {
+            const float4 x = xbuf[(2 * t + v) * 128 + wg_tid];
+            o[t0 + t][4 * v] += x.x;
+            o[t0 + t][4 * v + 1] += x.y;
+            o[t0 + t][4 * v + 2] += x.z;
+            o[t0 + t][4 * v + 3] += x.w;
+          }
+        }
+      }
+      if (round == 0) ConsumerSync();
+    }
+
+    // Store this warpgroup's tiles 4 wg .. 4 wg + 3: bf16 out and LSE for a request handled whole,
+    // fp32 partial out and LSE in the workspace for a split one.
+    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
+    uint8_t* const wsb = static_cast<uint8_t*>(p.workspace);
+    float* const part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
+    float* const part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
+    const size_t out_row0 = static_cast<size_t>(seg_info.b) * rows;
+    const size_t slot_row0 = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
+    const bool writes_lse = wg == 0 && wg_tid < 4;
+    float mine[4][8];  // tiles 4 wg .. 4 wg + 3, selected without indexing o by wg
+#pragma unroll
+    for (int tt = 0; tt < 4; ++tt) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mine[tt][e] = wg == 0 ? o[tt][e] : o[4 + tt][e];
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      const int row = RowT(i);
+      if (row >= rows) continue;
+      const float inv = l_all[i] > 0.f ? 1.f / l_all[i] : 0.f;
+      const float lse =
+          l_all[i] > 0.f ? (m_all[i] * sl2 + __log2f(l_all[i])) * kLn2 : kNegInf;
+      const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
+#pragma unroll
+      for (int tt = 0; tt < 4; ++tt) {
+        const int col = 64 * (4 * wg + tt) + RegsOperands::OutputColumn(wg_tid, 0);
+        if (seg_info.whole) {
+          const float f = inv * p.output_scale;
+          __nv_bfloat162 v = __floats2bfloat162_rn(mine[tt][ea] * f, mine[tt][eb] * f);
+          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
+                                             (out_row0 + row) * kLatentDim + col) = v;
+        } else {
+          *reinterpret_cast<float2*>(part_out + (slot_row0 + row) * kLatentDim + col) =
+              make_float2(mine[tt][ea] * inv, mine[tt][eb] * inv);
+        }
+      }
+      if (writes_lse) {
+        if (seg_info.whole) {
+          p.lse[out_row0 + row] = lse;
+        } else {
+          part_lse[slot_row0 + row] = lse;
+        }
+      }
+    }
+    ++seg;
+  }
+}
+
+}  // namespace sm90
+}  // namespace jax_mla
