@@ -17,7 +17,7 @@
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|segments|transposed|combine|release|
-//                                     partials|all]
+//                                     partials|l2|fp8-kernels|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -25,6 +25,8 @@
 //   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
+//   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 16 rows
+//   in DecodeKernel's transposed path instead of DecodeFp8RegsKernel).
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
@@ -56,7 +58,7 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings (--cluster2/1)
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
-static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-registers": 1)
+static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-transposed": 0)
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
@@ -702,8 +704,14 @@ static std::vector<Variant> TransposedVariants() {
   return {{"scores-not-transposed", With([](LaunchOptions& o) { o.transposed_scores = 0; })}};
 }
 
-static std::vector<Variant> Fp8RegistersVariants() {
-  return {{"fp8-registers", With([](LaunchOptions& o) { o.fp8_registers = 1; })}};
+static std::vector<Variant> Fp8KernelVariants() {
+  return {{"fp8-transposed", With([](LaunchOptions& o) { o.fp8_registers = 0; })}};
+}
+
+static std::vector<Variant> L2PromotionVariants() {
+  return {{"l2-promo-256", With([](LaunchOptions& o) { o.kv_l2_promotion = 256; })},
+          {"l2-promo-128", With([](LaunchOptions& o) { o.kv_l2_promotion = 128; })},
+          {"l2-promo-none", With([](LaunchOptions& o) { o.kv_l2_promotion = 0; })}};
 }
 
 static std::vector<Variant> ClusterVariants() {
@@ -753,16 +761,15 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "exp") append(ExperimentVariants());
   else if (which == "segments") append(SegmentVariants());
   else if (which == "partials") append(PartialsVariants());
-  else if (which == "fp8-registers") append(Fp8RegistersVariants());
+  else if (which == "fp8-kernels") append(Fp8KernelVariants());
+  else if (which == "l2") append(L2PromotionVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
                o.cluster = 1;
              })},
-            {"l2-promo-128",
-             With([](LaunchOptions& o) { o.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B; })},
-            {"l2-promo-none",
-             With([](LaunchOptions& o) { o.kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_NONE; })}});
+           });
+    append(L2PromotionVariants());
     append(ClusterVariants());
     // kv_evict_first = 2 is replaced per problem by the opposite of the default choice.
     append({{"evict-flip", With([](LaunchOptions& o) { o.kv_evict_first = 2; })}});
@@ -1007,7 +1014,7 @@ int main(int argc, char** argv) {
     if (a == "--cluster2") g_cluster = 2;
     else if (a == "--cluster1") g_cluster = 1;
     else if (a == "--plain-scores") g_transposed = 0;
-    else if (a == "--fp8-registers") g_fp8_registers = 1;
+    else if (a == "--fp8-transposed") g_fp8_registers = 0;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--split-release") g_split_release = 1;

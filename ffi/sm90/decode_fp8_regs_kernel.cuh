@@ -351,9 +351,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
                            p.page_size);
       ProduceTiles<1, true, Layout>(q_map, kv_map, args, smem, walker, 0, 0);
     }
-    return;
-  }
-
+  } else {
+  // ------------------------------------------------------------------ consumer warpgroups
   GridDependencyWait();
   GridDependencyLaunchDependents();
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
@@ -671,6 +670,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
     }
     ++seg;
   }
+}
 }
 
 }  // namespace sm90

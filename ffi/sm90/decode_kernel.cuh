@@ -301,13 +301,18 @@ __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int 
   }
 }
 
-__device__ __forceinline__ void ConsumerSync() {
-  cutlass::arch::NamedBarrier::sync(kConsumerThreads, kConsumerBarrier);
+// A named barrier that is also a compiler barrier for memory: CUTLASS's NamedBarrier::sync has no
+// memory clobber, so without the empty asm statements around it the compiler may move shared-memory
+// loads and stores across it.
+__device__ __forceinline__ void NamedSync(int threads, int id) {
+  asm volatile("" ::: "memory");
+  cutlass::arch::NamedBarrier::sync(threads, id);
+  asm volatile("" ::: "memory");
 }
 
-__device__ __forceinline__ void WarpgroupSync(int wg) {
-  cutlass::arch::NamedBarrier::sync(128, kWarpgroupBarrier + wg);
-}
+__device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kConsumerBarrier); }
+
+__device__ __forceinline__ void WarpgroupSync(int wg) { NamedSync(128, kWarpgroupBarrier + wg); }
 
 // Transposed scores: writes a segment's results from this thread's O^T values (kOTiles tiles of 64
 // of the warpgroup's columns x kScoreN query rows) and its rows' sums l and maxima m (query rows
@@ -1386,7 +1391,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         }
         // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
         // writes the probabilities of tokens [32w, 32w + 32).
-        cutlass::arch::NamedBarrier::sync(kConsumerThreads, kPvDoneBarrier);
+        NamedSync(kConsumerThreads, kPvDoneBarrier);
         if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {

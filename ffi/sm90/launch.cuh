@@ -30,7 +30,8 @@ namespace sm90 {
 // outcome). Production callers pass nothing and get the defaults.
 struct LaunchOptions {
   bool early_release = true;  // see DecodeKernel's kEarlyRelease
-  CUtensorMapL2promotion kv_l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  int kv_l2_promotion = -1;   // L2 promotion of the bf16 cache's tensor map, in bytes: 0, 128 or
+                              // 256; -1 (default) where KvL2Promotion picks it
   int kv_evict_first = -1;    // -1: evict-first hint when each KV tile is read by one CTA only
   int experiment = 0;         // DecodeKernel's kSkip bits (timing experiments, wrong results)
   int cluster = -1;           // 2: pairs of M-tile CTAs share each KV tile by multicast (needs an
@@ -52,8 +53,7 @@ struct LaunchOptions {
                                     // else 8; 8 or 32 always; other values rejected
   int fp8_registers = -1;     // the fp8 cache up to 16 query rows in DecodeFp8RegsKernel (cache
                               // operands in registers, two blocks in flight) instead of
-                              // DecodeKernel's transposed path: -1 (default) never, 1 always,
-                              // 0 never
+                              // DecodeKernel's transposed path: -1 (default) and 1 yes, 0 no
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -241,9 +241,21 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
   return score_n == 0;
 }
 
+// The bf16 cache's tensor-map L2 promotion: by default 128 bytes for the transposed kernel of up
+// to 16 query rows, whose CTAs each stream their own pages (4-8% faster there than 256 bytes),
+// 256 bytes elsewhere (128 bytes was slower for the 64-row tiles' clusters, and the same at 32
+// rows); docs/sm90-kernel.md, "Measurements".
+inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int score_n) {
+  const int bytes = options.kv_l2_promotion >= 0 ? options.kv_l2_promotion
+                                                 : (score_n == 16 ? 128 : 256);
+  return bytes == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+         : bytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                        : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+}
+
 // Whether the fp8 cache's kernel for kScoreN score_n is DecodeFp8RegsKernel.
 inline bool UseFp8Registers(const LaunchOptions& options, bool fp8, int score_n) {
-  return fp8 && score_n == 16 && options.fp8_registers == 1;
+  return fp8 && score_n == 16 && options.fp8_registers != 0;
 }
 
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
@@ -333,6 +345,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
+      (options.kv_l2_promotion != -1 && options.kv_l2_promotion != 0 &&
+       options.kv_l2_promotion != 128 && options.kv_l2_promotion != 256) ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
        options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
@@ -375,7 +389,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
                                           static_cast<uint64_t>(p.num_pages) * p.page_size,
                                           p.page_size == kBlockN ? kBlockN : kHalfN,
-                                          options.kv_l2_promotion))) {
+                                          detail::KvL2Promotion(options, score_n)))) {
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
