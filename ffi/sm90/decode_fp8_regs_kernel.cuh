@@ -35,6 +35,7 @@ namespace sm90 {
 // the barriers. The P tiles double as the buffer of the end-of-segment merge.
 struct Fp8RegsSmemLayout {
   static constexpr bool kHalfStages = false;
+  static constexpr bool kEveryThreadReleases = true;
   static constexpr int kStageSlots = 4;
   static constexpr int kQChunkRows = 16;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
@@ -165,6 +166,16 @@ __device__ __forceinline__ void ZeroUnloadedRawRows(uint8_t* staged, const Block
   }
 }
 
+// Fences the first kSteps A fragments of a register buffer for the WGMMAs that read them.
+template <int kSteps>
+__device__ __forceinline__ void FenceFragments(uint32_t (&f)[8][4]) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
+  }
+}
+
 // This warpgroup's scores of one staged block, S^T (64 tokens x 16 rows), unscaled: sg[g] the sum
 // over latent group g (f16 MMAs on the raw e4m3 values against the f16 query), sr over the rope
 // (bf16). The A fragments go through two register buffers, one latent group (eight k steps) each,
@@ -199,11 +210,7 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
         f[2 * pair + s][3] = E4m3x2ToF16x2(r[2 * s + 1] >> 16);
       }
     }
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
-    }
+    FenceFragments<8>(f);
     cute::warpgroup_arrive();
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -218,11 +225,7 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
   uint32_t (&f)[8][4] = frag[0];
 #pragma unroll
   for (int j = 0; j < 4; ++j) LdMatrixX4(row_addr + kFp8RopeOffset + 32 * j, f[j]);
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
-  }
+  FenceFragments<4>(f);
   cute::warpgroup_arrive();
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
@@ -274,11 +277,7 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
       }
     }
     if (g == 3) release();
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(f[s][i]);
-    }
+    FenceFragments<8>(f);
     cute::warpgroup_arrive();
     const uint64_t p_desc = KMajorDesc(p_addr + g * Layout::kPTileBytes);
 #pragma unroll
@@ -321,26 +320,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
   const int rows = p.q_len * p.num_heads;
   const int part = blockIdx.x;
 
-  if (tid < kConsumerThreads && args.q_box_rows < Layout::kQChunkRows) {
-    const int units = (Layout::kQChunkRows - args.q_box_rows) * kNumChunks * (kRowBytes / 16);
-    for (int i = tid; i < units; i += kConsumerThreads) {
-      const int row = args.q_box_rows + i / (kNumChunks * 8);
-      const int chunk = (i / 8) % kNumChunks;
-      *reinterpret_cast<uint4*>(smem + Layout::kQ + chunk * Layout::kQChunkBytes +
-                                row * kRowBytes + (i % 8) * 16) = make_uint4(0, 0, 0, 0);
-    }
-    cutlass::arch::fence_view_async_shared();
-  }
-  if (tid == kConsumerThreads) {
-    for (int s = 0; s < Layout::kStageSlots; ++s) {
-      Barrier::init(pipe.Full(s), 1);
-      Barrier::init(pipe.Empty(s), 128);  // every thread of the warpgroup that read it
-    }
-    Barrier::init(pipe.QFull(), 1);
-    Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  SetUpCta<1, Layout>(smem, args.q_box_rows, tid);
 
   if (warp >= kConsumerThreads / 32) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();

@@ -52,6 +52,8 @@ template <bool kFp8, int kQRows = kBlockM>
 struct SmemLayout {
   static_assert(kQRows == kBlockM || (kFp8 && kQRows == kFp8TransposedRows), "query tile rows");
   static constexpr bool kHalfStages = kFp8 && kQRows == kBlockM;
+  // Whether each thread of the warpgroup that read a slot releases it (SetUpCta).
+  static constexpr bool kEveryThreadReleases = kHalfStages;
   // Pipeline slots, each with a full and an empty barrier: the KV stages, or the half stages.
   static constexpr int kStageSlots = kHalfStages ? kFp8HalfStages : kStages;
   static constexpr int kQChunkRows = kQRows;
