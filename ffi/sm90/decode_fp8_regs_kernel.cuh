@@ -1,5 +1,5 @@
 // The fp8 cache up to 16 query rows with both MMAs' cache operands in registers
-// (DecodeFp8RegsKernel; docs/fp8-cache.md, "Register operands").
+// (DecodeFp8RegsKernel; docs/fp8-cache.md, "Up to 16 rows: the register-operand kernel").
 //
 // CTA = 2 consumer warpgroups + 1 producer warpgroup, one CTA per SM, the schedule, segments,
 // producer and combine of DecodeKernel. What differs:
@@ -56,7 +56,8 @@ struct Fp8RegsSmemLayout {
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
-  static_assert(kFp8Stages % 1024 == 0 && kP % 1024 == 0, "swizzled tiles need 1024-byte alignment");
+  static_assert(kFp8Stages % 1024 == 0 && kP % 1024 == 0,
+                "swizzled tiles need 1024-byte alignment");
   static_assert(kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes == 128 * 32 * 4,
                 "the P tiles hold a warpgroup's half of the output, 32 floats a thread");
 };
@@ -102,8 +103,8 @@ __device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
 
 // Converts the segment's query tile in place: the latent columns of each row to f16 times the
 // row's power of two 2^e (its largest magnitude then in [2^14, 2^15); 1 for a zero row), permuted
-// within each 16-column k step by RegsQueryChannel; writes 2^-e to row_scale[row]. The 256
-// consumer threads take 32 columns of one row each; the caller fences and synchronises them.
+// within each 16-column k step by RegsOperands::QueryChannel; writes 2^-e to row_scale[row]. The
+// 256 consumer threads take 32 columns of one row each; the caller fences and synchronises them.
 __device__ __forceinline__ void ConvertQueryToF16(uint8_t* q_tile, float* row_scale, int tid) {
   using Layout = Fp8RegsSmemLayout;
   const int row = tid / 16;
@@ -346,7 +347,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
   const uint32_t stages_addr = SmemAddr(smem + Layout::kFp8Stages);
   uint8_t* const p_tiles = smem + Layout::kP + wg * kFp8ScaleGroups * Layout::kPTileBytes;
   const uint32_t p_addr = SmemAddr(p_tiles);
-  float* const reduce = reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
+  float* const reduce =
+      reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
   float* const stats = reinterpret_cast<float*>(smem + Layout::kStats);
   float* const row_scale = reinterpret_cast<float*>(smem + Layout::kRowScale);
   // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
@@ -425,7 +427,9 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         }
         mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
 #pragma unroll
-        for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+        for (int d = 4; d < 32; d <<= 1) {
+          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+        }
       }
       float smax[kFp8ScaleGroups];
 #pragma unroll
@@ -503,7 +507,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const float f = sc[h][g] * inv_r[g];
-              r[2 * j + h] = PackF16x2(st[RegsElement(2 * j, h)] * f, st[RegsElement(2 * j + 1, h)] * f);
+              r[2 * j + h] =
+                  PackF16x2(st[RegsElement(2 * j, h)] * f, st[RegsElement(2 * j + 1, h)] * f);
             }
           }
           StMatrixX4Trans(p_addr + g * Layout::kPTileBytes + SwizzledOffset(dst_row, dst_tok), r);
@@ -582,8 +587,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         for (int t = 0; t < 4; ++t) {
 #pragma unroll
           for (int v = 0; v < 2; ++v) {
-            xbuf[(2 * t + v) * 128 + wg_tid] = make_float4(o[t0 + t][4 * v], o[t0 + t][4 * v + 1],
-                                                           o[t0 + t][4 * v + 2], o[t0 + t][4 * v + 3]);
+            const float* const x = &o[t0 + t][4 * v];
+            xbuf[(2 * t + v) * 128 + wg_tid] = make_float4(x[0], x[1], x[2], x[3]);
           }
         }
       }

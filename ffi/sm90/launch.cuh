@@ -242,9 +242,8 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
 }
 
 // The bf16 cache's tensor-map L2 promotion: by default 128 bytes for the transposed kernel of up
-// to 16 query rows, whose CTAs each stream their own pages (4-8% faster there than 256 bytes),
-// 256 bytes elsewhere (128 bytes was slower for the 64-row tiles' clusters, and the same at 32
-// rows); docs/sm90-kernel.md, "Measurements".
+// to 16 query rows, 256 bytes elsewhere, the faster of the two for each kernel
+// (docs/sm90-kernel.md, "Measurements").
 inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int score_n) {
   const int bytes = options.kv_l2_promotion >= 0 ? options.kv_l2_promotion
                                                  : (score_n == 16 ? 128 : 256);
