@@ -2,7 +2,8 @@
 // launch options outside their documented values, option combinations no kernel implements and
 // shapes the kernels do not take must come back as cudaErrorInvalidValue before any CUDA call, so
 // the buffers here are placeholders that nothing reads. stdout, a line a case: "NAME invalid" when
-// LaunchDecode returned cudaErrorInvalidValue, else "NAME returned CODE".
+// LaunchDecode returned cudaErrorInvalidValue, else "NAME returned CODE"; then the launcher's
+// per-kernel defaults (DEFAULTS in tests/test_sm90_launch_options.py).
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -113,5 +114,33 @@ int main() {
     p.num_heads = 128;
     o.cluster = 2;
   });
+  // The launcher's per-kernel defaults: the KV map's L2 promotion and the fp8 cache's kernel up to
+  // 16 rows, "NAME VALUE" a line.
+  const LaunchOptions defaults;
+  auto promotion = [](CUtensorMapL2promotion p) {
+    return p == CU_TENSOR_MAP_L2_PROMOTION_NONE      ? 0
+           : p == CU_TENSOR_MAP_L2_PROMOTION_L2_128B ? 128
+           : p == CU_TENSOR_MAP_L2_PROMOTION_L2_256B ? 256
+                                                      : -1;
+  };
+  for (int rows : {8, 16, 32, 128}) {
+    const int score_n = detail::TransposedScoreRows(defaults, 1, rows);
+    std::printf("promotion rows=%d %d\n", rows, promotion(detail::KvL2Promotion(defaults, score_n)));
+  }
+  LaunchOptions none;
+  none.kv_l2_promotion = 0;
+  std::printf("promotion rows=16,kv_l2_promotion=0 %d\n",
+              promotion(detail::KvL2Promotion(none, 16)));
+  LaunchOptions transposed;
+  transposed.fp8_registers = 0;
+  std::printf("fp8 rows=16 registers %d\n",
+              detail::SelectKernel(defaults, 1, 16, true, 1) ==
+                  reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
+  std::printf("fp8 rows=16,fp8_registers=0 registers %d\n",
+              detail::SelectKernel(transposed, 1, 16, true, 1) ==
+                  reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
+  std::printf("fp8 rows=32 registers %d\n",
+              detail::SelectKernel(defaults, 1, 32, true, 1) ==
+                  reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
   return 0;
 }

@@ -24,6 +24,13 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "no_schedule", "min_blocks_per_part=0", "fp8,experiment=1", "fp8,late_release",
          "fp8,cluster=2"]
 
+# The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows and 256 bytes
+# elsewhere; the fp8 cache up to 16 rows runs DecodeFp8RegsKernel unless fp8_registers = 0.
+DEFAULTS = ["promotion rows=8 128", "promotion rows=16 128", "promotion rows=32 256",
+            "promotion rows=128 256", "promotion rows=16,kv_l2_promotion=0 0",
+            "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
+            "fp8 rows=32 registers 0"]
+
 
 def cutlass_include() -> str | None:
     """CUTLASS headers, looked up as ffi/CMakeLists.txt does (ffi/find_cutlass.py)."""
@@ -44,4 +51,4 @@ def test_out_of_range_options_and_shapes_are_rejected(tmp_path):
                     f"{ROOT}/tests/sm90_launch_options_check.cu", "-o", str(binary)], check=True,
                    capture_output=True)
     lines = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert lines == [f"{case} invalid" for case in CASES], lines
+    assert lines == [f"{case} invalid" for case in CASES] + DEFAULTS, lines
