@@ -298,6 +298,21 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
 // Row i (< 4) of a thread's transposed fragment and the element of token half h.
 __device__ __forceinline__ int RegsElement(int i, int h) { return TransposedScores::Element(i, h); }
 
+// Multiplies the thread's O^T values by their query row's factor (row_f[i], row RowT(i)) times
+// their latent group's (group_f[t / 2] for tile t).
+__device__ __forceinline__ void ScaleOutput(float (&o)[8][8], const float (&row_f)[4],
+                                            const float (&group_f)[kFp8ScaleGroups]) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float f = row_f[i] * group_f[t / 2];
+      o[t][RegsElement(i, 0)] *= f;
+      o[t][RegsElement(i, 1)] *= f;
+    }
+  }
+}
+
 }  // namespace detail
 
 // fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
@@ -483,15 +498,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 #pragma unroll
       for (int g = 0; g < kFp8ScaleGroups; ++g) rescale |= gf[g] != 1.f;
       if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-#pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            const float f = alpha[i] * gf[t / 2];
-            o[t][RegsElement(i, 0)] *= f;
-            o[t][RegsElement(i, 1)] *= f;
-          }
-        }
+        ScaleOutput(o, alpha, gf);
       }
       // P_g[row][token] = p * scale_g(token) / R_g in f16, one stmatrix.trans per group: matrix
       // 2 j + h holds tokens 8 h .. of the warp's 16 x query rows 8 j ...
@@ -567,15 +574,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       l_all[i] = l[i] * f_me[i] + l_o * f_o;
       m_all[i] = m;
     }
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        const float f = f_me[i] * r_g[t / 2];
-        o[t][RegsElement(i, 0)] *= f;
-        o[t][RegsElement(i, 1)] *= f;
-      }
-    }
+    ScaleOutput(o, f_me, r_g);
     float4* const xbuf = reinterpret_cast<float4*>(smem + Layout::kP);
 #pragma unroll
     for (int round = 0; round < 2; ++round) {
