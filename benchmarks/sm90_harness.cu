@@ -893,15 +893,18 @@ static int RunTrace(const CaseSpec& s) {
   CHECK_CUDA(cudaMemcpyFromSymbol(counts.data(), g_trace_count, sizeof(int) * kTraceCtas));
   CHECK_CUDA(cudaMemcpyFromSymbol(records.data(), g_trace, sizeof(TraceRecord) * records.size()));
   // Phases between consecutive records of one CTA, in µs, named by the pair of tags.
+  // A kernel that marks its blocks' scores and P splits "block compute" into its three parts.
   const char* names[] = {"setup", "segment->query", "query->block", "block compute",
                          "block->next block", "last block->store", "store", "store->segment",
-                         "store->end"};
-  constexpr int kPhases = 9;
+                         "store->end", "block scores", "block softmax+P", "block PV"};
+  constexpr int kPhases = 12;
   auto phase_of = [](uint32_t from, uint32_t to) {
     if (from == kTraceStart) return 0;
     if (from == kTraceSegment) return 1;
     if (from == kTraceQuery) return 2;
-    if (from == kTraceBlockReady) return 3;
+    if (from == kTraceBlockReady) return to == kTraceScoresDone ? 9 : 3;
+    if (from == kTraceScoresDone) return 10;
+    if (from == kTracePStored) return 11;
     if (from == kTraceBlockDone) return to == kTraceBlockReady ? 4 : 5;
     if (from == kTraceStoreBegin) return 6;
     if (from == kTraceStoreEnd) return to == kTraceSegment ? 7 : 8;

@@ -352,6 +352,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
   GridDependencyWait();
   GridDependencyLaunchDependents();
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  SM90_TRACE(kTraceStart, 0);
   SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
                        p.page_size);
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
@@ -375,6 +376,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
   Segment seg_info;
   int it = 0, seg = 0;
   while (walker.Next(seg_info)) {
+    SM90_TRACE(kTraceSegment, seg_info.b);
     float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
     int limit_t[kRowsT];
 #pragma unroll
@@ -394,6 +396,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
     }
 
     Barrier::wait(pipe.QFull(), seg & 1);
+    SM90_TRACE(kTraceQuery, 0);
     ConvertQueryToF16(smem + Layout::kQ, row_scale, tid);
     cutlass::arch::fence_view_async_shared();
     ConsumerSync();
@@ -407,6 +410,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       uint8_t* const staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
       const uint32_t staged_addr = stages_addr + stage * kFp8StageBytes;
       Barrier::wait(pipe.Full(stage), (it / Layout::kStageSlots) & 1);
+      SM90_TRACE(kTraceBlockReady, k);
       if (!load.Complete()) {
         ZeroUnloadedRawRows(staged, load, wg_tid);
         cutlass::arch::fence_view_async_shared();
@@ -424,6 +428,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       }
       float sg[kFp8ScaleGroups][8], sr[8];
       ScoresFromRawRows(staged_addr, q_addr, warp_in_wg, lane, sg, sr);
+      SM90_TRACE(kTraceScoresDone, k);
 
       // Scores, masked by select; maxima over the thread's tokens, the eight lanes sharing its
       // rows, then the warpgroup's warps (with each group's largest |scale| in the block).
@@ -523,8 +528,10 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       }
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
+      SM90_TRACE(kTracePStored, k);
       PvFromRawRows(staged_addr, p_addr, warp_in_wg, lane, o,
                     [&] { Barrier::arrive(pipe.Empty(stage)); });
+      SM90_TRACE(kTraceBlockDone, k);
     }
     if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
@@ -610,6 +617,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 
     // Store this warpgroup's tiles 4 wg .. 4 wg + 3: bf16 out and LSE for a request handled whole,
     // fp32 partial out and LSE in the workspace for a split one.
+    SM90_TRACE(kTraceStoreBegin, seg_info.whole);
     const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
     uint8_t* const wsb = static_cast<uint8_t*>(p.workspace);
     float* const part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
@@ -652,8 +660,10 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         }
       }
     }
+    SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
   }
+  SM90_TRACE(kTraceEnd, 0);
 }
 }
 

@@ -19,6 +19,8 @@ enum TraceTag : uint32_t {
   kTraceStoreBegin,      // the segment's epilogue begins (argument: 1 if the request is whole)
   kTraceStoreEnd,        // ... and has issued its stores
   kTraceEnd,             // the consumer is done
+  kTraceScoresDone,      // a block's scores are in registers (kernels that mark it)
+  kTracePStored,         // ... and its P tile is stored, before PV
 };
 
 struct TraceRecord {
