@@ -31,8 +31,9 @@ namespace sm90 {
 // Shared memory of DecodeFp8RegsKernel, byte offsets from the 1024-aligned base: the query tile
 // (16 rows, nine 128-byte-swizzled chunks: eight f16 latent, one bf16 rope), the ring of raw
 // 64-token stages, each warpgroup's four P tiles (one per latent group, f16 [16 rows][64 tokens],
-// K-major), the warpgroups' reduction buffers, the merge statistics, the query rows' scales and
-// the barriers. The P tiles double as the buffer of the end-of-segment merge.
+// K-major), each warpgroup's half of the merge region, the warpgroups' reduction buffers, the
+// query rows' scales and the barriers. A warpgroup's P tiles and its merge half hold what it hands
+// the other at the end of a segment (MergeSlot).
 struct Fp8RegsSmemLayout {
   static constexpr bool kHalfStages = false;
   static constexpr bool kEveryThreadReleases = true;
@@ -46,11 +47,14 @@ struct Fp8RegsSmemLayout {
   static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
   // Per warpgroup: f32 [4 warps][32] (16 row maxima or sums, then 4 group scale maxima).
   static constexpr int kReduceFloats = 4 * 32;
-  static constexpr int kReduce = kP + kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes;
-  // Per warpgroup: f32 [16 rows][2] (m, l), then f32 [4] (R_g).
-  static constexpr int kStatsFloats = 2 * kQChunkRows + kFp8ScaleGroups;
-  static constexpr int kStats = kReduce + kConsumerWarpgroups * kReduceFloats * 4;
-  static constexpr int kRowScale = kStats + kConsumerWarpgroups * kStatsFloats * 4;
+  static constexpr int kMerge = kP + kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes;
+  // Per warpgroup: the end-of-segment merge's float4 slots (MergeSlot) beyond those its P tiles
+  // hold, 128 float4 each.
+  static constexpr int kMergeSlots = 10;
+  static constexpr int kMergeSlotsInP = kFp8ScaleGroups * kPTileBytes / (128 * 16);
+  static constexpr int kMergeHalfBytes = (kMergeSlots - kMergeSlotsInP) * 128 * 16;
+  static constexpr int kReduce = kMerge + kConsumerWarpgroups * kMergeHalfBytes;
+  static constexpr int kRowScale = kReduce + kConsumerWarpgroups * kReduceFloats * 4;
   static constexpr int kBarriers = (kRowScale + kQChunkRows * 4 + 7) / 8 * 8;
   static constexpr int kNumBarriers = 2 + 2 * kStageSlots;
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
@@ -58,8 +62,6 @@ struct Fp8RegsSmemLayout {
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
   static_assert(kFp8Stages % 1024 == 0 && kP % 1024 == 0,
                 "swizzled tiles need 1024-byte alignment");
-  static_assert(kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes == 128 * 32 * 4,
-                "the P tiles hold a warpgroup's half of the output, 32 floats a thread");
 };
 
 namespace detail {
@@ -94,6 +96,29 @@ __device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t pair) {
       : "=r"(out)
       : "r"(pair));
   return out;
+}
+
+// The same for the high two bytes of `word` (the third byte first).
+__device__ __forceinline__ uint32_t E4m3x2HiToF16x2(uint32_t word) {
+  uint32_t out;
+  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}"
+      : "=r"(out)
+      : "r"(word));
+  return out;
+}
+
+// 1 / x from the special-function unit: exact for powers of two (write_kv's scales), within an
+// ulp otherwise; no division sequence with its slow path.
+__device__ __forceinline__ float ApproxRcp(float x) {
+  float y;
+  asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// The largest of the warp's values, all >= 0 (non-negative floats order as their bit patterns),
+// in one warp-wide reduction instead of five shuffles.
+__device__ __forceinline__ float WarpMaxMagnitude(float x) {
+  return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(x)));
 }
 
 __device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
@@ -207,8 +232,8 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
       for (int s = 0; s < 2; ++s) {
         f[2 * pair + s][0] = E4m3x2ToF16x2(r[2 * s]);
         f[2 * pair + s][1] = E4m3x2ToF16x2(r[2 * s + 1]);
-        f[2 * pair + s][2] = E4m3x2ToF16x2(r[2 * s] >> 16);
-        f[2 * pair + s][3] = E4m3x2ToF16x2(r[2 * s + 1] >> 16);
+        f[2 * pair + s][2] = E4m3x2HiToF16x2(r[2 * s]);
+        f[2 * pair + s][3] = E4m3x2HiToF16x2(r[2 * s + 1]);
       }
     }
     FenceFragments<8>(f);
@@ -272,7 +297,7 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
           for (int j = 0; j < 2; ++j) {
             const uint32_t by_col = __byte_perm(r[2 * s + j], 0, 0x3120);
             f[4 * m + 2 * half + s][2 * j] = E4m3x2ToF16x2(by_col);
-            f[4 * m + 2 * half + s][2 * j + 1] = E4m3x2ToF16x2(by_col >> 16);
+            f[4 * m + 2 * half + s][2 * j + 1] = E4m3x2HiToF16x2(by_col);
           }
         }
       }
@@ -293,6 +318,22 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int t = 0; t < 8; ++t) FenceRegisters(o[t]);
+}
+
+// The end-of-segment merge's float4 slots of warpgroup w's thread wg_tid: 0-7 the output tiles it
+// hands over (slot 2 t + v: elements 4 v .. 4 v + 3 of the t-th), then its rows' maxima and sums;
+// slots 0-3 in its own P tiles, the rest in its merge half.
+constexpr int kMergeMaxSlot = 8;
+constexpr int kMergeSumSlot = 9;
+static_assert(Fp8RegsSmemLayout::kMergeSlots == 10, "eight output slots, maxima and sums");
+
+__device__ __forceinline__ float4* MergeSlot(uint8_t* smem, int w, int slot, int wg_tid) {
+  using Layout = Fp8RegsSmemLayout;
+  float4* const p_tiles = reinterpret_cast<float4*>(
+      smem + Layout::kP + w * kFp8ScaleGroups * Layout::kPTileBytes);
+  float4* const half = reinterpret_cast<float4*>(smem + Layout::kMerge + w * Layout::kMergeHalfBytes);
+  return slot < Layout::kMergeSlotsInP ? p_tiles + slot * 128 + wg_tid
+                                       : half + (slot - Layout::kMergeSlotsInP) * 128 + wg_tid;
 }
 
 // Row i (< 4) of a thread's transposed fragment and the element of token half h.
@@ -365,7 +406,6 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
   const uint32_t p_addr = SmemAddr(p_tiles);
   float* const reduce =
       reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
-  float* const stats = reinterpret_cast<float*>(smem + Layout::kStats);
   float* const row_scale = reinterpret_cast<float*>(smem + Layout::kRowScale);
   // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
   // transposed path.
@@ -403,13 +443,19 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) q_scale[i] = row_scale[RowT(i)];
 
-    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-      if ((it & 1) != wg) continue;
-      const int stage = it % Layout::kStageSlots;
-      const BlockLoad load = BlockLoad::Of(p, seg_info, k);
+    // This warpgroup's blocks are every other one of the CTA's walk (`it` counts the walk's blocks
+    // over segments); a block's table entries are read while the block before it is computed.
+    const int k0 = seg_info.kv_begin + ((wg - it) & 1);
+    BlockLoad load{};
+    if (k0 < seg_info.kv_end) load = BlockLoad::Of(p, seg_info, k0);
+    for (int k = k0; k < seg_info.kv_end; k += 2) {
+      const int it_k = it + (k - seg_info.kv_begin);
+      BlockLoad next = load;
+      if (k + 2 < seg_info.kv_end) next = BlockLoad::Of(p, seg_info, k + 2);
+      const int stage = it_k % Layout::kStageSlots;
       uint8_t* const staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
       const uint32_t staged_addr = stages_addr + stage * kFp8StageBytes;
-      Barrier::wait(pipe.Full(stage), (it / Layout::kStageSlots) & 1);
+      Barrier::wait(pipe.Full(stage), (it_k / Layout::kStageSlots) & 1);
       SM90_TRACE(kTraceBlockReady, k);
       if (!load.Complete()) {
         ZeroUnloadedRawRows(staged, load, wg_tid);
@@ -454,11 +500,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       float smax[kFp8ScaleGroups];
 #pragma unroll
       for (int g = 0; g < kFp8ScaleGroups; ++g) {
-        smax[g] = fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g]));
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          smax[g] = fmaxf(smax[g], __shfl_xor_sync(0xffffffffu, smax[g], d));
-        }
+        smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
       }
       if (lane < 4) {
 #pragma unroll
@@ -493,9 +535,10 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 #pragma unroll
         for (int w = 1; w < 4; ++w) r_blk = fmaxf(r_blk, reduce[w * 32 + 16 + g]);
         const float r_new = fmaxf(r_g[g], r_blk);
-        gf[g] = r_new > r_g[g] ? r_g[g] / r_new : 1.f;
+        const float inv = ApproxRcp(r_new);
+        gf[g] = r_new > r_g[g] ? r_g[g] * inv : 1.f;
         r_g[g] = r_new;
-        inv_r[g] = r_new > 0.f ? 1.f / r_new : 0.f;
+        inv_r[g] = r_new > 0.f ? inv : 0.f;
       }
       bool rescale = false;
 #pragma unroll
@@ -532,7 +575,9 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       PvFromRawRows(staged_addr, p_addr, warp_in_wg, lane, o,
                     [&] { Barrier::arrive(pipe.Empty(stage)); });
       SM90_TRACE(kTraceBlockDone, k);
+      load = next;
     }
+    it += seg_info.kv_end - seg_info.kv_begin;
     if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
     // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
@@ -553,68 +598,54 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       const int row = RowT(i);
       l[i] = ((reduce[row] + reduce[32 + row]) + reduce[64 + row]) + reduce[96 + row];
     }
-    // Merge the two warpgroups: statistics both ways, then each keeps four output tiles and adds
-    // the other's (scaled) values of them through the P tiles.
-    float* const my_stats = stats + wg * Layout::kStatsFloats;
-    const float* const other_stats = stats + (wg ^ 1) * Layout::kStatsFloats;
-    if (warp_in_wg == 0 && lane < 4) {
+    // Merge the two warpgroups in one exchange, each thread with its partner in the other (the same
+    // rows): each writes its rows' maxima and sums and the four output tiles the other keeps
+    // (warpgroup w keeps tiles 4 w .. 4 w + 3), times their groups' running maximum scales, then
+    // reads its partner's.
+    float keep[4][8], give[4][8];  // selected without indexing o by wg
 #pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        my_stats[2 * RowT(i)] = m_t[i];
-        my_stats[2 * RowT(i) + 1] = l[i];
+    for (int tt = 0; tt < 4; ++tt) {
+      const float r_keep = wg == 0 ? r_g[tt / 2] : r_g[2 + tt / 2];
+      const float r_give = wg == 0 ? r_g[2 + tt / 2] : r_g[tt / 2];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        keep[tt][e] = (wg == 0 ? o[tt][e] : o[4 + tt][e]) * r_keep;
+        give[tt][e] = (wg == 0 ? o[4 + tt][e] : o[tt][e]) * r_give;
       }
     }
-    if (wg_tid == 0) {
 #pragma unroll
-      for (int g = 0; g < kFp8ScaleGroups; ++g) my_stats[2 * Layout::kQChunkRows + g] = r_g[g];
+    for (int slot = 0; slot < 8; ++slot) {
+      const float* const x = &give[slot / 2][4 * (slot % 2)];
+      *MergeSlot(smem, wg, slot, wg_tid) = make_float4(x[0], x[1], x[2], x[3]);
     }
+    *MergeSlot(smem, wg, kMergeMaxSlot, wg_tid) = make_float4(m_t[0], m_t[1], m_t[2], m_t[3]);
+    *MergeSlot(smem, wg, kMergeSumSlot, wg_tid) = make_float4(l[0], l[1], l[2], l[3]);
     ConsumerSync();
-    float m_all[kRowsT], l_all[kRowsT], f_me[kRowsT];
+    const float4 m4 = *MergeSlot(smem, wg ^ 1, kMergeMaxSlot, wg_tid);
+    const float4 l4 = *MergeSlot(smem, wg ^ 1, kMergeSumSlot, wg_tid);
+    const float m_other[kRowsT] = {m4.x, m4.y, m4.z, m4.w};
+    const float l_other[kRowsT] = {l4.x, l4.y, l4.z, l4.w};
+    float m_all[kRowsT], l_all[kRowsT], f_me[kRowsT], f_other[kRowsT];
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) {
-      const float m_o = other_stats[2 * RowT(i)];
-      const float l_o = other_stats[2 * RowT(i) + 1];
-      const float m = fmaxf(m_t[i], m_o);
+      const float m = fmaxf(m_t[i], m_other[i]);
       const float mu = m == kNegInf ? 0.f : m;
       f_me[i] = m_t[i] == kNegInf ? 0.f : Exp2((m_t[i] - mu) * sl2);
-      const float f_o = m_o == kNegInf ? 0.f : Exp2((m_o - mu) * sl2);
-      l_all[i] = l[i] * f_me[i] + l_o * f_o;
+      f_other[i] = m_other[i] == kNegInf ? 0.f : Exp2((m_other[i] - mu) * sl2);
+      l_all[i] = l[i] * f_me[i] + l_other[i] * f_other[i];
       m_all[i] = m;
     }
-    ScaleOutput(o, f_me, r_g);
-    float4* const xbuf = reinterpret_cast<float4*>(smem + Layout::kP);
 #pragma unroll
-    for (int round = 0; round < 2; ++round) {
-      // Round 0: warpgroup 1 hands over tiles 0-3; round 1: warpgroup 0 tiles 4-7.
-      const int giver = round == 0 ? 1 : 0;
-      const int t0 = 4 * round;
-      if (wg == giver) {
+    for (int slot = 0; slot < 8; ++slot) {
+      const float4 x4 = *MergeSlot(smem, wg ^ 1, slot, wg_tid);
+      const float x[4] = {x4.x, x4.y, x4.z, x4.w};
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            const float* const x = &o[t0 + t][4 * v];
-            xbuf[(2 * t + v) * 128 + wg_tid] = make_float4(x[0], x[1], x[2], x[3]);
-          }
-        }
+      for (int j = 0; j < 4; ++j) {
+        const int e = 4 * (slot % 2) + j;
+        const int i = 2 * (slot % 2) + j % 2;  // RegsElement(i, h) == e
+        keep[slot / 2][e] = keep[slot / 2][e] * f_me[i] + x[j] * f_other[i];
       }
-      ConsumerSync();
-      if (wg != giver) {
-#pragma unroll
-        for (int t = 0; t < 4; ++t) {
-#pragma unroll
-          for (int v = 0; v < 2; ++v) {
-            const float4 x = xbuf[(2 * t + v) * 128 + wg_tid];
-            o[t0 + t][4 * v] += x.x;
-            o[t0 + t][4 * v + 1] += x.y;
-            o[t0 + t][4 * v + 2] += x.z;
-            o[t0 + t][4 * v + 3] += x.w;
-          }
-        }
-      }
-      if (round == 0) ConsumerSync();
     }
-
     // Store this warpgroup's tiles 4 wg .. 4 wg + 3: bf16 out and LSE for a request handled whole,
     // fp32 partial out and LSE in the workspace for a split one.
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
@@ -625,12 +656,6 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
     const size_t out_row0 = static_cast<size_t>(seg_info.b) * rows;
     const size_t slot_row0 = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
     const bool writes_lse = wg == 0 && wg_tid < 4;
-    float mine[4][8];  // tiles 4 wg .. 4 wg + 3, selected without indexing o by wg
-#pragma unroll
-    for (int tt = 0; tt < 4; ++tt) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) mine[tt][e] = wg == 0 ? o[tt][e] : o[4 + tt][e];
-    }
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) {
       const int row = RowT(i);
@@ -644,12 +669,12 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         const int col = 64 * (4 * wg + tt) + RegsOperands::OutputColumn(wg_tid, 0);
         if (seg_info.whole) {
           const float f = inv * p.output_scale;
-          __nv_bfloat162 v = __floats2bfloat162_rn(mine[tt][ea] * f, mine[tt][eb] * f);
+          __nv_bfloat162 v = __floats2bfloat162_rn(keep[tt][ea] * f, keep[tt][eb] * f);
           *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
                                              (out_row0 + row) * kLatentDim + col) = v;
         } else {
           *reinterpret_cast<float2*>(part_out + (slot_row0 + row) * kLatentDim + col) =
-              make_float2(mine[tt][ea] * inv, mine[tt][eb] * inv);
+              make_float2(keep[tt][ea] * inv, keep[tt][eb] * inv);
         }
       }
       if (writes_lse) {
