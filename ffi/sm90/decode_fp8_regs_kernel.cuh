@@ -108,7 +108,7 @@ __device__ __forceinline__ uint32_t E4m3x2HiToF16x2(uint32_t word) {
 }
 
 // 1 / x from the special-function unit: exact for powers of two (write_kv's scales), within an
-// ulp otherwise; no division sequence with its slow path.
+// ulp otherwise; no division sequence.
 __device__ __forceinline__ float ApproxRcp(float x) {
   float y;
   asm("rcp.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -116,7 +116,7 @@ __device__ __forceinline__ float ApproxRcp(float x) {
 }
 
 // The largest of the warp's values, all >= 0 (non-negative floats order as their bit patterns),
-// in one warp-wide reduction instead of five shuffles.
+// in one warp-wide reduction.
 __device__ __forceinline__ float WarpMaxMagnitude(float x) {
   return __uint_as_float(__reduce_max_sync(0xffffffffu, __float_as_uint(x)));
 }
