@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import math
 import time
 import traceback
 
@@ -18,8 +19,8 @@ from benchmarks.problem import (FP8_ROW_BYTES, GIB, HEAD_DIM, KV_LORA_RANK, SOFT
                                 relative_error, work)
 from benchmarks.progress import Progress
 from benchmarks.results import name_plan_comparison
-from benchmarks.timing import (host_time_us, interleaved_ratios, median, profiled_kernel_us,
-                               quartiles, time_jax)
+from benchmarks.timing import (gpu_busy_per_layer_us, host_time_us, interleaved_ratios, median,
+                               profiled_kernel_us, quartiles, time_jax)
 
 CHECK_REQUESTS = 4  # requests checked against the float32 reference at every point
 CHECK_TOL = 2e-2  # max |out - ref| / max |ref| for bf16 outputs
@@ -414,6 +415,8 @@ class Bench:
         record[f"{method}_rounds"] = rounds
         record[f"{method}_layers"] = layers
         record["methods_done"].append(method)
+        if method in m.GPU_BUSY_METHODS and _on_gpu(run.q):
+            self.record_gpu_busy(run, method, fn, call_args, layers, per_layer_s)
         if method in self.slowdown and w["floor_us"] >= 50:
             self.slowdown[method] = max(2.0, us / w["floor_us"])
         if method == "jax_mla":
@@ -421,6 +424,23 @@ class Bench:
             record["jax_mla_tbps"] = w["bytes"] / per_layer_s / 1e12
             record["jax_mla_frac_floor"] = w["floor_us"] / us
         return first_rows
+
+    def record_gpu_busy(self, run: PointRun, method: str, fn, call_args: list[tuple], layers: int,
+                        per_layer_s: float) -> None:
+        """``<method>_gpu_us``: the GPU's busy time per layer over about one timing round of calls
+        (``gpu_busy_per_layer_us``; at least 4 calls), or why not in ``<method>_gpu_us_skip``."""
+        calls = max(4, min(200, math.ceil(self.args.round_s / (per_layer_s * layers))))
+        us, why = gpu_busy_per_layer_us(fn, call_args, layers, calls)
+        if us is None:
+            run.record[f"{method}_gpu_us_skip"] = why
+        else:
+            run.record[f"{method}_gpu_us"] = us
+
+
+def _on_gpu(array) -> bool:
+    from jax_mla import backends
+
+    return backends.platform_of(array) in ("gpu", "cuda")
 
 
 def _naive_layer(query, cache, tables, lens, plan_):

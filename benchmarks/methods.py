@@ -19,6 +19,10 @@ GPU_ONLY_METHODS = ("flashinfer", "flashinfer_fp8", "jax_mla_noplan", "jax_mla_d
 # Methods timed over --layers decode calls per step (the others, slower, over --xla-layers).
 JAX_MLA_PLANNED = ("jax_mla", "jax_mla_graph", "jax_mla_noplan", "jax_mla_device_plan",
                    "jax_mla_sm90", "jax_mla_sm90_graph", "jax_mla_sm90_fp8")
+# Methods whose GPU busy time per layer is also recorded on a GPU (``<method>_gpu_us``): the wall
+# clock of a short step also holds the time the GPU waits for the host between calls, which fa3's
+# CUDA-graph replays from torch leave out.
+GPU_BUSY_METHODS = ("jax_mla", "jax_mla_sm90", "jax_mla_sm90_fp8")
 # Methods whose step is compiled with XLA command buffers forced on (GRAPH_COMPILER_OPTIONS).
 GRAPH_METHODS = ("jax_mla_graph", "jax_mla_sm90_graph")
 FI_BACKENDS = ("fa3", "fa2")

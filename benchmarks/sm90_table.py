@@ -8,7 +8,10 @@ jitted multi-layer step, their ratio (bold), both shares of the floor and sm90's
 float32 reference; where sm90 also ran on the fp8 cache (jax_mla_sm90_fp8),
 its time, its ratio to sm90 on the bf16 cache and its share of the fp8 cache's floor. Points are
 sorted by heads, query tokens, page size, batch and length; the last line counts the points where
-sm90 is faster than fa3. Where FlashInfer also ran on its own fp8 cache (flashinfer_fp8), a second
+sm90 is faster than fa3. Where the benchmark also recorded the GPU's busy time per layer of the jitted
+steps (``jax_mla_sm90_gpu_us``: the wall clock less the GPU's waits for the host between calls,
+which fa3's graph replays leave out too), three more columns set that time beside fa3's graph, and
+the fp8 columns add the fp8 cache's. Where FlashInfer also ran on its own fp8 cache (flashinfer_fp8), a second
 table sets sm90 on the fp8 cache beside it: times, and each output's relative L2 distance from the
 bf16 cache's float32 reference.
 """
@@ -24,15 +27,32 @@ from benchmarks.report import markdown_table
 COLUMNS = ["H", "q_len", "page", "B", "L", "floor µs", "fa3 graph µs", "fa3 eager µs", "sm90 µs",
            "sm90 / fa3 graph", "fa3 % of floor", "sm90 % of floor", "sm90 error"]
 FP8_COLUMNS = ["sm90 fp8 µs", "fp8 / bf16", "fp8 % of fp8 floor"]
+GPU_COLUMNS = ["sm90 GPU µs", "sm90 GPU / fa3 graph", "sm90 GPU % of floor"]
+FP8_GPU_COLUMNS = ["sm90 fp8 GPU µs", "fp8 / bf16 GPU", "fp8 GPU % of fp8 floor"]
+
+
+def _ratio_cells(us, reference_us, floor_us) -> list[str]:
+    """A time, its ratio to ``reference_us`` (bold) and the share of the floor it reaches ("-"
+    where not measured)."""
+    if us is None or reference_us is None:
+        return ["-"] * 3
+    return [f"{us:,.1f}", f"**{us / reference_us:.2f}**", f"{100 * floor_us / us:.0f}%"]
+
+
+def gpu_cells(r: dict) -> list[str]:
+    """sm90's GPU busy time per layer, against fa3's graph and the floor."""
+    return _ratio_cells(r.get("jax_mla_sm90_gpu_us"), r.get("flashinfer_fa3_graph_us"), r["floor_us"])
+
+
+def fp8_gpu_cells(r: dict) -> list[str]:
+    """sm90's GPU busy time per layer on the fp8 cache, against the bf16 cache's and the fp8 floor."""
+    return _ratio_cells(r.get("jax_mla_sm90_fp8_gpu_us"), r.get("jax_mla_sm90_gpu_us"),
+                        r.get("fp8_floor_us"))
 
 
 def fp8_cells(r: dict) -> list[str]:
     """The fp8 columns of a record ("-" where sm90 did not run on the fp8 cache)."""
-    fp8 = r.get("jax_mla_sm90_fp8_us")
-    if fp8 is None:
-        return ["-"] * len(FP8_COLUMNS)
-    return [f"{fp8:,.1f}", f"**{fp8 / r['jax_mla_sm90_us']:.2f}**",
-            f"{100 * r['fp8_floor_us'] / fp8:.0f}%"]
+    return _ratio_cells(r.get("jax_mla_sm90_fp8_us"), r.get("jax_mla_sm90_us"), r.get("fp8_floor_us"))
 
 
 def _in_point_order(records: list[dict]) -> list[dict]:
@@ -44,9 +64,9 @@ def _point_cells(r: dict) -> list[str]:
     return [str(r["H"]), str(r["q_len"]), str(r["page_size"]), str(r["B"]), fmt_len(r["L"])]
 
 
-def rows(records: list[dict], with_fp8: bool = False) -> list[list[str]]:
-    """One row per record with both an sm90 and an fa3 graph time, sorted; ``with_fp8`` adds the
-    fp8 columns."""
+def rows(records: list[dict], with_fp8: bool = False, with_gpu: bool = False) -> list[list[str]]:
+    """One row per record with both an sm90 and an fa3 graph time, sorted; ``with_gpu`` adds the
+    GPU busy time's columns, ``with_fp8`` the fp8 columns (and with ``with_gpu`` theirs)."""
     out = []
     for r in _in_point_order(records):
         sm90, fa3 = r.get("jax_mla_sm90_us"), r.get("flashinfer_fa3_graph_us")
@@ -56,7 +76,10 @@ def rows(records: list[dict], with_fp8: bool = False) -> list[list[str]]:
         out.append(_point_cells(r) + [
             f"{floor:.1f}", f"{fa3:,.1f}", f"{r['flashinfer_fa3_us']:,.1f}", f"{sm90:,.1f}",
             f"**{sm90 / fa3:.2f}**", f"{100 * floor / fa3:.0f}%", f"{100 * floor / sm90:.0f}%",
-            f"{r['jax_mla_sm90_rel_err']:.1e}"] + (fp8_cells(r) if with_fp8 else []))
+            f"{r['jax_mla_sm90_rel_err']:.1e}"]
+            + (gpu_cells(r) if with_gpu else [])
+            + (fp8_cells(r) if with_fp8 else [])
+            + (fp8_gpu_cells(r) if with_fp8 and with_gpu else []))
     return out
 
 
@@ -105,11 +128,17 @@ def fp8_table(records: list[dict]) -> str:
 
 def table(records: list[dict]) -> str:
     with_fp8 = any("jax_mla_sm90_fp8_us" in r for r in records)
-    body = rows(records, with_fp8)
+    with_gpu = any("jax_mla_sm90_gpu_us" in r for r in records)
+    body = rows(records, with_fp8, with_gpu)
     faster = sum(float(row[9].strip("*")) < 1.0 for row in body)
-    columns = COLUMNS + (FP8_COLUMNS if with_fp8 else [])
+    columns = (COLUMNS + (GPU_COLUMNS if with_gpu else []) + (FP8_COLUMNS if with_fp8 else [])
+               + (FP8_GPU_COLUMNS if with_fp8 and with_gpu else []))
     lines = markdown_table(columns, body)
     lines += ["", f"sm90 is faster than fa3 (graph) at {faster} of these {len(body)} points."]
+    if with_gpu:
+        ratios = [row[len(COLUMNS) + 1].strip("*") for row in body]
+        faster_gpu = sum(x != "-" and float(x) < 1.0 for x in ratios)
+        lines[-1] += f" By the GPU's busy time: at {faster_gpu} of them."
     return "\n".join(lines)
 
 

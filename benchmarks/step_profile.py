@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks.grid import Point
 from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered
 from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
-from benchmarks.timing import gpu_stream_kernels, time_jax
+from benchmarks.timing import busy_us, gpu_stream_kernels, time_jax
 
 LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
 DEFAULT_POINTS = "1,4096,128;1,4096,16"
@@ -43,15 +43,6 @@ WALL_TIMER = types.SimpleNamespace(rounds=7, round_s=0.02, max_method_s=60.0)
 def wall_us_per_layer(step, arg_sets: list[tuple]) -> float:
     """µs per layer of back-to-back calls, blocking once per round (the benchmark's timer)."""
     return time_jax(step, arg_sets, LAYERS, WALL_TIMER)[0] * 1e6
-
-
-def busy_us(intervals: list[tuple[float, float]]) -> float:
-    """The length of the union of (start, duration) intervals sorted by start."""
-    total, end = 0.0, float("-inf")
-    for start, dur in intervals:
-        total += max(0.0, start + dur - max(start, end))
-        end = max(end, start + dur)
-    return total
 
 
 def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -> dict:

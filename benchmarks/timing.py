@@ -1,5 +1,6 @@
 """Timers: jitted JAX calls on the wall clock, torch calls with triton's do_bench or CUDA events,
-host calls, and GPU kernels by their durations in a JAX profiler trace."""
+host calls, and GPU kernels by their durations in a JAX profiler trace (one kernel's launches, or
+the time a run of calls keeps the GPU busy)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,36 @@ def profiled_kernel_us(run, kernel_name: str) -> tuple[list[float], str | None]:
             return [], f"profiler: {e}"
         durations = kernel_durations_us(trace_dir, kernel_name)
     return durations, None if durations else f"no {kernel_name} events in the profiler trace"
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, duration) intervals sorted by start."""
+    total, end = 0.0, float("-inf")
+    for start, dur in intervals:
+        total += max(0.0, start + dur - max(start, end))
+        end = max(end, start + dur)
+    return total
+
+
+def gpu_busy_per_layer_us(fn, arg_sets: list[tuple], layers: int,
+                          calls: int) -> tuple[float | None, str | None]:
+    """(µs per layer that ``calls`` back-to-back jitted calls of ``fn`` (``layers`` decodes each,
+    rotating ``arg_sets`` as ``time_jax`` does, blocking once) keep the GPU busy, why there is no
+    such time or None): the union of their kernels' intervals in a JAX profiler trace, so the time
+    the GPU waits for the host between calls is left out, as a CUDA graph's replays leave it out."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        try:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                out = None
+                for k in range(calls):
+                    out = fn(*arg_sets[k % len(arg_sets)])
+                jax.block_until_ready(out)
+                del out
+        except RuntimeError as e:  # e.g. no CUPTI, or another trace running
+            return None, f"profiler: {e}"
+        events = gpu_stream_kernels(trace_dir)
+    if not events:
+        return None, "no GPU kernel events in the profiler trace"
+    return busy_us([(start, dur) for _, start, dur in events]) / (calls * layers), None

@@ -633,6 +633,33 @@ def test_the_sm90_table_shows_fp8_columns_where_measured():
     assert "sm90 fp8" not in sm90_table.table([base])
 
 
+def test_the_sm90_table_sets_the_gpu_busy_time_beside_fa3_where_measured():
+    from benchmarks import sm90_table
+
+    base = dict(H=16, q_len=1, page_size=64, B=128, L=4096, floor_us=140.0, flashinfer_fa3_us=210.0,
+                flashinfer_fa3_graph_us=200.0, jax_mla_sm90_us=210.0, jax_mla_sm90_rel_err=1e-3)
+    text = sm90_table.table([dict(base, jax_mla_sm90_gpu_us=150.0, jax_mla_sm90_fp8_us=120.0,
+                                  fp8_floor_us=60.0, jax_mla_sm90_fp8_gpu_us=100.0), dict(base, L=1024)])
+    assert ("| sm90 error | sm90 GPU µs | sm90 GPU / fa3 graph | sm90 GPU % of floor | sm90 fp8 µs |"
+            in text)
+    assert "| **1.05** | 70% | 67% | 1.0e-03 | 150.0 | **0.75** | 93% | 120.0 | **0.57** | 50% | 100.0 | **0.67** | 60% |" in text
+    assert "| 1.0e-03 | - | - | - | - | - | - | - | - | - |" in text
+    assert text.endswith("faster than fa3 (graph) at 0 of these 2 points. By the GPU's busy time: at 1 of them.")
+    assert "GPU" not in sm90_table.table([base])
+
+
+def test_gpu_busy_time_is_the_union_of_kernel_intervals_per_layer():
+    """Overlapping kernels count once, gaps not at all; without GPU kernels it says why."""
+    import jax
+
+    from benchmarks import timing
+
+    assert timing.busy_us([(0.0, 10.0), (5.0, 10.0), (20.0, 5.0), (21.0, 1.0)]) == 20.0
+    on_cpu = jax.device_put(np.ones(4, np.float32), jax.devices("cpu")[0])
+    us, why = timing.gpu_busy_per_layer_us(jax.jit(lambda x: x + 1), [(on_cpu,)], layers=2, calls=4)
+    assert us is None and "no GPU kernel events" in why
+
+
 def test_the_graph_methods_run_where_batches_are_small():
     """jax_mla_graph and jax_mla_sm90_graph: command buffers for small batches only, GPU only."""
     for method in ("jax_mla_graph", "jax_mla_sm90_graph"):
