@@ -89,22 +89,13 @@ __device__ __forceinline__ void StMatrixX4Trans(uint32_t addr, const uint32_t (&
                : "memory");
 }
 
-// Two e4m3 values (the low byte of `pair` first) as two f16 (the first in the low half): exact.
-__device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t pair) {
-  uint32_t out;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}"
-      : "=r"(out)
-      : "r"(pair));
-  return out;
-}
-
-// The same for the high two bytes of `word` (the third byte first).
-__device__ __forceinline__ uint32_t E4m3x2HiToF16x2(uint32_t word) {
-  uint32_t out;
-  asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %1;\n cvt.rn.f16x2.e4m3x2 %0, hi;\n}"
-      : "=r"(out)
+// The four e4m3 values of `word` as two f16 pairs, exact: lo from its low two bytes, hi from its
+// high two (the lower byte of each in the pair's low half).
+__device__ __forceinline__ void E4m3x4ToF16x2(uint32_t word, uint32_t& lo, uint32_t& hi) {
+  asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %2;\n cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      " cvt.rn.f16x2.e4m3x2 %1, h;\n}"
+      : "=r"(lo), "=r"(hi)
       : "r"(word));
-  return out;
 }
 
 // 1 / x from the special-function unit: exact for powers of two (write_kv's scales), within an
@@ -230,10 +221,8 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
       // r[0], r[1]: tokens g, g + 8 of unit 2 pair; r[2], r[3] of unit 2 pair + 1.
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
-        f[2 * pair + s][0] = E4m3x2ToF16x2(r[2 * s]);
-        f[2 * pair + s][1] = E4m3x2ToF16x2(r[2 * s + 1]);
-        f[2 * pair + s][2] = E4m3x2HiToF16x2(r[2 * s]);
-        f[2 * pair + s][3] = E4m3x2HiToF16x2(r[2 * s + 1]);
+        E4m3x4ToF16x2(r[2 * s], f[2 * pair + s][0], f[2 * pair + s][2]);
+        E4m3x4ToF16x2(r[2 * s + 1], f[2 * pair + s][1], f[2 * pair + s][3]);
       }
     }
     FenceFragments<8>(f);
@@ -295,9 +284,8 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
         for (int s = 0; s < 2; ++s) {
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
-            const uint32_t by_col = __byte_perm(r[2 * s + j], 0, 0x3120);
-            f[4 * m + 2 * half + s][2 * j] = E4m3x2ToF16x2(by_col);
-            f[4 * m + 2 * half + s][2 * j + 1] = E4m3x2HiToF16x2(by_col);
+            uint32_t(&frag)[4] = f[4 * m + 2 * half + s];
+            E4m3x4ToF16x2(__byte_perm(r[2 * s + j], 0, 0x3120), frag[2 * j], frag[2 * j + 1]);
           }
         }
       }
