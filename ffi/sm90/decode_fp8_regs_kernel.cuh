@@ -37,6 +37,7 @@ namespace sm90 {
 struct Fp8RegsSmemLayout {
   static constexpr bool kHalfStages = false;
   static constexpr bool kEveryThreadReleases = true;
+  static constexpr int kReleasingThreads = kHalfStageReleasers;  // the warpgroup that read it
   static constexpr int kStageSlots = 4;
   static constexpr int kQChunkRows = 16;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
@@ -66,10 +67,20 @@ struct Fp8RegsSmemLayout {
 
 namespace detail {
 
-using QkF16Rs = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
-                                                             cute::SM90::GMMA::Major::K>;
-using QkBf16Rs = TransposedRsMmaFor<16>::type;
-using PvF16Rs = QkF16Rs;
+// The register-operand kernels' f16 products, m64 x kN x k16 with A from registers and B K-major:
+// the scores' latent part (A = keys) and PV (A = V^T); the rope's bf16 part is TransposedRsMmaFor.
+template <int kN>
+struct F16RsMmaFor;
+template <>
+struct F16RsMmaFor<16> {
+  using type = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
+                                                            cute::SM90::GMMA::Major::K>;
+};
+template <>
+struct F16RsMmaFor<32> {
+  using type = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
+                                                            cute::SM90::GMMA::Major::K>;
+};
 
 __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -117,14 +128,10 @@ __device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-// Converts the segment's query tile in place: the latent columns of each row to f16 times the
-// row's power of two 2^e (its largest magnitude then in [2^14, 2^15); 1 for a zero row), permuted
-// within each 16-column k step by RegsOperands::QueryChannel; writes 2^-e to row_scale[row]. The
-// 256 consumer threads take 32 columns of one row each; the caller fences and synchronises them.
-__device__ __forceinline__ void ConvertQueryToF16(uint8_t* q_tile, float* row_scale, int tid) {
-  using Layout = Fp8RegsSmemLayout;
-  const int row = tid / 16;
-  const int piece = tid % 16;
+// ConvertQueryToF16's work for one thread: 32 latent columns (piece `piece` of 16) of row `row`.
+template <class Layout>
+__device__ __forceinline__ void ConvertQueryRowPiece(uint8_t* q_tile, float* row_scale, int row,
+                                                     int piece) {
   uint8_t* chunk = q_tile + (piece / 2) * Layout::kQChunkBytes;
   const int unit0 = 4 * (piece % 2);
   uint4 raw[4];
@@ -168,17 +175,33 @@ __device__ __forceinline__ void ConvertQueryToF16(uint8_t* q_tile, float* row_sc
   }
 }
 
+// Converts the segment's query tile (Layout::kQChunkRows rows) in place: the latent columns of each
+// row to f16 times the row's power of two 2^e (its largest magnitude then in [2^14, 2^15); 1 for a
+// zero row), permuted within each 16-column k step by RegsOperands::QueryChannel; writes 2^-e to
+// row_scale[row]. The 256 consumer threads take 32 columns of one row each, 16 rows a pass; the
+// caller fences and synchronises them.
+template <class Layout>
+__device__ __forceinline__ void ConvertQueryToF16(uint8_t* q_tile, float* row_scale, int tid) {
+  static_assert(Layout::kQChunkRows % (kConsumerThreads / 16) == 0, "whole passes of 16 rows");
+#pragma unroll
+  for (int row0 = 0; row0 < Layout::kQChunkRows; row0 += kConsumerThreads / 16) {
+    ConvertQueryRowPiece<Layout>(q_tile, row_scale, row0 + tid / 16, tid % 16);
+  }
+}
+
 // Zeroes the raw rows of a staged block that were not loaded or hold tokens past the length
 // (all 656 bytes: e4m3 zero is +0, a zero scale and zero rope), so that nothing of them reaches
-// the MMAs but zeros. The warpgroup's 128 threads take half a row each; the caller fences and
-// synchronises them.
-__device__ __forceinline__ void ZeroUnloadedRawRows(uint8_t* staged, const BlockLoad& load,
-                                                    int wg_tid) {
+// the MMAs but zeros. The kThreads threads that read the stage (thread index t) take kThreads / 64
+// of every row's 16-byte units each; the caller fences and synchronises them.
+template <int kThreads>
+__device__ __forceinline__ void ZeroUnloadedRawRows(uint8_t* staged, const BlockLoad& load, int t) {
   constexpr int kUnits = kFp8RowBytes / 16;  // 41
-  const int row = wg_tid / 2;
+  constexpr int kPerRow = kThreads / kBlockN;
+  static_assert(kPerRow * kBlockN == kThreads, "whole rows per thread group");
+  const int row = t / kPerRow;
   if (load.RowLoaded(row)) return;
   uint8_t* dst = staged + row * kFp8RowBytes;
-  for (int u = wg_tid % 2; u < kUnits; u += 2) {
+  for (int u = t % kPerRow; u < kUnits; u += kPerRow) {
     *reinterpret_cast<uint4*>(dst + 16 * u) = make_uint4(0, 0, 0, 0);
   }
 }
@@ -193,14 +216,18 @@ __device__ __forceinline__ void FenceFragments(uint32_t (&f)[8][4]) {
   }
 }
 
-// This warpgroup's scores of one staged block, S^T (64 tokens x 16 rows), unscaled: sg[g] the sum
-// over latent group g (f16 MMAs on the raw e4m3 values against the f16 query), sr over the rope
-// (bf16). The A fragments go through two register buffers, one latent group (eight k steps) each,
-// so a group converts while the one before runs.
+// This warpgroup's scores of one staged block, S^T (64 tokens x kN rows), unscaled: sg[g] the sum
+// over latent group group0 + g (f16 MMAs on the raw e4m3 values against the f16 query), sr over
+// rope k steps rope0 .. rope0 + kRopeSteps - 1 (bf16). The A fragments go through two register
+// buffers, one latent group (eight k steps) each, so a group converts while the one before runs.
+template <int kN, int kGroups, int kRopeSteps, int kQChunkBytes>
 __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t q_addr,
-                                                  int warp_in_wg, int lane, float (&sg)[4][8],
-                                                  float (&sr)[8]) {
-  using Layout = Fp8RegsSmemLayout;
+                                                  int warp_in_wg, int lane, int group0, int rope0,
+                                                  float (&sg)[kGroups][kN / 2],
+                                                  float (&sr)[kN / 2]) {
+  using QkF16Rs = typename F16RsMmaFor<kN>::type;
+  using QkBf16Rs = typename TransposedRsMmaFor<kN>::type;
+  static_assert(kGroups >= 2 && kRopeSteps <= 8, "two fragment buffers, the rope in one");
   const uint64_t q_desc = KMajorDesc(q_addr);
   // ldmatrix row addresses: lane l names token 16 w + 8 ((l / 8) % 2) + l % 8, 16-byte unit l / 16.
   const uint32_t row_addr =
@@ -208,16 +235,16 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
       16 * (lane / 16);
   uint32_t frag[2][8][4];
 #pragma unroll
-  for (int g = 0; g < 4; ++g) FenceRegisters(sg[g]);
+  for (int g = 0; g < kGroups; ++g) FenceRegisters(sg[g]);
   FenceRegisters(sr);
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
+  for (int g = 0; g < kGroups; ++g) {
     uint32_t (&f)[8][4] = frag[g % 2];
     if (g >= 2) cute::warpgroup_wait<1>();
 #pragma unroll
     for (int pair = 0; pair < 4; ++pair) {
       uint32_t r[4];
-      LdMatrixX4(row_addr + kFp8GroupSize * g + 32 * pair, r);
+      LdMatrixX4(row_addr + kFp8GroupSize * (group0 + g) + 32 * pair, r);
       // r[0], r[1]: tokens g, g + 8 of unit 2 pair; r[2], r[3] of unit 2 pair + 1.
 #pragma unroll
       for (int s = 0; s < 2; ++s) {
@@ -229,47 +256,48 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
     cute::warpgroup_arrive();
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
-      const int step = 8 * g + s;  // k step of the query tile (16 columns)
-      GmmaRs<QkF16Rs>(f[s], DescAdd(q_desc, QkStepOffset<Layout::kQChunkBytes>(step)), sg[g],
-                      s != 0);
+      const int step = 8 * (group0 + g) + s;  // k step of the query tile (16 columns)
+      GmmaRs<QkF16Rs>(f[s], DescAdd(q_desc, QkStepOffset<kQChunkBytes>(step)), sg[g], s != 0);
     }
     cute::warpgroup_commit_batch();
   }
-  // The rope: bf16 fragments straight from the rows (buffer 0, free once group 2 is done).
+  // The rope: bf16 fragments straight from the rows (buffer kGroups % 2, free once group
+  // kGroups - 2 is done).
   cute::warpgroup_wait<1>();
-  uint32_t (&f)[8][4] = frag[0];
+  uint32_t (&f)[8][4] = frag[kGroups % 2];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) LdMatrixX4(row_addr + kFp8RopeOffset + 32 * j, f[j]);
-  FenceFragments<4>(f);
+  for (int j = 0; j < kRopeSteps; ++j) LdMatrixX4(row_addr + kFp8RopeOffset + 32 * (rope0 + j), f[j]);
+  FenceFragments<kRopeSteps>(f);
   cute::warpgroup_arrive();
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int step = kLatentDim / 16 + j;
-    GmmaRs<QkBf16Rs>(f[j], DescAdd(q_desc, QkStepOffset<Layout::kQChunkBytes>(step)), sr, j != 0);
+  for (int j = 0; j < kRopeSteps; ++j) {
+    const int step = kLatentDim / 16 + rope0 + j;
+    GmmaRs<QkBf16Rs>(f[j], DescAdd(q_desc, QkStepOffset<kQChunkBytes>(step)), sr, j != 0);
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
 #pragma unroll
-  for (int g = 0; g < 4; ++g) FenceRegisters(sg[g]);
+  for (int g = 0; g < kGroups; ++g) FenceRegisters(sg[g]);
   FenceRegisters(sr);
 }
 
-// O^T[64 t : 64 t + 64] += V^T P_g^T for the eight 64-column tiles t of the output (group g =
-// t / 2), A = V^T from the raw rows (ldmatrix.trans; row r < 8 of a warp's 16 is latent column
-// 2r of its 16, row r + 8 column 2r + 1), B = the group's P tile. `release` runs once the
-// stage's last values are in registers.
-template <class Release>
+// O^T[64 t : 64 t + 64] += V^T P_g^T for the 2 kGroups 64-column output tiles t of latent groups
+// group0 .. group0 + kGroups - 1 (tile t of group group0 + t / 2), A = V^T from the raw rows
+// (ldmatrix.trans; row r < 8 of a warp's 16 is latent column 2r of its 16, row r + 8 column
+// 2r + 1), B = P tile t / 2 at p_addr (kPTileBytes apart). `release` runs once the stage's last
+// values are in registers.
+template <int kN, int kGroups, int kPTileBytes, class Release>
 __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_addr,
-                                              int warp_in_wg, int lane, float (&o)[8][8],
-                                              Release release) {
-  using Layout = Fp8RegsSmemLayout;
+                                              int warp_in_wg, int lane, int group0,
+                                              float (&o)[2 * kGroups][kN / 2], Release release) {
+  using PvF16Rs = typename F16RsMmaFor<kN>::type;
   // ldmatrix.trans row addresses: lane l names token l of a 32-token half, the warp's 16 bytes.
   const uint32_t row_addr = staged_addr + lane * kFp8RowBytes + 16 * warp_in_wg;
   uint32_t frag[2][8][4];  // per buffer: [tile of the group][k step]
 #pragma unroll
-  for (int t = 0; t < 8; ++t) FenceRegisters(o[t]);
+  for (int t = 0; t < 2 * kGroups; ++t) FenceRegisters(o[t]);
 #pragma unroll
-  for (int g = 0; g < 4; ++g) {
+  for (int g = 0; g < kGroups; ++g) {
     uint32_t (&f)[8][4] = frag[g % 2];
     if (g >= 2) cute::warpgroup_wait<1>();
 #pragma unroll
@@ -277,7 +305,7 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         uint32_t r[4];
-        LdMatrixX4Trans(row_addr + half * 32 * kFp8RowBytes + 64 * (2 * g + m), r);
+        LdMatrixX4Trans(row_addr + half * 32 * kFp8RowBytes + 64 * (2 * (group0 + g) + m), r);
         // r[2 s + j]: k step 2 half + s, tokens 8 j .. 8 j + 7 of it; bytes (column 2r, token 2q),
         // (2r + 1, 2q), (2r, 2q + 1), (2r + 1, 2q + 1) -> pairs by column.
 #pragma unroll
@@ -290,10 +318,10 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
         }
       }
     }
-    if (g == 3) release();
+    if (g == kGroups - 1) release();
     FenceFragments<8>(f);
     cute::warpgroup_arrive();
-    const uint64_t p_desc = KMajorDesc(p_addr + g * Layout::kPTileBytes);
+    const uint64_t p_desc = KMajorDesc(p_addr + g * kPTileBytes);
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
 #pragma unroll
@@ -305,7 +333,7 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
   }
   cute::warpgroup_wait<0>();
 #pragma unroll
-  for (int t = 0; t < 8; ++t) FenceRegisters(o[t]);
+  for (int t = 0; t < 2 * kGroups; ++t) FenceRegisters(o[t]);
 }
 
 // The end-of-segment merge's float4 slots of warpgroup w's thread wg_tid: 0-7 the output tiles it
@@ -329,12 +357,14 @@ __device__ __forceinline__ int RegsElement(int i, int h) { return TransposedScor
 
 // Multiplies the thread's O^T values by their query row's factor (row_f[i], row RowT(i)) times
 // their latent group's (group_f[t / 2] for tile t).
-__device__ __forceinline__ void ScaleOutput(float (&o)[8][8], const float (&row_f)[4],
-                                            const float (&group_f)[kFp8ScaleGroups]) {
+template <int kTiles, int kRowsT>
+__device__ __forceinline__ void ScaleOutput(float (&o)[kTiles][2 * kRowsT],
+                                            const float (&row_f)[kRowsT],
+                                            const float (&group_f)[kTiles / 2]) {
 #pragma unroll
-  for (int t = 0; t < 8; ++t) {
+  for (int t = 0; t < kTiles; ++t) {
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < kRowsT; ++i) {
       const float f = row_f[i] * group_f[t / 2];
       o[t][RegsElement(i, 0)] *= f;
       o[t][RegsElement(i, 1)] *= f;
@@ -425,7 +455,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 
     Barrier::wait(pipe.QFull(), seg & 1);
     SM90_TRACE(kTraceQuery, 0);
-    ConvertQueryToF16(smem + Layout::kQ, row_scale, tid);
+    ConvertQueryToF16<Layout>(smem + Layout::kQ, row_scale, tid);
     cutlass::arch::fence_view_async_shared();
     ConsumerSync();
 #pragma unroll
@@ -446,7 +476,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       Barrier::wait(pipe.Full(stage), (it_k / Layout::kStageSlots) & 1);
       SM90_TRACE(kTraceBlockReady, k);
       if (!load.Complete()) {
-        ZeroUnloadedRawRows(staged, load, wg_tid);
+        ZeroUnloadedRawRows<128>(staged, load, wg_tid);
         cutlass::arch::fence_view_async_shared();
         WarpgroupSync(wg);
       }
@@ -461,7 +491,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         sc[h][3] = s4.w;
       }
       float sg[kFp8ScaleGroups][8], sr[8];
-      ScoresFromRawRows(staged_addr, q_addr, warp_in_wg, lane, sg, sr);
+      ScoresFromRawRows<16, kFp8ScaleGroups, 4, Layout::kQChunkBytes>(staged_addr, q_addr,
+                                                                     warp_in_wg, lane, 0, 0, sg, sr);
       SM90_TRACE(kTraceScoresDone, k);
 
       // Scores, masked by select; maxima over the thread's tokens, the eight lanes sharing its
@@ -560,8 +591,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
-      PvFromRawRows(staged_addr, p_addr, warp_in_wg, lane, o,
-                    [&] { Barrier::arrive(pipe.Empty(stage)); });
+      PvFromRawRows<16, kFp8ScaleGroups, Layout::kPTileBytes>(
+          staged_addr, p_addr, warp_in_wg, lane, 0, o, [&] { Barrier::arrive(pipe.Empty(stage)); });
       SM90_TRACE(kTraceBlockDone, k);
       load = next;
     }

@@ -740,9 +740,9 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
   if (tid == kConsumerThreads) {
     for (int s = 0; s < Layout::kStageSlots; ++s) {
       Barrier::init(pipe.Full(s), 1);
-      // A half stage (or any stage of a layout so marked) goes back once every thread of its
-      // warpgroup read it.
-      const int releasers = Layout::kEveryThreadReleases ? kHalfStageReleasers
+      // A half stage (or any stage of a layout so marked) goes back once every thread that read
+      // it released it.
+      const int releasers = Layout::kEveryThreadReleases ? Layout::kReleasingThreads
                             : kSplitRelease         ? 1
                                                     : kConsumerWarpgroups;
       Barrier::init(pipe.Empty(s), releasers * kCluster);

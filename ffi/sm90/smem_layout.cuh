@@ -54,6 +54,7 @@ struct SmemLayout {
   static constexpr bool kHalfStages = kFp8 && kQRows == kBlockM;
   // Whether each thread of the warpgroup that read a slot releases it (SetUpCta).
   static constexpr bool kEveryThreadReleases = kHalfStages;
+  static constexpr int kReleasingThreads = kHalfStageReleasers;  // with kEveryThreadReleases
   // Pipeline slots, each with a full and an empty barrier: the KV stages, or the half stages.
   static constexpr int kStageSlots = kHalfStages ? kFp8HalfStages : kStages;
   static constexpr int kQChunkRows = kQRows;
