@@ -25,8 +25,8 @@
 //   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
-//   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 16 rows
-//   in DecodeKernel's transposed path instead of DecodeFp8RegsKernel).
+//   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
+//   in DecodeKernel's transposed path instead of the register-operand kernels).
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
@@ -868,10 +868,10 @@ static void PrintDevice() {
   printf("device: %s, %d SMs, L2 %d MB, smem/block optin %zu, driver %d, runtime %d\n", prop.name,
          prop.multiProcessorCount, prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin, driver,
          runtime);
-  printf("kernel: %d threads, %d B dynamic smem (fp8 cache: %d B transposed, %d B 64-row tiles), "
-         "parts(H=128,q=1)=%d\n",
+  printf("kernel: %d threads, %d B dynamic smem (fp8 cache: %d B transposed, %d B 64-row tiles, "
+         "%d B up to 16 rows, %d B 17-32 rows), parts(H=128,q=1)=%d\n",
          kThreads, SmemLayout<false>::kBytes, KernelSmemLayout<true, kFp8TransposedRows>::kBytes,
-         KernelSmemLayout<true, 0>::kBytes,
+         KernelSmemLayout<true, 0>::kBytes, Fp8RegsSmemLayout::kBytes, Fp8SplitSmemLayout::kBytes,
          NumParts(prop.multiProcessorCount, 1, 128));
 }
 

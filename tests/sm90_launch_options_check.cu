@@ -142,5 +142,15 @@ int main() {
   std::printf("fp8 rows=32 registers %d\n",
               detail::SelectKernel(defaults, 1, 32, true, 1) ==
                   reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
+  for (int rows : {17, 32, 64}) {
+    std::printf("fp8 rows=%d split %d\n", rows,
+                detail::SelectKernel(defaults, 1, rows, true, NumMTiles(1, rows)) ==
+                    reinterpret_cast<const void*>(&DecodeFp8SplitKernel));
+  }
+  std::printf("fp8 rows=32,fp8_registers=0 split %d\n",
+              detail::SelectKernel(transposed, 1, 32, true, 1) ==
+                  reinterpret_cast<const void*>(&DecodeFp8SplitKernel));
+  std::printf("fp8 rows=32 smem %d\n",
+              detail::KernelSmemBytes(defaults, true, 32) == Fp8SplitSmemLayout::kBytes);
   return 0;
 }

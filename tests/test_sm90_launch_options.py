@@ -25,11 +25,13 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "fp8,cluster=2"]
 
 # The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows and 256 bytes
-# elsewhere; the fp8 cache up to 16 rows runs DecodeFp8RegsKernel unless fp8_registers = 0.
+# elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
+# unless fp8_registers = 0.
 DEFAULTS = ["promotion rows=8 128", "promotion rows=16 128", "promotion rows=32 256",
             "promotion rows=128 256", "promotion rows=16,kv_l2_promotion=0 0",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
-            "fp8 rows=32 registers 0"]
+            "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
+            "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1"]
 
 
 def cutlass_include() -> str | None:

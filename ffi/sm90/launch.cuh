@@ -19,6 +19,7 @@
 
 #include "combine_kernel.cuh"
 #include "decode_fp8_regs_kernel.cuh"
+#include "decode_fp8_split_kernel.cuh"
 #include "decode_kernel.cuh"
 #include "decode_params.h"
 #include "schedule.cuh"
@@ -51,9 +52,10 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
-  int fp8_registers = -1;     // the fp8 cache up to 16 query rows in DecodeFp8RegsKernel (cache
-                              // operands in registers, two blocks in flight) instead of
-                              // DecodeKernel's transposed path: -1 (default) and 1 yes, 0 no
+  int fp8_registers = -1;     // the fp8 cache up to 32 query rows in the register-operand
+                              // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
+                              // 17-32) instead of DecodeKernel's transposed path: -1 (default)
+                              // and 1 yes, 0 no
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -252,15 +254,18 @@ inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int sc
                         : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
 }
 
-// Whether the fp8 cache's kernel for kScoreN score_n is DecodeFp8RegsKernel.
+// Whether the fp8 cache's kernel for kScoreN score_n is a register-operand one: DecodeFp8RegsKernel
+// at 16, DecodeFp8SplitKernel at 32.
 inline bool UseFp8Registers(const LaunchOptions& options, bool fp8, int score_n) {
-  return fp8 && score_n == 16 && options.fp8_registers != 0;
+  return fp8 && (score_n == 16 || score_n == 32) && options.fp8_registers != 0;
 }
 
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
 inline int KernelSmemBytes(const LaunchOptions& options, bool fp8, int score_n) {
   if (!fp8) return SmemLayout<false>::kBytes;
-  if (UseFp8Registers(options, fp8, score_n)) return Fp8RegsSmemLayout::kBytes;
+  if (UseFp8Registers(options, fp8, score_n)) {
+    return score_n == 16 ? Fp8RegsSmemLayout::kBytes : Fp8SplitSmemLayout::kBytes;
+  }
   return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
                      : KernelSmemLayout<true, 0>::kBytes;
 }
@@ -289,7 +294,8 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
     const int score_n = TransposedScoreRows(options, cluster, rows);
     if (UseFp8Registers(options, fp8, score_n)) {
-      return reinterpret_cast<const void*>(&DecodeFp8RegsKernel);
+      return score_n == 16 ? reinterpret_cast<const void*>(&DecodeFp8RegsKernel)
+                           : reinterpret_cast<const void*>(&DecodeFp8SplitKernel);
     }
     switch (score_n) {
       case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
