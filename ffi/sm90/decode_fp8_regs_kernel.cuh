@@ -47,7 +47,8 @@ struct Fp8RegsSmemLayout {
   static constexpr int kPTileBytes = kQChunkRows * kRowBytes;
   static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
   // Per warpgroup: f32 [4 warps][32] (16 row maxima or sums, then 4 group scale maxima).
-  static constexpr int kReduceFloats = 4 * 32;
+  static constexpr int kReduceStride = 32;
+  static constexpr int kReduceFloats = 4 * kReduceStride;
   static constexpr int kMerge = kP + kConsumerWarpgroups * kFp8ScaleGroups * kPTileBytes;
   // Per warpgroup: the end-of-segment merge's float4 slots (MergeSlot) beyond those its P tiles
   // hold, 128 float4 each.
@@ -372,6 +373,222 @@ __device__ __forceinline__ void ScaleOutput(float (&o)[kTiles][2 * kRowsT],
   }
 }
 
+// The CTA of a register-operand kernel with shared-memory layout Layout: the producer warpgroup's
+// one thread stages the query tiles and raw blocks of the part's walk (ProduceTiles), and the
+// consumer threads run consume(smem, pipe, walker) with the part's own walker.
+template <class Layout, class Consume>
+__device__ __forceinline__ void RunRegsCta(const CUtensorMap& q_map, const CUtensorMap& kv_map,
+                                           const DecodeKernelArgs& args, Consume consume) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw_addr = SmemAddr(smem_raw);
+  uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
+  const DecodeParams& p = args.p;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int part = blockIdx.x;
+  SetUpCta<1, Layout>(smem, args.q_box_rows, tid);
+  if (warp >= kConsumerThreads / 32) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    GridDependencyWait();
+    GridDependencyLaunchDependents();
+    if (warp == kConsumerThreads / 32 && tid % 32 == 0) {
+      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
+                           p.page_size);
+      ProduceTiles<1, true, Layout>(q_map, kv_map, args, smem, walker, 0, 0);
+    }
+    return;
+  }
+  GridDependencyWait();
+  GridDependencyLaunchDependents();
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
+  SM90_TRACE(kTraceStart, 0);
+  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
+                       p.page_size);
+  consume(smem, Pipeline::At<Layout>(smem), walker);
+  SM90_TRACE(kTraceEnd, 0);
+}
+
+// A segment's start for the consumer threads: each of the thread's query rows (RowT(i) for lane)
+// gets its causal limit (-1 for padding rows), running maximum -inf and sum 0; once the query
+// tile landed it is converted (ConvertQueryToF16) and the rows' query scales read.
+template <class Layout, int kRowsT>
+__device__ __forceinline__ void StartRegsSegment(const Pipeline& pipe, uint8_t* smem,
+                                                 const DecodeParams& p, const Segment& seg_info,
+                                                 int seg, int tid, int lane, float (&m_t)[kRowsT],
+                                                 float (&l_t)[kRowsT], int (&limit_t)[kRowsT],
+                                                 float (&q_scale)[kRowsT]) {
+  const int rows = p.q_len * p.num_heads;
+  float* const row_scale = reinterpret_cast<float*>(smem + Layout::kRowScale);
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
+    m_t[i] = kNegInf;
+    l_t[i] = 0.f;
+  }
+  cutlass::arch::ClusterBarrier::wait(pipe.QFull(), seg & 1);
+  SM90_TRACE(kTraceQuery, 0);
+  ConvertQueryToF16<Layout>(smem + Layout::kQ, row_scale, tid);
+  cutlass::arch::fence_view_async_shared();
+  ConsumerSync();
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) q_scale[i] = row_scale[TransposedScores::QueryRow(lane, i)];
+}
+
+// Each of the thread's rows' block maximum from the warpgroup's four warps' maxima (reduce[w *
+// kStride + row]), the running maximum moved (NextRowMax), the rescale factor alpha and the
+// block's probabilities exp2 in place of its scores st, added to the running sums.
+template <int kRowsT, int kStride>
+__device__ __forceinline__ void UpdateRowsSoftmax(const float* reduce, int lane, float sl2,
+                                                  float (&st)[2 * kRowsT], float (&m_t)[kRowsT],
+                                                  float (&l_t)[kRowsT], float (&alpha)[kRowsT]) {
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    float m_blk = reduce[row];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * kStride + row]);
+    const float m_new = NextRowMax(m_t[i], m_blk, sl2);
+    const float mu = m_new == kNegInf ? 0.f : m_new;
+    alpha[i] = Exp2((m_t[i] - mu) * sl2);
+    m_t[i] = m_new;
+    const float nb = -mu * sl2;
+    const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
+    st[ea] = Exp2(fmaf(st[ea], sl2, nb));
+    st[eb] = Exp2(fmaf(st[eb], sl2, nb));
+    l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
+  }
+}
+
+// Each latent group's running maximum |scale| r_g moved by the block's (the warps' maxima at
+// reduce[w * kStride + kOffset + g]), its output's rescale factor gf (old over new, 1 when it stays)
+// and 1 / r_g (0 while no scale was seen).
+template <int kGroups, int kStride, int kOffset>
+__device__ __forceinline__ void UpdateGroupScales(const float* reduce, float (&r_g)[kGroups],
+                                                  float (&gf)[kGroups], float (&inv_r)[kGroups]) {
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    float r_blk = reduce[kOffset + g];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) r_blk = fmaxf(r_blk, reduce[w * kStride + kOffset + g]);
+    const float r_new = fmaxf(r_g[g], r_blk);
+    const float inv = ApproxRcp(r_new);
+    gf[g] = r_new > r_g[g] ? r_g[g] * inv : 1.f;
+    r_g[g] = r_new;
+    inv_r[g] = r_new > 0.f ? inv : 0.f;
+  }
+}
+
+// P_g[row][token] = p * scale_g(token) / R_g in f16 for kGroups groups (tile g at p_addr + g
+// kPTileBytes, kN rows x 64 tokens), from the thread's probabilities st and its tokens' scales
+// sc[h][g]: per group and 16 rows one stmatrix.trans, whose matrix 2 j + h holds tokens 8 h .. of
+// the warp's 16 x query rows 16 q + 8 j ... of pass q.
+template <int kN, int kGroups, int kPTileBytes>
+__device__ __forceinline__ void StorePTiles(uint32_t p_addr, int warp_in_wg, int lane,
+                                            const float (&st)[kN / 2],
+                                            const float (&sc)[2][kGroups],
+                                            const float (&inv_r)[kGroups]) {
+  const int mi = lane / 8;
+  const int dst_tok = 16 * warp_in_wg + 8 * (mi % 2);
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+    for (int q = 0; q < kN / 16; ++q) {
+      uint32_t r[4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float f = sc[h][g] * inv_r[g];
+          const int i = 4 * q + 2 * j;  // rows 16 q + 8 j + 2 (lane % 4) and the next
+          r[2 * j + h] = PackF16x2(st[RegsElement(i, h)] * f, st[RegsElement(i + 1, h)] * f);
+        }
+      }
+      const int dst_row = 16 * q + 8 * (mi / 2) + lane % 8;
+      StMatrixX4Trans(p_addr + g * kPTileBytes + SwizzledOffset(dst_row, dst_tok), r);
+    }
+  }
+}
+
+// The thread's rows' sums over the segment's tokens: its own (l_t) over the eight lanes sharing the
+// rows, then the warpgroup's four warps in order (through reduce[w * kStride + row]).
+template <int kRowsT, int kStride>
+__device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT], float* reduce,
+                                                     int warp_in_wg, int lane, int wg,
+                                                     float (&l)[kRowsT]) {
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    l[i] = l_t[i];
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      reduce[warp_in_wg * kStride + TransposedScores::QueryRow(lane, i)] = l[i];
+    }
+  }
+  WarpgroupSync(wg);
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    l[i] = ((reduce[row] + reduce[kStride + row]) + reduce[2 * kStride + row]) +
+           reduce[3 * kStride + row];
+  }
+}
+
+// Stores a segment's results from warpgroup wg's four 64-column output tiles 4 wg .. 4 wg + 3
+// (keep[t][RegsElement(i, h)]: query row RowT(i), column RegsOperands::OutputColumn(wg_tid, h) of
+// tile t, in output units but for 1 / l) and its rows' sums l and maxima m: bf16 out and LSE for a
+// request handled whole, fp32 partial out and LSE in the workspace for a split one. Rows past the
+// problem's are padding, not written; lanes 0-3 of warpgroup 0's first warp write the LSE.
+template <int kRowsT>
+__device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
+                                               const Segment& seg_info, int part, int wg,
+                                               int wg_tid, int lane,
+                                               const float (&keep)[4][2 * kRowsT],
+                                               const float (&l)[kRowsT], const float (&m)[kRowsT]) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  const DecodeParams& p = args.p;
+  const int rows = p.q_len * p.num_heads;
+  const float sl2 = args.scale_log2;
+  const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
+  uint8_t* const wsb = static_cast<uint8_t*>(p.workspace);
+  float* const part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
+  float* const part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
+  const size_t out_row0 = static_cast<size_t>(seg_info.b) * rows;
+  const size_t slot_row0 = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
+  const bool writes_lse = wg == 0 && wg_tid < 4;
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    if (row >= rows) continue;
+    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float lse = l[i] > 0.f ? (m[i] * sl2 + __log2f(l[i])) * kLn2 : kNegInf;
+    const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
+#pragma unroll
+    for (int tt = 0; tt < 4; ++tt) {
+      const int col = 64 * (4 * wg + tt) + RegsOperands::OutputColumn(wg_tid, 0);
+      if (seg_info.whole) {
+        const float f = inv * p.output_scale;
+        __nv_bfloat162 v = __floats2bfloat162_rn(keep[tt][ea] * f, keep[tt][eb] * f);
+        *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
+                                           (out_row0 + row) * kLatentDim + col) = v;
+      } else {
+        *reinterpret_cast<float2*>(part_out + (slot_row0 + row) * kLatentDim + col) =
+            make_float2(keep[tt][ea] * inv, keep[tt][eb] * inv);
+      }
+    }
+    if (writes_lse) {
+      if (seg_info.whole) {
+        p.lse[out_row0 + row] = lse;
+      } else {
+        part_lse[slot_row0 + row] = lse;
+      }
+    }
+  }
+}
+
 }  // namespace detail
 
 // fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
@@ -380,51 +597,26 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
                     const __grid_constant__ CUtensorMap kv_map, const DecodeKernelArgs args) {
   using Layout = Fp8RegsSmemLayout;
   using namespace detail;
+  RunRegsCta<Layout>(q_map, kv_map, args, [&](uint8_t* smem, const Pipeline& pipe,
+                                              SegmentWalker& walker) {
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kRowsT = 4;  // query rows per thread
-  constexpr float kLn2 = 0.6931471805599453f;
-
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_addr = SmemAddr(smem_raw);
-  uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  const Pipeline pipe = Pipeline::At<Layout>(smem);
+  constexpr int kStride = Layout::kReduceStride;
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int rows = p.q_len * p.num_heads;
   const int part = blockIdx.x;
-
-  SetUpCta<1, Layout>(smem, args.q_box_rows, tid);
-
-  if (warp >= kConsumerThreads / 32) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    GridDependencyWait();
-    GridDependencyLaunchDependents();
-    if (warp == kConsumerThreads / 32 && lane == 0) {
-      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                           p.page_size);
-      ProduceTiles<1, true, Layout>(q_map, kv_map, args, smem, walker, 0, 0);
-    }
-  } else {
-  // ------------------------------------------------------------------ consumer warpgroups
-  GridDependencyWait();
-  GridDependencyLaunchDependents();
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  SM90_TRACE(kTraceStart, 0);
-  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                       p.page_size);
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int wg_tid = tid % 128;
   const int warp_in_wg = wg_tid / 32;
   const float sl2 = args.scale_log2;
   const uint32_t q_addr = SmemAddr(smem + Layout::kQ);
   const uint32_t stages_addr = SmemAddr(smem + Layout::kFp8Stages);
-  uint8_t* const p_tiles = smem + Layout::kP + wg * kFp8ScaleGroups * Layout::kPTileBytes;
-  const uint32_t p_addr = SmemAddr(p_tiles);
+  const uint32_t p_addr =
+      SmemAddr(smem + Layout::kP + wg * kFp8ScaleGroups * Layout::kPTileBytes);
   float* const reduce =
       reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
-  float* const row_scale = reinterpret_cast<float*>(smem + Layout::kRowScale);
   // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
   // transposed path.
   const int tok[2] = {TransposedScores::Token(wg_tid, 0), TransposedScores::Token(wg_tid, 1)};
@@ -435,15 +627,6 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
   int it = 0, seg = 0;
   while (walker.Next(seg_info)) {
     SM90_TRACE(kTraceSegment, seg_info.b);
-    float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
-    int limit_t[kRowsT];
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
-      m_t[i] = kNegInf;
-      l_t[i] = 0.f;
-    }
     float r_g[kFp8ScaleGroups];  // running maximum |scale| of each group (0: none yet)
 #pragma unroll
     for (int g = 0; g < kFp8ScaleGroups; ++g) r_g[g] = 0.f;
@@ -452,14 +635,9 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
 #pragma unroll
       for (int e = 0; e < 8; ++e) o[t][e] = 0.f;
     }
-
-    Barrier::wait(pipe.QFull(), seg & 1);
-    SM90_TRACE(kTraceQuery, 0);
-    ConvertQueryToF16<Layout>(smem + Layout::kQ, row_scale, tid);
-    cutlass::arch::fence_view_async_shared();
-    ConsumerSync();
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) q_scale[i] = row_scale[RowT(i)];
+    float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
+    int limit_t[kRowsT];
+    StartRegsSegment<Layout>(pipe, smem, p, seg_info, seg, tid, lane, m_t, l_t, limit_t, q_scale);
 
     // This warpgroup's blocks are every other one of the CTA's walk (`it` counts the walk's blocks
     // over segments); a block's table entries are read while the block before it is computed.
@@ -523,42 +701,19 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       }
       if (lane < 4) {
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * 32 + RowT(i)] = mx[i];
+        for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * kStride + RowT(i)] = mx[i];
       }
       if (lane == 0) {
 #pragma unroll
-        for (int g = 0; g < kFp8ScaleGroups; ++g) reduce[warp_in_wg * 32 + 16 + g] = smax[g];
+        for (int g = 0; g < kFp8ScaleGroups; ++g) {
+          reduce[warp_in_wg * kStride + Layout::kQChunkRows + g] = smax[g];
+        }
       }
       WarpgroupSync(wg);
       float alpha[kRowsT];
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        const int row = RowT(i);
-        float m_blk = reduce[row];
-#pragma unroll
-        for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * 32 + row]);
-        const float m_new = NextRowMax(m_t[i], m_blk, sl2);
-        const float mu = m_new == kNegInf ? 0.f : m_new;
-        alpha[i] = Exp2((m_t[i] - mu) * sl2);
-        m_t[i] = m_new;
-        const float nb = -mu * sl2;
-        const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
-        st[ea] = Exp2(fmaf(st[ea], sl2, nb));
-        st[eb] = Exp2(fmaf(st[eb], sl2, nb));
-        l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
-      }
+      UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
       float gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
-#pragma unroll
-      for (int g = 0; g < kFp8ScaleGroups; ++g) {
-        float r_blk = reduce[16 + g];
-#pragma unroll
-        for (int w = 1; w < 4; ++w) r_blk = fmaxf(r_blk, reduce[w * 32 + 16 + g]);
-        const float r_new = fmaxf(r_g[g], r_blk);
-        const float inv = ApproxRcp(r_new);
-        gf[g] = r_new > r_g[g] ? r_g[g] * inv : 1.f;
-        r_g[g] = r_new;
-        inv_r[g] = r_new > 0.f ? inv : 0.f;
-      }
+      UpdateGroupScales<kFp8ScaleGroups, kStride, Layout::kQChunkRows>(reduce, r_g, gf, inv_r);
       bool rescale = false;
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
@@ -567,27 +722,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       if (__any_sync(0xffffffffu, rescale)) {
         ScaleOutput(o, alpha, gf);
       }
-      // P_g[row][token] = p * scale_g(token) / R_g in f16, one stmatrix.trans per group: matrix
-      // 2 j + h holds tokens 8 h .. of the warp's 16 x query rows 8 j ...
-      {
-        const int mi = lane / 8;
-        const int dst_row = 8 * (mi / 2) + lane % 8;
-        const int dst_tok = 16 * warp_in_wg + 8 * (mi % 2);
-#pragma unroll
-        for (int g = 0; g < kFp8ScaleGroups; ++g) {
-          uint32_t r[4];
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float f = sc[h][g] * inv_r[g];
-              r[2 * j + h] =
-                  PackF16x2(st[RegsElement(2 * j, h)] * f, st[RegsElement(2 * j + 1, h)] * f);
-            }
-          }
-          StMatrixX4Trans(p_addr + g * Layout::kPTileBytes + SwizzledOffset(dst_row, dst_tok), r);
-        }
-      }
+      StorePTiles<16, kFp8ScaleGroups, Layout::kPTileBytes>(p_addr, warp_in_wg, lane, st, sc,
+                                                            inv_r);
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
@@ -599,24 +735,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
     it += seg_info.kv_end - seg_info.kv_begin;
     if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
-    // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
     float l[kRowsT];
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      l[i] = l_t[i];
-#pragma unroll
-      for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
-    }
-    if (lane < 4) {
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * 32 + RowT(i)] = l[i];
-    }
-    WarpgroupSync(wg);
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      l[i] = ((reduce[row] + reduce[32 + row]) + reduce[64 + row]) + reduce[96 + row];
-    }
+    SumRowsOverWarpgroup<kRowsT, kStride>(l_t, reduce, warp_in_wg, lane, wg, l);
     // Merge the two warpgroups in one exchange, each thread with its partner in the other (the same
     // rows): each writes its rows' maxima and sums and the four output tiles the other keeps
     // (warpgroup w keeps tiles 4 w .. 4 w + 3), times their groups' running maximum scales, then
@@ -665,50 +785,12 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         keep[slot / 2][e] = keep[slot / 2][e] * f_me[i] + x[j] * f_other[i];
       }
     }
-    // Store this warpgroup's tiles 4 wg .. 4 wg + 3: bf16 out and LSE for a request handled whole,
-    // fp32 partial out and LSE in the workspace for a split one.
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
-    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
-    uint8_t* const wsb = static_cast<uint8_t*>(p.workspace);
-    float* const part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
-    float* const part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
-    const size_t out_row0 = static_cast<size_t>(seg_info.b) * rows;
-    const size_t slot_row0 = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
-    const bool writes_lse = wg == 0 && wg_tid < 4;
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      if (row >= rows) continue;
-      const float inv = l_all[i] > 0.f ? 1.f / l_all[i] : 0.f;
-      const float lse =
-          l_all[i] > 0.f ? (m_all[i] * sl2 + __log2f(l_all[i])) * kLn2 : kNegInf;
-      const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
-#pragma unroll
-      for (int tt = 0; tt < 4; ++tt) {
-        const int col = 64 * (4 * wg + tt) + RegsOperands::OutputColumn(wg_tid, 0);
-        if (seg_info.whole) {
-          const float f = inv * p.output_scale;
-          __nv_bfloat162 v = __floats2bfloat162_rn(keep[tt][ea] * f, keep[tt][eb] * f);
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
-                                             (out_row0 + row) * kLatentDim + col) = v;
-        } else {
-          *reinterpret_cast<float2*>(part_out + (slot_row0 + row) * kLatentDim + col) =
-              make_float2(keep[tt][ea] * inv, keep[tt][eb] * inv);
-        }
-      }
-      if (writes_lse) {
-        if (seg_info.whole) {
-          p.lse[out_row0 + row] = lse;
-        } else {
-          part_lse[slot_row0 + row] = lse;
-        }
-      }
-    }
+    StoreRegsTiles(args, seg_info, part, wg, wg_tid, lane, keep, l_all, m_all);
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
   }
-  SM90_TRACE(kTraceEnd, 0);
-}
+  });
 }
 
 }  // namespace sm90

@@ -77,43 +77,19 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
                      const __grid_constant__ CUtensorMap kv_map, const DecodeKernelArgs args) {
   using Layout = Fp8SplitSmemLayout;
   using namespace detail;
+  RunRegsCta<Layout>(q_map, kv_map, args, [&](uint8_t* smem, const Pipeline& pipe,
+                                              SegmentWalker& walker) {
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kN = Layout::kQChunkRows;
   constexpr int kRowsT = kN / 4;  // query rows per thread
   constexpr int kGroupsW = Layout::kGroupsPerWarpgroup;
   constexpr int kRopeStepsW = kRopeDim / 16 / kConsumerWarpgroups;
-  constexpr float kLn2 = 0.6931471805599453f;
-
-  extern __shared__ uint8_t smem_raw[];
-  const uint32_t raw_addr = SmemAddr(smem_raw);
-  uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  const Pipeline pipe = Pipeline::At<Layout>(smem);
+  constexpr int kStride = Layout::kReduceStride;
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int rows = p.q_len * p.num_heads;
   const int part = blockIdx.x;
-
-  SetUpCta<1, Layout>(smem, args.q_box_rows, tid);
-
-  if (warp >= kConsumerThreads / 32) {
-    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    GridDependencyWait();
-    GridDependencyLaunchDependents();
-    if (warp == kConsumerThreads / 32 && lane == 0) {
-      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                           p.page_size);
-      ProduceTiles<1, true, Layout>(q_map, kv_map, args, smem, walker, 0, 0);
-    }
-  } else {
-  // ------------------------------------------------------------------ consumer warpgroups
-  GridDependencyWait();
-  GridDependencyLaunchDependents();
-  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  SM90_TRACE(kTraceStart, 0);
-  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                       p.page_size);
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int wg_tid = tid % 128;
   const int warp_in_wg = wg_tid / 32;
@@ -124,7 +100,6 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
   const uint32_t p_addr = SmemAddr(smem + Layout::kP + group0 * Layout::kPTileBytes);
   float* const reduce =
       reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
-  float* const row_scale = reinterpret_cast<float*>(smem + Layout::kRowScale);
   // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
   // transposed path.
   const int tok[2] = {TransposedScores::Token(wg_tid, 0), TransposedScores::Token(wg_tid, 1)};
@@ -135,15 +110,6 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
   int it = 0, seg = 0;
   while (walker.Next(seg_info)) {
     SM90_TRACE(kTraceSegment, seg_info.b);
-    float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
-    int limit_t[kRowsT];
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
-      m_t[i] = kNegInf;
-      l_t[i] = 0.f;
-    }
     float r_g[kGroupsW];  // running maximum |scale| of this warpgroup's groups (0: none yet)
 #pragma unroll
     for (int g = 0; g < kGroupsW; ++g) r_g[g] = 0.f;
@@ -152,14 +118,9 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
 #pragma unroll
       for (int e = 0; e < kN / 2; ++e) o[t][e] = 0.f;
     }
-
-    Barrier::wait(pipe.QFull(), seg & 1);
-    SM90_TRACE(kTraceQuery, 0);
-    ConvertQueryToF16<Layout>(smem + Layout::kQ, row_scale, tid);
-    cutlass::arch::fence_view_async_shared();
-    ConsumerSync();
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) q_scale[i] = row_scale[RowT(i)];
+    float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
+    int limit_t[kRowsT];
+    StartRegsSegment<Layout>(pipe, smem, p, seg_info, seg, tid, lane, m_t, l_t, limit_t, q_scale);
 
     // A block's table entries are read while the block before it is computed.
     BlockLoad load{};
@@ -241,45 +202,19 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
       for (int g = 0; g < kGroupsW; ++g) {
         smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
       }
-      float* const my_reduce = reduce + warp_in_wg * Layout::kReduceStride;
       if (lane < 4) {
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) my_reduce[RowT(i)] = mx[i];
+        for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * kStride + RowT(i)] = mx[i];
       }
       if (lane == 0) {
 #pragma unroll
-        for (int g = 0; g < kGroupsW; ++g) my_reduce[kN + g] = smax[g];
+        for (int g = 0; g < kGroupsW; ++g) reduce[warp_in_wg * kStride + kN + g] = smax[g];
       }
       WarpgroupSync(wg);
       float alpha[kRowsT];
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        const int row = RowT(i);
-        float m_blk = reduce[row];
-#pragma unroll
-        for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * Layout::kReduceStride + row]);
-        const float m_new = NextRowMax(m_t[i], m_blk, sl2);
-        const float mu = m_new == kNegInf ? 0.f : m_new;
-        alpha[i] = Exp2((m_t[i] - mu) * sl2);
-        m_t[i] = m_new;
-        const float nb = -mu * sl2;
-        const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
-        st[ea] = Exp2(fmaf(st[ea], sl2, nb));
-        st[eb] = Exp2(fmaf(st[eb], sl2, nb));
-        l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
-      }
+      UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
       float gf[kGroupsW], inv_r[kGroupsW];
-#pragma unroll
-      for (int g = 0; g < kGroupsW; ++g) {
-        float r_blk = reduce[kN + g];
-#pragma unroll
-        for (int w = 1; w < 4; ++w) r_blk = fmaxf(r_blk, reduce[w * Layout::kReduceStride + kN + g]);
-        const float r_new = fmaxf(r_g[g], r_blk);
-        const float inv = ApproxRcp(r_new);
-        gf[g] = r_new > r_g[g] ? r_g[g] * inv : 1.f;
-        r_g[g] = r_new;
-        inv_r[g] = r_new > 0.f ? inv : 0.f;
-      }
+      UpdateGroupScales<kGroupsW, kStride, kN>(reduce, r_g, gf, inv_r);
       bool rescale = false;
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
@@ -288,33 +223,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
       if (__any_sync(0xffffffffu, rescale)) {
         ScaleOutput(o, alpha, gf);
       }
-      // P_g[row][token] = p * scale_g(token) / R_g in f16 for this warpgroup's groups, two
-      // stmatrix.trans per group: in pass q matrix 2 j + h holds tokens 8 h .. of the warp's 16 x
-      // query rows 16 q + 8 j ...
-      {
-        const int mi = lane / 8;
-        const int dst_tok = 16 * warp_in_wg + 8 * (mi % 2);
-#pragma unroll
-        for (int g = 0; g < kGroupsW; ++g) {
-#pragma unroll
-          for (int q = 0; q < kN / 16; ++q) {
-            uint32_t r[4];
-#pragma unroll
-            for (int j = 0; j < 2; ++j) {
-#pragma unroll
-              for (int h = 0; h < 2; ++h) {
-                const float f = sc[h][g] * inv_r[g];
-                const int i = 4 * q + 2 * j;  // rows 16 q + 8 j + 2 (lane % 4) and the next
-                r[2 * j + h] =
-                    PackF16x2(st[RegsElement(i, h)] * f, st[RegsElement(i + 1, h)] * f);
-              }
-            }
-            const int dst_row = 16 * q + 8 * (mi / 2) + lane % 8;
-            StMatrixX4Trans(p_addr + g * Layout::kPTileBytes + SwizzledOffset(dst_row, dst_tok),
-                            r);
-          }
-        }
-      }
+      StorePTiles<kN, kGroupsW, Layout::kPTileBytes>(p_addr, warp_in_wg, lane, st, sc, inv_r);
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
@@ -326,71 +235,22 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
     }
     if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
-    // Row sums over tokens (the same in both warpgroups): the eight lanes sharing the rows, then
-    // the four warps in order.
+    // Both warpgroups hold the same row sums and maxima; each stores its groups' four tiles
+    // (group g's output in units of its running maximum scale R_g).
     float l[kRowsT];
+    SumRowsOverWarpgroup<kRowsT, kStride>(l_t, reduce, warp_in_wg, lane, wg, l);
+    float keep[2 * kGroupsW][kN / 2];
 #pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      l[i] = l_t[i];
+    for (int t = 0; t < 2 * kGroupsW; ++t) {
 #pragma unroll
-      for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
+      for (int e = 0; e < kN / 2; ++e) keep[t][e] = o[t][e] * r_g[t / 2];
     }
-    if (lane < 4) {
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * Layout::kReduceStride + RowT(i)] = l[i];
-    }
-    WarpgroupSync(wg);
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      constexpr int kS = Layout::kReduceStride;
-      l[i] = ((reduce[row] + reduce[kS + row]) + reduce[2 * kS + row]) + reduce[3 * kS + row];
-    }
-    // Store this warpgroup's four tiles (its groups' 256 columns, group g's output in units of
-    // R_g): bf16 out and LSE for a request handled whole, fp32 partial out and LSE in the
-    // workspace for a split one.
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
-    const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
-    uint8_t* const wsb = static_cast<uint8_t*>(p.workspace);
-    float* const part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
-    float* const part_lse = reinterpret_cast<float*>(wsb + ws.partial_lse);
-    const size_t out_row0 = static_cast<size_t>(seg_info.b) * rows;
-    const size_t slot_row0 = static_cast<size_t>(seg_info.b + part) * ws.rows_pad;
-    const bool writes_lse = wg == 0 && wg_tid < 4;
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      if (row >= rows) continue;
-      const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-      const float lse = l[i] > 0.f ? (m_t[i] * sl2 + __log2f(l[i])) * kLn2 : kNegInf;
-      const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
-#pragma unroll
-      for (int t = 0; t < 2 * kGroupsW; ++t) {
-        const int col = 64 * (2 * group0 + t) + RegsOperands::OutputColumn(wg_tid, 0);
-        const float f = inv * r_g[t / 2];
-        if (seg_info.whole) {
-          const float fo = f * p.output_scale;
-          __nv_bfloat162 v = __floats2bfloat162_rn(o[t][ea] * fo, o[t][eb] * fo);
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.out) +
-                                             (out_row0 + row) * kLatentDim + col) = v;
-        } else {
-          *reinterpret_cast<float2*>(part_out + (slot_row0 + row) * kLatentDim + col) =
-              make_float2(o[t][ea] * f, o[t][eb] * f);
-        }
-      }
-      if (writes_lse) {
-        if (seg_info.whole) {
-          p.lse[out_row0 + row] = lse;
-        } else {
-          part_lse[slot_row0 + row] = lse;
-        }
-      }
-    }
+    StoreRegsTiles(args, seg_info, part, wg, wg_tid, lane, keep, l, m_t);
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;
   }
-  SM90_TRACE(kTraceEnd, 0);
-  }
+  });
 }
 
 }  // namespace sm90
