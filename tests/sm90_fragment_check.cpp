@@ -7,8 +7,10 @@
 // of its first warp (the LSE writers) hold every query row once. Then the fp8 path's permuted
 // query columns (PermutedQuery): a permutation of each 64-column chunk, every lane's A fragment of
 // every k step four consecutive channels from FragmentChannel, and the word-level permutation the
-// kernel applies the same as the column-level one.
-// stdout: "ok N" or "FAIL N: reason", a line per N, then "ok permuted-query" or its FAIL line.
+// kernel applies the same as the column-level one. Then the fp8 register-operand kernels' query
+// channels and output columns (RegsOperands), and their P stores at 16 and 32 rows (RegsPStore).
+// stdout: "ok N" or "FAIL N: reason", a line per N, then "ok permuted-query", "ok
+// register-operands", "ok p-store 16" and "ok p-store 32" or their FAIL lines.
 #include <cstdio>
 #include <set>
 #include <string>
@@ -18,6 +20,7 @@
 
 using jax_mla::sm90::PermutedQuery;
 using jax_mla::sm90::RegsOperands;
+using jax_mla::sm90::RegsPStore;
 using jax_mla::sm90::TransposedScores;
 
 static std::string Check(int n) {
@@ -155,6 +158,43 @@ static std::string CheckRegsOperands() {
   return "";
 }
 
+// The register-operand kernels' P stores at N rows: stmatrix.m8n8.x4.trans emulated (the
+// element at row r, column c of a lane's 8 x 8 fragment of matrix m, r = lane / 4, c = 2 (lane % 4)
+// + e, lands in memory row c of the matrix, whose address lane 8 m + c gives, at column r), every
+// (query row, token) of the warpgroup's tile written once, with the probability its thread holds
+// for that row and token.
+static std::string CheckRegsPStore(int n) {
+  std::set<std::pair<int, int>> written;
+  for (int t = 0; t < 128; ++t) {
+    const int lane = t % 32, warp = t / 32;
+    for (int q = 0; q < n / 16; ++q) {
+      for (int m = 0; m < 4; ++m) {
+        const int j = m / 2, h = m % 2;
+        for (int e = 0; e < 2; ++e) {
+          // The value: the thread's probability of token Token(t, h), query row QueryRow(lane, i).
+          const int i = RegsPStore::FirstRow(q, j) + e;
+          const int want_row = TransposedScores::QueryRow(lane, i);
+          const int want_token = TransposedScores::Token(t, h);
+          // Where stmatrix.trans puts it.
+          const int address_lane = 8 * m + 2 * (lane % 4) + e;
+          const int row = RegsPStore::StoreRow(address_lane, q);
+          const int token = RegsPStore::StoreToken(warp, address_lane) + lane / 4;
+          if (row != want_row || token != want_token) {
+            return "thread " + std::to_string(t) + " pass " + std::to_string(q) + " matrix " +
+                   std::to_string(m) + ": row " + std::to_string(row) + " token " +
+                   std::to_string(token) + " instead of " + std::to_string(want_row) + ", " +
+                   std::to_string(want_token);
+          }
+          if (row < 0 || row >= n || token < 0 || token >= 64) return "outside the tile";
+          if (!written.insert({row, token}).second) return "P element written twice";
+        }
+      }
+    }
+  }
+  if (static_cast<int>(written.size()) != 64 * n) return "P tile not covered";
+  return "";
+}
+
 int main() {
   for (int n : {16, 32}) {
     const std::string failure = Check(n);
@@ -175,6 +215,14 @@ int main() {
     std::printf("ok register-operands\n");
   } else {
     std::printf("FAIL register-operands: %s\n", regs_failure.c_str());
+  }
+  for (int n : {16, 32}) {
+    const std::string p_failure = CheckRegsPStore(n);
+    if (p_failure.empty()) {
+      std::printf("ok p-store %d\n", n);
+    } else {
+      std::printf("FAIL p-store %d: %s\n", n, p_failure.c_str());
+    }
   }
   return 0;
 }

@@ -2,8 +2,9 @@
 includes the same ``ffi/sm90/fragment_layout.h`` as the kernel): every (token, query row) of S^T
 held once, P written once by the two warpgroups, every (column, query row) of a warpgroup's O^T
 held once, every row's LSE written once; the fp8 path's permuted query columns, whose every
-A fragment is four consecutive cache channels; and the same for the fp8 register-operand kernel,
-whose output columns come in pairs."""
+A fragment is four consecutive cache channels; and the same for the fp8 register-operand kernels,
+whose output columns come in pairs and whose P stores (stmatrix.trans, emulated) write every
+(query row, token) of a tile once, at 16 and 32 rows."""
 
 from __future__ import annotations
 
@@ -26,4 +27,5 @@ def test_transposed_score_fragments_cover_every_token_and_row_once(tmp_path):
                    capture_output=True)
     lines = subprocess.run([str(binary)], capture_output=True, text=True,
                            check=True).stdout.splitlines()
-    assert lines == ["ok 16", "ok 32", "ok permuted-query", "ok register-operands"], lines
+    assert lines == ["ok 16", "ok 32", "ok permuted-query", "ok register-operands",
+                     "ok p-store 16", "ok p-store 32"], lines

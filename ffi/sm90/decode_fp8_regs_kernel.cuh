@@ -481,15 +481,13 @@ __device__ __forceinline__ void UpdateGroupScales(const float* reduce, float (&r
 
 // P_g[row][token] = p * scale_g(token) / R_g in f16 for kGroups groups (tile g at p_addr + g
 // kPTileBytes, kN rows x 64 tokens), from the thread's probabilities st and its tokens' scales
-// sc[h][g]: per group and 16 rows one stmatrix.trans, whose matrix 2 j + h holds tokens 8 h .. of
-// the warp's 16 x query rows 16 q + 8 j ... of pass q.
+// sc[h][g]: per group and 16 rows one stmatrix.trans (RegsPStore, fragment_layout.h).
 template <int kN, int kGroups, int kPTileBytes>
 __device__ __forceinline__ void StorePTiles(uint32_t p_addr, int warp_in_wg, int lane,
                                             const float (&st)[kN / 2],
                                             const float (&sc)[2][kGroups],
                                             const float (&inv_r)[kGroups]) {
-  const int mi = lane / 8;
-  const int dst_tok = 16 * warp_in_wg + 8 * (mi % 2);
+  const int dst_tok = RegsPStore::StoreToken(warp_in_wg, lane);
 #pragma unroll
   for (int g = 0; g < kGroups; ++g) {
 #pragma unroll
@@ -500,12 +498,13 @@ __device__ __forceinline__ void StorePTiles(uint32_t p_addr, int warp_in_wg, int
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const float f = sc[h][g] * inv_r[g];
-          const int i = 4 * q + 2 * j;  // rows 16 q + 8 j + 2 (lane % 4) and the next
+          const int i = RegsPStore::FirstRow(q, j);
           r[2 * j + h] = PackF16x2(st[RegsElement(i, h)] * f, st[RegsElement(i + 1, h)] * f);
         }
       }
-      const int dst_row = 16 * q + 8 * (mi / 2) + lane % 8;
-      StMatrixX4Trans(p_addr + g * kPTileBytes + SwizzledOffset(dst_row, dst_tok), r);
+      StMatrixX4Trans(p_addr + g * kPTileBytes +
+                          SwizzledOffset(RegsPStore::StoreRow(lane, q), dst_tok),
+                      r);
     }
   }
 }

@@ -70,6 +70,20 @@ struct RegsOperands {
   }
 };
 
+// The register-operand kernels' P stores (StorePTiles): per latent group and pass q (16 query
+// rows), one stmatrix.m8n8.x4.trans per warp. Lane l gives the address of row l % 8 of matrix
+// l / 8: P row StoreRow(l, q), tokens from StoreToken(warp, l). A thread's register 2 j + h (matrix
+// 2 j + h) holds its probabilities of token TransposedScores::Token(t, h) and query rows
+// QueryRow(lane, i), QueryRow(lane, i + 1), i = FirstRow(q, j); transposed, they land in the
+// rows of the tile at those query rows and the column of that token.
+struct RegsPStore {
+  static JAX_MLA_HD int StoreRow(int lane, int q) { return 16 * q + 8 * (lane / 16) + lane % 8; }
+  static JAX_MLA_HD int StoreToken(int warp_in_wg, int lane) {
+    return 16 * warp_in_wg + 8 * ((lane / 8) % 2);
+  }
+  static JAX_MLA_HD int FirstRow(int q, int j) { return 4 * q + 2 * j; }
+};
+
 }  // namespace sm90
 }  // namespace jax_mla
 
