@@ -8,12 +8,12 @@ jitted multi-layer step, their ratio (bold), both shares of the floor and sm90's
 float32 reference; where sm90 also ran on the fp8 cache (jax_mla_sm90_fp8),
 its time, its ratio to sm90 on the bf16 cache and its share of the fp8 cache's floor. Points are
 sorted by heads, query tokens, page size, batch and length; the last line counts the points where
-sm90 is faster than fa3. Where the benchmark also recorded the GPU's busy time per layer of the jitted
-steps (``jax_mla_sm90_gpu_us``: the wall clock less the GPU's waits for the host between calls,
-which fa3's graph replays leave out too), three more columns set that time beside fa3's graph, and
-the fp8 columns add the fp8 cache's. Where FlashInfer also ran on its own fp8 cache (flashinfer_fp8), a second
-table sets sm90 on the fp8 cache beside it: times, and each output's relative L2 distance from the
-bf16 cache's float32 reference.
+sm90 is faster than fa3. Where the benchmark also recorded the GPU's busy time per layer of the
+jitted steps (``jax_mla_sm90_gpu_us``: the wall clock less the GPU's waits for the host between
+calls, which fa3's graph replays leave out too), three more columns set that time beside fa3's
+graph, and the fp8 columns add the fp8 cache's. Where FlashInfer also ran on its own fp8 cache
+(flashinfer_fp8), a second table sets sm90 on the fp8 cache beside it: times, and each output's
+relative L2 distance from the bf16 cache's float32 reference.
 """
 
 from __future__ import annotations
@@ -41,18 +41,21 @@ def _ratio_cells(us, reference_us, floor_us) -> list[str]:
 
 def gpu_cells(r: dict) -> list[str]:
     """sm90's GPU busy time per layer, against fa3's graph and the floor."""
-    return _ratio_cells(r.get("jax_mla_sm90_gpu_us"), r.get("flashinfer_fa3_graph_us"), r["floor_us"])
+    return _ratio_cells(r.get("jax_mla_sm90_gpu_us"), r.get("flashinfer_fa3_graph_us"),
+                        r["floor_us"])
 
 
 def fp8_gpu_cells(r: dict) -> list[str]:
-    """sm90's GPU busy time per layer on the fp8 cache, against the bf16 cache's and the fp8 floor."""
+    """sm90's GPU busy time per layer on the fp8 cache, against the bf16 cache's, and its share of
+    the fp8 floor."""
     return _ratio_cells(r.get("jax_mla_sm90_fp8_gpu_us"), r.get("jax_mla_sm90_gpu_us"),
                         r.get("fp8_floor_us"))
 
 
 def fp8_cells(r: dict) -> list[str]:
     """The fp8 columns of a record ("-" where sm90 did not run on the fp8 cache)."""
-    return _ratio_cells(r.get("jax_mla_sm90_fp8_us"), r.get("jax_mla_sm90_us"), r.get("fp8_floor_us"))
+    return _ratio_cells(r.get("jax_mla_sm90_fp8_us"), r.get("jax_mla_sm90_us"),
+                        r.get("fp8_floor_us"))
 
 
 def _in_point_order(records: list[dict]) -> list[dict]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import tempfile
 import types
 
 import numpy as np
@@ -32,7 +31,7 @@ import numpy as np
 from benchmarks.grid import Point
 from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered
 from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
-from benchmarks.timing import busy_us, gpu_stream_kernels, time_jax
+from benchmarks.timing import busy_us, time_jax, traced_gpu_kernels
 
 LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
 DEFAULT_POINTS = "1,4096,128;1,4096,16"
@@ -73,15 +72,7 @@ def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -
 def traced(step, args, marker: str | None) -> dict:
     """``per_step`` of a JAX profiler trace of TRACED_STEPS back-to-back calls of ``step``; with no
     ``marker``, the steps are told apart by the trace's first kernel (the first step's first)."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-            out = None
-            for _ in range(TRACED_STEPS):
-                out = step(*args)
-            jax.block_until_ready(out)
-        events = gpu_stream_kernels(trace_dir)
+    events = traced_gpu_kernels(step, [args], TRACED_STEPS)
     if not events:
         raise RuntimeError("no GPU kernel events in the profiler trace")
     return per_step(events, marker or events[0][0], LAYERS)

@@ -189,25 +189,32 @@ def busy_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def traced_gpu_kernels(fn, arg_sets: list[tuple], calls: int) -> list[tuple[str, float, float]]:
+    """``gpu_stream_kernels`` of a JAX profiler trace of ``calls`` back-to-back calls of ``fn``
+    (rotating ``arg_sets``), blocking once at the end. The profiler's RuntimeError (e.g. no CUPTI,
+    or another trace running) propagates."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+            out = None
+            for k in range(calls):
+                out = fn(*arg_sets[k % len(arg_sets)])
+            jax.block_until_ready(out)
+            del out
+        return gpu_stream_kernels(trace_dir)
+
+
 def gpu_busy_per_layer_us(fn, arg_sets: list[tuple], layers: int,
                           calls: int) -> tuple[float | None, str | None]:
     """(µs per layer that ``calls`` back-to-back jitted calls of ``fn`` (``layers`` decodes each,
     rotating ``arg_sets`` as ``time_jax`` does, blocking once) keep the GPU busy, why there is no
     such time or None): the union of their kernels' intervals in a JAX profiler trace, so the time
     the GPU waits for the host between calls is left out, as a CUDA graph's replays leave it out."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as trace_dir:
-        try:
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                out = None
-                for k in range(calls):
-                    out = fn(*arg_sets[k % len(arg_sets)])
-                jax.block_until_ready(out)
-                del out
-        except RuntimeError as e:  # e.g. no CUPTI, or another trace running
-            return None, f"profiler: {e}"
-        events = gpu_stream_kernels(trace_dir)
+    try:
+        events = traced_gpu_kernels(fn, arg_sets, calls)
+    except RuntimeError as e:  # e.g. no CUPTI, or another trace running
+        return None, f"profiler: {e}"
     if not events:
         return None, "no GPU kernel events in the profiler trace"
     return busy_us([(start, dur) for _, start, dur in events]) / (calls * layers), None

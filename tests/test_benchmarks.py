@@ -638,13 +638,16 @@ def test_the_sm90_table_sets_the_gpu_busy_time_beside_fa3_where_measured():
 
     base = dict(H=16, q_len=1, page_size=64, B=128, L=4096, floor_us=140.0, flashinfer_fa3_us=210.0,
                 flashinfer_fa3_graph_us=200.0, jax_mla_sm90_us=210.0, jax_mla_sm90_rel_err=1e-3)
-    text = sm90_table.table([dict(base, jax_mla_sm90_gpu_us=150.0, jax_mla_sm90_fp8_us=120.0,
-                                  fp8_floor_us=60.0, jax_mla_sm90_fp8_gpu_us=100.0), dict(base, L=1024)])
+    measured = dict(base, jax_mla_sm90_gpu_us=150.0, jax_mla_sm90_fp8_us=120.0, fp8_floor_us=60.0,
+                    jax_mla_sm90_fp8_gpu_us=100.0)
+    text = sm90_table.table([measured, dict(base, L=1024)])
     assert ("| sm90 error | sm90 GPU µs | sm90 GPU / fa3 graph | sm90 GPU % of floor | sm90 fp8 µs |"
             in text)
-    assert "| **1.05** | 70% | 67% | 1.0e-03 | 150.0 | **0.75** | 93% | 120.0 | **0.57** | 50% | 100.0 | **0.67** | 60% |" in text
+    assert ("| **1.05** | 70% | 67% | 1.0e-03 | 150.0 | **0.75** | 93% | 120.0 | **0.57** | 50% | "
+            "100.0 | **0.67** | 60% |") in text
     assert "| 1.0e-03 | - | - | - | - | - | - | - | - | - |" in text
-    assert text.endswith("faster than fa3 (graph) at 0 of these 2 points. By the GPU's busy time: at 1 of them.")
+    assert text.endswith("faster than fa3 (graph) at 0 of these 2 points. "
+                         "By the GPU's busy time: at 1 of them.")
     assert "GPU" not in sm90_table.table([base])
 
 
