@@ -68,21 +68,6 @@ struct Fp8RegsSmemLayout {
 
 namespace detail {
 
-// The register-operand kernels' f16 products, m64 x kN x k16 with A from registers and B K-major:
-// the scores' latent part (A = keys) and PV (A = V^T); the rope's bf16 part is TransposedRsMmaFor.
-template <int kN>
-struct F16RsMmaFor;
-template <>
-struct F16RsMmaFor<16> {
-  using type = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
-                                                            cute::SM90::GMMA::Major::K>;
-};
-template <>
-struct F16RsMmaFor<32> {
-  using type = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
-                                                            cute::SM90::GMMA::Major::K>;
-};
-
 __device__ __forceinline__ void LdMatrixX4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -226,8 +211,8 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
                                                   int warp_in_wg, int lane, int group0, int rope0,
                                                   float (&sg)[kGroups][kN / 2],
                                                   float (&sr)[kN / 2]) {
-  using QkF16Rs = typename F16RsMmaFor<kN>::type;
-  using QkBf16Rs = typename TransposedRsMmaFor<kN>::type;
+  using QkF16Rs = RsMma<cute::half_t, kN>;
+  using QkBf16Rs = RsMma<cute::bfloat16_t, kN>;
   static_assert(kGroups >= 2 && kRopeSteps <= 8, "two fragment buffers, the rope in one");
   const uint64_t q_desc = KMajorDesc(q_addr);
   // ldmatrix row addresses: lane l names token 16 w + 8 ((l / 8) % 2) + l % 8, 16-byte unit l / 16.
@@ -291,7 +276,7 @@ template <int kN, int kGroups, int kPTileBytes, class Release>
 __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_addr,
                                               int warp_in_wg, int lane, int group0,
                                               float (&o)[2 * kGroups][kN / 2], Release release) {
-  using PvF16Rs = typename F16RsMmaFor<kN>::type;
+  using PvF16Rs = RsMma<cute::half_t, kN>;
   // ldmatrix.trans row addresses: lane l names token l of a 32-token half, the warp's 16 bytes.
   const uint32_t row_addr = staged_addr + lane * kFp8RowBytes + 16 * warp_in_wg;
   uint32_t frag[2][8][4];  // per buffer: [tile of the group][k step]

@@ -35,6 +35,7 @@
 
 #include <cute/arch/copy_sm90_desc.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/arch/mma_sm90.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/reg_reconfig.h>
@@ -65,32 +66,19 @@ using QkMma64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::
                                                                cute::SM90::GMMA::Major::K>;
 using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
-// The transposed products, m64 x kScoreN x k16 with B K-major and N = the query rows (16 or 32):
-// S^T = K Q^T (A = the KV tile, K-major) and O^T = V^T P^T (A = V^T, the KV tile read MN-major).
-template <int kScoreN, cute::SM90::GMMA::Major kMajorA>
-struct TransposedMmaFor;
-template <cute::SM90::GMMA::Major kMajorA>
-struct TransposedMmaFor<16, kMajorA> {
-  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<kMajorA, cute::SM90::GMMA::Major::K>;
-};
-template <cute::SM90::GMMA::Major kMajorA>
-struct TransposedMmaFor<32, kMajorA> {
-  using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<kMajorA, cute::SM90::GMMA::Major::K>;
-};
-
-// The same with A (the KV tile's K part) from registers, for the fp8 cache.
-template <int kScoreN>
-struct TransposedRsMmaFor;
-template <>
-struct TransposedRsMmaFor<16> {
-  using type = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                              cute::SM90::GMMA::Major::K>;
-};
-template <>
-struct TransposedRsMmaFor<32> {
-  using type = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
-                                                              cute::SM90::GMMA::Major::K>;
-};
+// The transposed products, m64 x kN x k16 with B K-major and N = the query rows (16 or 32), as
+// CuTe selects them: S^T = K Q^T (A = the KV tile, K-major) and O^T = V^T P^T (A = V^T, the KV tile
+// read MN-major), both operands in shared memory (TransposedMma); with A from registers and
+// elements of type Element (RsMma: the fp8 cache's keys and V^T, f16, and the rope's bf16).
+template <int kN>
+using MmaTile = cute::Shape<cute::_64, cute::Int<kN>, cute::_16>;
+template <int kN, cute::SM90::GMMA::Major kMajorA>
+using TransposedMma =
+    decltype(cute::SM90::GMMA::ss_op_selector<cute::bfloat16_t, cute::bfloat16_t, float, MmaTile<kN>,
+                                              kMajorA, cute::SM90::GMMA::Major::K>());
+template <class Element, int kN>
+using RsMma =
+    decltype(cute::SM90::GMMA::rs_op_selector<Element, Element, float, MmaTile<kN>>());
 
 template <class Mma, int N, size_t... I>
 __device__ __forceinline__ void MmaImpl(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
@@ -1193,9 +1181,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // (fragment_layout.h).
   constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
-  using QkT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>::type;
-  using PvT = typename TransposedMmaFor<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>::type;
-  using QkRs = typename TransposedRsMmaFor<kScoreN == 16 ? 16 : 32>::type;
+  using QkT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>;
+  using PvT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>;
+  using QkRs = RsMma<cute::bfloat16_t, kScoreN == 16 ? 16 : 32>;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
