@@ -420,31 +420,6 @@ __device__ __forceinline__ void StartRegsSegment(const Pipeline& pipe, uint8_t* 
   for (int i = 0; i < kRowsT; ++i) q_scale[i] = row_scale[TransposedScores::QueryRow(lane, i)];
 }
 
-// Each of the thread's rows' block maximum from the warpgroup's four warps' maxima (reduce[w *
-// kStride + row]), the running maximum moved (NextRowMax), the rescale factor alpha and the
-// block's probabilities exp2 in place of its scores st, added to the running sums.
-template <int kRowsT, int kStride>
-__device__ __forceinline__ void UpdateRowsSoftmax(const float* reduce, int lane, float sl2,
-                                                  float (&st)[2 * kRowsT], float (&m_t)[kRowsT],
-                                                  float (&l_t)[kRowsT], float (&alpha)[kRowsT]) {
-#pragma unroll
-  for (int i = 0; i < kRowsT; ++i) {
-    const int row = TransposedScores::QueryRow(lane, i);
-    float m_blk = reduce[row];
-#pragma unroll
-    for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * kStride + row]);
-    const float m_new = NextRowMax(m_t[i], m_blk, sl2);
-    const float mu = m_new == kNegInf ? 0.f : m_new;
-    alpha[i] = Exp2((m_t[i] - mu) * sl2);
-    m_t[i] = m_new;
-    const float nb = -mu * sl2;
-    const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
-    st[ea] = Exp2(fmaf(st[ea], sl2, nb));
-    st[eb] = Exp2(fmaf(st[eb], sl2, nb));
-    l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
-  }
-}
-
 // Each latent group's running maximum |scale| r_g moved by the block's (the warps' maxima at
 // reduce[w * kStride + kOffset + g]), its output's rescale factor gf (old over new, 1 when it stays)
 // and 1 / r_g (0 while no scale was seen).

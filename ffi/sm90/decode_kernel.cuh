@@ -172,6 +172,32 @@ __device__ __forceinline__ void MaskRows(float (&s)[4 * kGroups], int tok0, Half
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
 }
 
+// Transposed scores' online softmax: each of the thread's query rows' block maximum from the
+// warpgroup's four warps' maxima (reduce[w * kStride + row]), the running maximum moved
+// (NextRowMax), the rescale factor alpha and the block's probabilities exp2 in place of its scores
+// st (TransposedScores::Element), added to the running sums.
+template <int kRowsT, int kStride>
+__device__ __forceinline__ void UpdateRowsSoftmax(const float* reduce, int lane, float sl2,
+                                                  float (&st)[2 * kRowsT], float (&m_t)[kRowsT],
+                                                  float (&l_t)[kRowsT], float (&alpha)[kRowsT]) {
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    float m_blk = reduce[row];
+#pragma unroll
+    for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * kStride + row]);
+    const float m_new = NextRowMax(m_t[i], m_blk, sl2);
+    const float mu = m_new == kNegInf ? 0.f : m_new;
+    alpha[i] = Exp2((m_t[i] - mu) * sl2);
+    m_t[i] = m_new;
+    const float nb = -mu * sl2;
+    const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
+    st[ea] = Exp2(fmaf(st[ea], sl2, nb));
+    st[eb] = Exp2(fmaf(st[eb], sl2, nb));
+    l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
+  }
+}
+
 // 64-row tiles: the online softmax of rows r0 and r1 (the scores s as in MaskRows) whose block
 // maxima are mx0 and mx1: moves the running maxima m0, m1 (NextRowMax), returns the rows' rescale
 // factors and the sums of the probabilities, and packs these as bf16 pairs for
@@ -1346,22 +1372,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         }
         WarpgroupSync(wg);
         float alpha[kRowsT];
-#pragma unroll
-        for (int i = 0; i < kRowsT; ++i) {
-          const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
-          const int row = RowT(i);
-          float m_blk = wg_exchange[row];
-#pragma unroll
-          for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, wg_exchange[w * kScoreN + row]);
-          const float m_new = NextRowMax(m_t[i], m_blk, sl2);
-          const float mu = m_new == kNegInf ? 0.f : m_new;
-          alpha[i] = Exp2((m_t[i] - mu) * sl2);
-          m_t[i] = m_new;
-          const float nb = -mu * sl2;
-          st[ea] = Exp2(fmaf(st[ea], sl2, nb));
-          st[eb] = Exp2(fmaf(st[eb], sl2, nb));
-          l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
-        }
+        UpdateRowsSoftmax<kRowsT, kScoreN>(wg_exchange, lane, sl2, st, m_t, l_t, alpha);
         // O^T's columns are query rows laid out as S^T's: this thread's rows are its own.
         bool rescale = false;
 #pragma unroll
