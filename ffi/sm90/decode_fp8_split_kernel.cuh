@@ -74,7 +74,8 @@ __device__ __forceinline__ float4* SplitScoreSlot(uint8_t* smem, int parity, int
 // file.
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
-                     const __grid_constant__ CUtensorMap kv_map, const DecodeKernelArgs args) {
+                     const __grid_constant__ CUtensorMap kv_map,
+                     const DecodeKernelArgs args) {
   using Layout = Fp8SplitSmemLayout;
   using namespace detail;
   RunRegsCta<Layout>(q_map, kv_map, args, [&](uint8_t* smem, const Pipeline& pipe,
