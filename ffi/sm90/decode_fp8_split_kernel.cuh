@@ -299,15 +299,6 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
         }
       }
       if (n_blocks == 0 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
-      // The rows' sums and maxima and the groups' scales, from warpgroup 1.
-      ConsumerSync();
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        l[i] = row_stats[RowT(i)];
-        m_t[i] = row_stats[kN + RowT(i)];
-      }
-      r_out[0] = row_stats[2 * kN];
-      r_out[1] = row_stats[2 * kN + 1];
     } else {
       // Softmax of block j (its scores from warpgroup 0), P and factors, then its PV.
       float r_g[kFp8ScaleGroups];  // running maximum |scale| of each group (0: none yet)
@@ -409,7 +400,17 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
       }
       r_out[0] = r_g[2];
       r_out[1] = r_g[3];
-      ConsumerSync();
+    }
+    // Warpgroup 0 takes the rows' sums and maxima and its groups' scales from warpgroup 1.
+    ConsumerHandover();
+    if (wg == 0) {
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+        l[i] = row_stats[RowT(i)];
+        m_t[i] = row_stats[kN + RowT(i)];
+      }
+      r_out[0] = row_stats[2 * kN];
+      r_out[1] = row_stats[2 * kN + 1];
     }
 
     // Each warpgroup stores its groups' four tiles (group g's output in units of its running
