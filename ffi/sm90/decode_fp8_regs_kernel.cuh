@@ -271,7 +271,9 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
   cute::warpgroup_wait<1>();
   uint32_t (&f)[8][4] = frag[kGroups % 2];
 #pragma unroll
-  for (int j = 0; j < kRopeSteps; ++j) LdMatrixX4(row_addr + kFp8RopeOffset + 32 * (rope0 + j), f[j]);
+  for (int j = 0; j < kRopeSteps; ++j) {
+    LdMatrixX4(row_addr + kFp8RopeOffset + 32 * (rope0 + j), f[j]);
+  }
   FenceFragments<kRopeSteps>(f);
   cute::warpgroup_arrive();
 #pragma unroll
@@ -352,7 +354,8 @@ __device__ __forceinline__ float4* MergeSlot(uint8_t* smem, int w, int slot, int
   using Layout = Fp8RegsSmemLayout;
   float4* const p_tiles = reinterpret_cast<float4*>(
       smem + Layout::kP + w * kFp8ScaleGroups * Layout::kPTileBytes);
-  float4* const half = reinterpret_cast<float4*>(smem + Layout::kMerge + w * Layout::kMergeHalfBytes);
+  float4* const half =
+      reinterpret_cast<float4*>(smem + Layout::kMerge + w * Layout::kMergeHalfBytes);
   return slot < Layout::kMergeSlotsInP ? p_tiles + slot * 128 + wg_tid
                                        : half + (slot - Layout::kMergeSlotsInP) * 128 + wg_tid;
 }
@@ -440,8 +443,8 @@ __device__ __forceinline__ void StartRegsSegment(const Pipeline& pipe, uint8_t* 
 }
 
 // Each latent group's running maximum |scale| r_g moved by the block's (the warps' maxima at
-// reduce[w * kStride + kOffset + g]), its output's rescale factor gf (old over new, 1 when it stays)
-// and 1 / r_g (0 while no scale was seen).
+// reduce[w * kStride + kOffset + g]), its output's rescale factor gf (old over new, 1 when it
+// stays) and 1 / r_g (0 while no scale was seen).
 template <int kGroups, int kStride, int kOffset>
 __device__ __forceinline__ void UpdateGroupScales(const float* reduce, float (&r_g)[kGroups],
                                                   float (&gf)[kGroups], float (&inv_r)[kGroups]) {
@@ -647,8 +650,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         sc[h][3] = s4.w;
       }
       float sg[kFp8ScaleGroups][8], sr[8];
-      ScoresFromRawRows<16, kFp8ScaleGroups, 4, Layout::kQChunkBytes>(staged_addr, q_addr,
-                                                                     warp_in_wg, lane, 0, 0, sg, sr);
+      ScoresFromRawRows<16, kFp8ScaleGroups, 4, Layout::kQChunkBytes>(
+          staged_addr, q_addr, warp_in_wg, lane, 0, 0, sg, sr);
       SM90_TRACE(kTraceScoresDone, k);
 
       // Scores, masked by select; maxima over the thread's tokens, the eight lanes sharing its

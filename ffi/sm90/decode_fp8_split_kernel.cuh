@@ -182,7 +182,8 @@ __device__ __forceinline__ void SplitPv(uint32_t staged_addr, uint32_t p_addr, c
 // file.
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
-                     const __grid_constant__ CUtensorMap kv_map, const DecodeKernelArgs args) {
+                     const __grid_constant__ CUtensorMap kv_map,
+                     const DecodeKernelArgs args) {
   using Layout = Fp8SplitSmemLayout;
   using namespace detail;
   RunRegsCta<Layout>(q_map, kv_map, args, [&](uint8_t* smem, const Pipeline& pipe,

@@ -74,8 +74,8 @@ template <int kN>
 using MmaTile = cute::Shape<cute::_64, cute::Int<kN>, cute::_16>;
 template <int kN, cute::SM90::GMMA::Major kMajorA>
 using TransposedMma =
-    decltype(cute::SM90::GMMA::ss_op_selector<cute::bfloat16_t, cute::bfloat16_t, float, MmaTile<kN>,
-                                              kMajorA, cute::SM90::GMMA::Major::K>());
+    decltype(cute::SM90::GMMA::ss_op_selector<cute::bfloat16_t, cute::bfloat16_t, float,
+                                              MmaTile<kN>, kMajorA, cute::SM90::GMMA::Major::K>());
 template <class Element, int kN>
 using RsMma =
     decltype(cute::SM90::GMMA::rs_op_selector<Element, Element, float, MmaTile<kN>>());
