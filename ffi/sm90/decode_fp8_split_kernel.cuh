@@ -30,8 +30,8 @@ namespace sm90 {
 // 64-token stages, two buffers of the four P tiles (f16 [32 rows][64 tokens], K-major), two of the
 // scores (one float4 slot of 128 threads per four scores), two of the factors (per row alpha, per
 // group the output's rescale), warpgroup 1's reduction buffer, the rows' sums and maxima and
-// warpgroup 0's groups' running maximum scales at a segment's end, the query rows' scales and the barriers (the pipeline's,
-// then the four pairs between the warpgroups).
+// warpgroup 0's groups' running maximum scales at a segment's end, the query rows' scales and the
+// barriers (the pipeline's, then the four pairs between the warpgroups).
 struct Fp8SplitSmemLayout {
   static constexpr bool kHalfStages = false;
   static constexpr bool kEveryThreadReleases = true;
@@ -293,8 +293,8 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
           const int b = it_k & 1;
           Barrier::wait(handoff.PFull(b), (it_k >> 1) & 1);
           SM90_TRACE(kTracePStored, seg_info.kv_begin + j - 1);
-          SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, SplitFactors(smem, b), 0,
-                  warp_in_wg, lane, o, Release(it_k));
+          SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, SplitFactors(smem, b),
+                          0, warp_in_wg, lane, o, Release(it_k));
           WarpArrive(handoff.PEmpty(b), lane);
           SM90_TRACE(kTraceBlockDone, seg_info.kv_begin + j - 1);
         }
@@ -383,8 +383,8 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
         cutlass::arch::fence_view_async_shared();
         WarpArrive(handoff.PFull(b), lane);
         Barrier::wait(handoff.PFull(b), (it_k >> 1) & 1);
-        SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, factors, 2, warp_in_wg, lane, o,
-                Release(it_k));
+        SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, factors, 2, warp_in_wg,
+                        lane, o, Release(it_k));
       }
       if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
       SumRowsOverWarpgroup<kRowsT, kStride>(l_t, reduce, warp_in_wg, lane, wg, l);
