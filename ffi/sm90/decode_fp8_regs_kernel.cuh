@@ -491,33 +491,6 @@ __device__ __forceinline__ void StorePTiles(uint32_t p_addr, int warp_in_wg, int
   }
 }
 
-// The thread's rows' sums over the segment's tokens: its own (l_t) over the eight lanes sharing the
-// rows, then the warpgroup's four warps in order (through reduce[w * kStride + row]).
-template <int kRowsT, int kStride>
-__device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT], float* reduce,
-                                                     int warp_in_wg, int lane, int wg,
-                                                     float (&l)[kRowsT]) {
-#pragma unroll
-  for (int i = 0; i < kRowsT; ++i) {
-    l[i] = l_t[i];
-#pragma unroll
-    for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
-  }
-  if (lane < 4) {
-#pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      reduce[warp_in_wg * kStride + TransposedScores::QueryRow(lane, i)] = l[i];
-    }
-  }
-  WarpgroupSync(wg);
-#pragma unroll
-  for (int i = 0; i < kRowsT; ++i) {
-    const int row = TransposedScores::QueryRow(lane, i);
-    l[i] = ((reduce[row] + reduce[kStride + row]) + reduce[2 * kStride + row]) +
-           reduce[3 * kStride + row];
-  }
-}
-
 // Stores a segment's results from warpgroup wg's four 64-column output tiles 4 wg .. 4 wg + 3
 // (keep[t][RegsElement(i, h)]: query row RowT(i), column RegsOperands::OutputColumn(wg_tid, h) of
 // tile t, in output units but for 1 / l) and its rows' sums l and maxima m: bf16 out and LSE for a

@@ -328,6 +328,34 @@ __device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kCo
 
 __device__ __forceinline__ void WarpgroupSync(int wg) { NamedSync(128, kWarpgroupBarrier + wg); }
 
+// Transposed scores: the thread's query rows' sums over the segment's tokens, its own (l_t) over
+// the eight lanes sharing the rows, then the warpgroup's four warps in order (through
+// reduce[w * kStride + row]).
+template <int kRowsT, int kStride>
+__device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT], float* reduce,
+                                                     int warp_in_wg, int lane, int wg,
+                                                     float (&l)[kRowsT]) {
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    l[i] = l_t[i];
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      reduce[warp_in_wg * kStride + TransposedScores::QueryRow(lane, i)] = l[i];
+    }
+  }
+  WarpgroupSync(wg);
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    const int row = TransposedScores::QueryRow(lane, i);
+    l[i] = ((reduce[row] + reduce[kStride + row]) + reduce[2 * kStride + row]) +
+           reduce[3 * kStride + row];
+  }
+}
+
 // Transposed scores: writes a segment's results from this thread's O^T values (kOTiles tiles of 64
 // of the warpgroup's columns x kScoreN query rows) and its rows' sums l and maxima m (query rows
 // TransposedScores::QueryRow(lane, i)): bf16 out and LSE for a request handled whole, fp32
@@ -1605,25 +1633,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
 
     if constexpr (kScoreN > 0) {
-      // Row sums over tokens: the eight lanes sharing the rows, then the four warps in order.
       float l[kRowsT];
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        l[i] = l_t[i];
-#pragma unroll
-        for (int d = 4; d < 32; d <<= 1) l[i] += __shfl_xor_sync(0xffffffffu, l[i], d);
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = l[i];
-      }
-      WarpgroupSync(wg);
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) {
-        const int row = RowT(i);
-        l[i] = ((wg_exchange[row] + wg_exchange[kScoreN + row]) + wg_exchange[2 * kScoreN + row]) +
-               wg_exchange[3 * kScoreN + row];
-      }
+      SumRowsOverWarpgroup<kRowsT, kScoreN>(l_t, wg_exchange, warp_in_wg, lane, wg, l);
       WarpgroupSync(wg);  // the exchange buffer is free for the next segment
       StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
                                m_t, sl2);
