@@ -123,10 +123,6 @@ struct FoldGroupScales {
   }
 };
 
-}  // namespace detail
-
-namespace detail {
-
 // The fold of a staged block's key fragments for the thread's tokens tok[h]: r_tok[h] the token's
 // largest |scale| over the latent groups (0 for a zeroed row) and factor[g][h] its group g's scale
 // over that, as an f16 pair.
@@ -212,8 +208,9 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
   // transposed path.
   const int tok[2] = {TransposedScores::Token(wg_tid, 0), TransposedScores::Token(wg_tid, 1)};
   auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
-  auto Staged = [&](int it_k) { return smem + Layout::kFp8Stages + (it_k % Layout::kStageSlots) *
-                                                                        kFp8StageBytes; };
+  auto Staged = [&](int it_k) {
+    return smem + Layout::kFp8Stages + (it_k % Layout::kStageSlots) * kFp8StageBytes;
+  };
   auto StagedAddr = [&](int it_k) {
     return stages_addr + (it_k % Layout::kStageSlots) * kFp8StageBytes;
   };
