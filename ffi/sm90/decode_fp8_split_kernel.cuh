@@ -309,6 +309,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
         const BlockLoad load = BlockLoad::Of(p, seg_info, k);
         uint8_t* const staged = Staged(it_k);
         StageFull(it_k);
+        SM90_TRACE(kTraceBlockReady, k);
         Barrier::wait(handoff.ScoresFull(b), (it_k >> 1) & 1);
         float st[kN / 2];
 #pragma unroll
@@ -320,6 +321,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
           st[4 * v + 3] = x.w;
         }
         WarpArrive(handoff.ScoresEmpty(b), lane);
+        SM90_TRACE(kTraceScoresDone, k);
         float sc[2][kFp8ScaleGroups];  // the thread's tokens' scales
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -380,8 +382,10 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
         cutlass::arch::fence_view_async_shared();
         WarpArrive(handoff.PFull(b), lane);
         Barrier::wait(handoff.PFull(b), (it_k >> 1) & 1);
+        SM90_TRACE(kTracePStored, k);
         SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, factors, 2, warp_in_wg,
                         lane, o, Release(it_k));
+        SM90_TRACE(kTraceBlockDone, k);
       }
       if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
       SumRowsOverWarpgroup<kRowsT, kStride>(l_t, reduce, warp_in_wg, lane, wg, l);
