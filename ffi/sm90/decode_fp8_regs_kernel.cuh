@@ -115,9 +115,9 @@ __device__ __forceinline__ uint32_t PackF16x2(float lo, float hi) {
 }
 
 // The consumer warpgroups' hand-over of values written just after a warpgroup barrier (each
-// thread's writes, then the other warpgroup's reads): ConsumerSync, twice. One orders them as well;
-// compute-sanitizer's racecheck reports such pairs as hazards after one barrier and not after two
-// (docs/fp8-cache.md), and the second costs nothing measurable.
+// thread's writes, then the other warpgroup's reads): ConsumerSync, twice. One orders them as well,
+// but compute-sanitizer's racecheck reports such pairs as hazards after one barrier and not after
+// two (docs/fp8-cache.md: the runs and what the second costs).
 __device__ __forceinline__ void ConsumerHandover() {
   ConsumerSync();
   ConsumerSync();
