@@ -68,8 +68,9 @@ struct Fp8SplitSmemLayout {
 namespace detail {
 
 // The barriers between the warpgroups, per buffer b (block parity): scores full (warpgroup 0's
-// four warps arrive) and empty (warpgroup 1's), P and factors full (warpgroup 1's) and empty
-// (warpgroup 0's, once its PV is done with them).
+// threads arrive) and empty (warpgroup 1's), P and factors full (warpgroup 1's) and empty
+// (warpgroup 0's, once its PV is done with them). Every thread arrives after its own accesses,
+// which is what racecheck follows.
 struct SplitHandoff {
   uint64_t* base;
   __device__ __forceinline__ static SplitHandoff At(uint8_t* smem) {
@@ -81,7 +82,7 @@ struct SplitHandoff {
   __device__ __forceinline__ uint64_t* PFull(int b) const { return base + 4 + b; }
   __device__ __forceinline__ uint64_t* PEmpty(int b) const { return base + 6 + b; }
   __device__ __forceinline__ void Init() const {
-    for (int i = 0; i < 8; ++i) cutlass::arch::ClusterBarrier::init(base + i, 4);
+    for (int i = 0; i < 8; ++i) cutlass::arch::ClusterBarrier::init(base + i, 128);
   }
 };
 
@@ -99,11 +100,6 @@ __device__ __forceinline__ float* SplitFactors(uint8_t* smem, int b) {
   return reinterpret_cast<float*>(smem + Layout::kFactors) + b * Layout::kFactorFloats;
 }
 
-// One warp's arrival: its lanes' shared-memory writes, then lane 0 on `bar`.
-__device__ __forceinline__ void WarpArrive(uint64_t* bar, int lane) {
-  __syncwarp();
-  if (lane == 0) cutlass::arch::ClusterBarrier::arrive(bar);
-}
 
 // Key fragments carrying each token's group scales relative to its largest (ScoresFromRawRows'
 // fold): group g's fragments of the thread's token h (registers h and h + 2 of each k step) times
@@ -282,7 +278,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
             }
             *SplitScoreSlot(smem, b, v, wg_tid) = make_float4(x[0], x[1], x[2], x[3]);
           }
-          WarpArrive(handoff.ScoresFull(b), lane);
+          Barrier::arrive(handoff.ScoresFull(b));
           load = next;
         }
         if (j > 0) {
@@ -292,7 +288,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
           SM90_TRACE(kTracePStored, seg_info.kv_begin + j - 1);
           SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, SplitFactors(smem, b),
                           0, warp_in_wg, lane, o, Release(it_k));
-          WarpArrive(handoff.PEmpty(b), lane);
+          Barrier::arrive(handoff.PEmpty(b));
           SM90_TRACE(kTraceBlockDone, seg_info.kv_begin + j - 1);
         }
       }
@@ -320,7 +316,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
           st[4 * v + 2] = x.z;
           st[4 * v + 3] = x.w;
         }
-        WarpArrive(handoff.ScoresEmpty(b), lane);
+        Barrier::arrive(handoff.ScoresEmpty(b));
         SM90_TRACE(kTraceScoresDone, k);
         float sc[2][kFp8ScaleGroups];  // the thread's tokens' scales
 #pragma unroll
@@ -380,7 +376,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
           for (int g = 0; g < kFp8ScaleGroups; ++g) factors[kN + g] = gf[g];
         }
         cutlass::arch::fence_view_async_shared();
-        WarpArrive(handoff.PFull(b), lane);
+        Barrier::arrive(handoff.PFull(b));
         Barrier::wait(handoff.PFull(b), (it_k >> 1) & 1);
         SM90_TRACE(kTracePStored, k);
         SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, factors, 2, warp_in_wg,
