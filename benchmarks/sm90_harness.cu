@@ -940,8 +940,8 @@ static int RunTrace(const CaseSpec& s) {
       worst[k] = std::max(worst[k], cta[k]);
     }
   }
-  printf("trace: H=%d B=%d L=%d q_len=%d page=%d %s, %d CTAs (records of thread 0, µs per CTA)\n",
-         s.heads, s.batch, s.L, s.q_len, s.page, s.dist.c_str(), ctas);
+  printf("trace: H=%d B=%d L=%d q_len=%d page=%d %s, %d CTAs (records of thread %d, µs per CTA)\n",
+         s.heads, s.batch, s.L, s.q_len, s.page, s.dist.c_str(), ctas, kTraceThread);
   printf("| | ");
   for (int k = 0; k < kPhases; ++k) printf("%s | ", names[k]);
   printf("end | segments | blocks |\n|");

@@ -2,18 +2,20 @@
 // (DecodeFp8SplitKernel; docs/fp8-cache.md, "17-32 rows: the split register-operand kernel").
 //
 // DecodeFp8RegsKernel's operands (raw stages, keys and V^T converted e4m3 -> f16 in registers, the
-// group scales outside the operands, the f16 query in units of a power of two per row), but at
-// N = 32 query rows a warpgroup's state for a whole block (scores per latent group, O^T over all
-// 512 columns) does not fit beside the fragments, so the two consumer warpgroups share every block
-// instead of taking alternate ones:
-//  - warpgroup w scores the block over latent groups 2w and 2w + 1 and rope k steps 2w and 2w + 1
-//    (S^T, M = 64 tokens, N = 32 rows), weighs its part with the tokens' group scales and the rows'
-//    query scales, and the two add each other's part through shared memory (one named barrier a
-//    block; the exchange buffers alternate with the block's parity). fp32 addition of two terms
-//    commutes, so both hold the same scores, bit for bit, and run the same online softmax;
-//  - warpgroup w writes P of its two groups and computes O^T for their 256 output columns, so a
-//    segment ends without a merge;
-//  - a ring of three raw 64-token stages, each released by the 256 threads that read it.
+// f16 query in units of a power of two per row), but at N = 32 query rows a warpgroup's state for
+// a whole block does not fit beside the fragments, so the two consumer warpgroups split the work of
+// every block by role and by output columns:
+//  - warpgroup 0 scores the blocks (S^T, M = 64 tokens, N = 32 rows), one block ahead of
+//    warpgroup 1: its key fragments carry each token's group scales relative to the token's
+//    largest one (exact powers of two for write_kv's scales), so one accumulator takes all four
+//    latent groups; it hands the scores over through shared memory;
+//  - warpgroup 1 runs the online softmax of the block warpgroup 0 scored before, writes P for the
+//    four latent groups and the rows' and groups' rescale factors;
+//  - each computes O^T for two latent groups' 256 output columns (warpgroup w groups 2w, 2w + 1),
+//    warpgroup 0 between scoring two blocks, so a segment ends without a merge;
+//  - scores, P tiles and factors are double-buffered by block parity, each buffer guarded by a
+//    pair of full / empty barriers between the warpgroups; a ring of three raw 64-token stages,
+//    each released by the 256 threads that read it.
 // Safety as DecodeKernel: rows of a block past the length or in a page not loaded are zeroed in
 // the stage before any read, and their scores masked by select.
 #pragma once
@@ -25,9 +27,11 @@ namespace sm90 {
 
 // Shared memory of DecodeFp8SplitKernel, byte offsets from the 1024-aligned base: the query tile
 // (32 rows, nine 128-byte-swizzled chunks: eight f16 latent, one bf16 rope), the ring of raw
-// 64-token stages, each warpgroup's two P tiles (f16 [32 rows][64 tokens], K-major), the score
-// exchange (per block parity and warpgroup, one float4 slot of 128 threads per four scores), the
-// warpgroups' reduction buffers, the query rows' scales and the barriers.
+// 64-token stages, two buffers of the four P tiles (f16 [32 rows][64 tokens], K-major), two of the
+// scores (one float4 slot of 128 threads per four scores), two of the factors (per row alpha, per
+// group the output's rescale), warpgroup 1's reduction buffer, the rows' sums and maxima and
+// warpgroup 0's groups' running maximum scales at a segment's end, the query rows' scales and the
+// barriers (the pipeline's, then the four pairs between the warpgroups).
 struct Fp8SplitSmemLayout {
   static constexpr bool kHalfStages = false;
   static constexpr bool kEveryThreadReleases = true;
@@ -35,37 +39,133 @@ struct Fp8SplitSmemLayout {
   static constexpr int kStageSlots = 3;
   static constexpr int kQChunkRows = kFp8TransposedRows;
   static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
-  static constexpr int kGroupsPerWarpgroup = kFp8ScaleGroups / kConsumerWarpgroups;
   static constexpr int kQ = 0;
   static constexpr int kFp8Stages = kQ + kNumChunks * kQChunkBytes;
   static constexpr int kKv = kFp8Stages;  // no bf16 tile (ProduceTiles' bf16 branch names it)
   static constexpr int kPTileBytes = kQChunkRows * kRowBytes;
   static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
-  static constexpr int kExchange = kP + kFp8ScaleGroups * kPTileBytes;
-  static constexpr int kExchangeSlots = kQChunkRows / 8;  // float4 slots per thread and block
-  static constexpr int kReduce = kExchange + 2 * kConsumerWarpgroups * kExchangeSlots * 128 * 16;
-  // Per warpgroup: f32 [4 warps][64]: 32 row maxima or sums, then its groups' scale maxima.
+  static constexpr int kScores = kP + 2 * kFp8ScaleGroups * kPTileBytes;
+  static constexpr int kScoreSlots = kQChunkRows / 8;  // float4 slots per thread and block
+  static constexpr int kFactors = kScores + 2 * kScoreSlots * 128 * 16;
+  static constexpr int kFactorFloats = kQChunkRows + kFp8ScaleGroups;  // alpha, gf
+  // Warpgroup 1's f32 [4 warps][64]: 32 row maxima or sums, then the groups' scale maxima.
   static constexpr int kReduceStride = 64;
-  static constexpr int kReduceFloats = 4 * kReduceStride;
-  static constexpr int kRowScale = kReduce + kConsumerWarpgroups * kReduceFloats * 4;
+  static constexpr int kReduce = kFactors + 2 * kFactorFloats * 4;
+  // A segment's end: l[32], m[32], then R_0 and R_1 for warpgroup 0.
+  static constexpr int kRowStats = kReduce + 4 * kReduceStride * 4;
+  static constexpr int kRowScale = kRowStats + (2 * kQChunkRows + 4) * 4;
   static constexpr int kBarriers = (kRowScale + kQChunkRows * 4 + 7) / 8 * 8;
-  static constexpr int kNumBarriers = 2 + 2 * kStageSlots;
+  static constexpr int kPipeBarriers = 2 + 2 * kStageSlots;
+  static constexpr int kNumBarriers = kPipeBarriers + 8;
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
-  static_assert(kFp8Stages % 1024 == 0 && kP % 1024 == 0,
+  static_assert(kFp8Stages % 1024 == 0 && kP % 1024 == 0 && kPTileBytes % 1024 == 0,
                 "swizzled tiles need 1024-byte alignment");
-  static_assert(kGroupsPerWarpgroup == 2, "each warpgroup scores two latent groups");
+  static_assert(kFp8ScaleGroups == 2 * kConsumerWarpgroups, "each warpgroup's PV has two groups");
 };
 
 namespace detail {
 
-// Slot v (four scores a thread) of warpgroup w's part of the scores of a block of parity `parity`.
-__device__ __forceinline__ float4* SplitScoreSlot(uint8_t* smem, int parity, int w, int v,
-                                                  int wg_tid) {
+// The barriers between the warpgroups, per buffer b (block parity): scores full (warpgroup 0's
+// threads arrive) and empty (warpgroup 1's), P and factors full (warpgroup 1's) and empty
+// (warpgroup 0's, once its PV is done with them). Every thread arrives after its own accesses,
+// which is what racecheck follows.
+struct SplitHandoff {
+  uint64_t* base;
+  __device__ __forceinline__ static SplitHandoff At(uint8_t* smem) {
+    using Layout = Fp8SplitSmemLayout;
+    return {reinterpret_cast<uint64_t*>(smem + Layout::kBarriers) + Layout::kPipeBarriers};
+  }
+  __device__ __forceinline__ uint64_t* ScoresFull(int b) const { return base + b; }
+  __device__ __forceinline__ uint64_t* ScoresEmpty(int b) const { return base + 2 + b; }
+  __device__ __forceinline__ uint64_t* PFull(int b) const { return base + 4 + b; }
+  __device__ __forceinline__ uint64_t* PEmpty(int b) const { return base + 6 + b; }
+  __device__ __forceinline__ void Init() const {
+    for (int i = 0; i < 8; ++i) cutlass::arch::ClusterBarrier::init(base + i, 128);
+  }
+};
+
+// Slot v (four scores a thread) of the scores of a block of parity b.
+__device__ __forceinline__ float4* SplitScoreSlot(uint8_t* smem, int b, int v, int wg_tid) {
   using Layout = Fp8SplitSmemLayout;
-  return reinterpret_cast<float4*>(smem + Layout::kExchange) +
-         ((parity * kConsumerWarpgroups + w) * Layout::kExchangeSlots + v) * 128 + wg_tid;
+  return reinterpret_cast<float4*>(smem + Layout::kScores) +
+         (b * Layout::kScoreSlots + v) * 128 + wg_tid;
+}
+
+// The factors of a block of parity b: alpha[32] (per query row) and gf[4] (per latent group), the
+// output's rescale.
+__device__ __forceinline__ float* SplitFactors(uint8_t* smem, int b) {
+  using Layout = Fp8SplitSmemLayout;
+  return reinterpret_cast<float*>(smem + Layout::kFactors) + b * Layout::kFactorFloats;
+}
+
+
+// Key fragments carrying each token's group scales relative to its largest (ScoresFromRawRows'
+// fold): group g's fragments of the thread's token h (registers h and h + 2 of each k step) times
+// factor[g][h] (f16x2, both halves the same).
+struct FoldGroupScales {
+  const uint32_t (&factor)[kFp8ScaleGroups][2];
+  __device__ __forceinline__ void operator()(int g, uint32_t (&f)[8][4]) const {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const __half2 x = __hmul2(*reinterpret_cast<const __half2*>(&f[s][r]),
+                                  *reinterpret_cast<const __half2*>(&factor[g][r % 2]));
+        f[s][r] = *reinterpret_cast<const uint32_t*>(&x);
+      }
+    }
+  }
+};
+
+// The fold of a staged block's key fragments for the thread's tokens tok[h]: r_tok[h] the token's
+// largest |scale| over the latent groups (0 for a zeroed row) and factor[g][h] its group g's scale
+// over that, as an f16 pair.
+__device__ __forceinline__ void FoldFactors(const uint8_t* staged, const int (&tok)[2],
+                                            uint32_t (&factor)[kFp8ScaleGroups][2],
+                                            float (&r_tok)[2]) {
+  static_assert(kFp8ScaleGroups == 4, "one float4 of scales a row");
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float4 s4 =
+        *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
+    const float sc[kFp8ScaleGroups] = {s4.x, s4.y, s4.z, s4.w};
+    const float r = fmaxf(fmaxf(fabsf(sc[0]), fabsf(sc[1])), fmaxf(fabsf(sc[2]), fabsf(sc[3])));
+    const float inv = r > 0.f ? ApproxRcp(r) : 0.f;
+    r_tok[h] = r;
+#pragma unroll
+    for (int g = 0; g < kFp8ScaleGroups; ++g) {
+      const __half2 f = __float2half2_rn(sc[g] * inv);
+      factor[g][h] = *reinterpret_cast<const uint32_t*>(&f);
+    }
+  }
+}
+
+// One warpgroup's PV of a block: its O^T tiles (latent groups group0, group0 + 1) rescaled by the
+// block's factors (alpha of the thread's query rows times its groups' gf), then V^T P_g^T added
+// from the staged rows and the block's P tiles at p_addr; `release` once the stage is read.
+template <int kRowsT, class Release>
+__device__ __forceinline__ void SplitPv(uint32_t staged_addr, uint32_t p_addr, const float* factors,
+                                        int group0, int warp_in_wg, int lane,
+                                        float (&o)[4][2 * kRowsT], Release release) {
+  using Layout = Fp8SplitSmemLayout;
+  constexpr int kN = Layout::kQChunkRows;
+  float alpha[kRowsT], gf[2];
+  bool rescale = false;
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    alpha[i] = factors[TransposedScores::QueryRow(lane, i)];
+    rescale |= alpha[i] != 1.f;
+  }
+#pragma unroll
+  for (int g = 0; g < 2; ++g) {
+    gf[g] = factors[kN + group0 + g];
+    rescale |= gf[g] != 1.f;
+  }
+  if (__any_sync(0xffffffffu, rescale)) ScaleOutput(o, alpha, gf);
+  PvFromRawRows<kN, 2, Layout::kPTileBytes>(staged_addr, p_addr + group0 * Layout::kPTileBytes,
+                                            warp_in_wg, lane, group0, o, release);
 }
 
 }  // namespace detail
@@ -83,9 +183,8 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
   using Barrier = cutlass::arch::ClusterBarrier;
   constexpr int kN = Layout::kQChunkRows;
   constexpr int kRowsT = kN / 4;  // query rows per thread
-  constexpr int kGroupsW = Layout::kGroupsPerWarpgroup;
-  constexpr int kRopeStepsW = kRopeDim / 16 / kConsumerWarpgroups;
   constexpr int kStride = Layout::kReduceStride;
+  constexpr int kPBufferBytes = kFp8ScaleGroups * Layout::kPTileBytes;
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -94,161 +193,236 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int wg_tid = tid % 128;
   const int warp_in_wg = wg_tid / 32;
-  const int group0 = kGroupsW * wg;  // this warpgroup's first latent group
   const float sl2 = args.scale_log2;
   const uint32_t q_addr = SmemAddr(smem + Layout::kQ);
   const uint32_t stages_addr = SmemAddr(smem + Layout::kFp8Stages);
-  const uint32_t p_addr = SmemAddr(smem + Layout::kP + group0 * Layout::kPTileBytes);
-  float* const reduce =
-      reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
+  const uint32_t p_addr = SmemAddr(smem + Layout::kP);
+  float* const reduce = reinterpret_cast<float*>(smem + Layout::kReduce);
+  float* const row_stats = reinterpret_cast<float*>(smem + Layout::kRowStats);
+  const SplitHandoff handoff = SplitHandoff::At(smem);
   // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
   // transposed path.
   const int tok[2] = {TransposedScores::Token(wg_tid, 0), TransposedScores::Token(wg_tid, 1)};
   auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
+  auto Staged = [&](int it_k) {
+    return smem + Layout::kFp8Stages + (it_k % Layout::kStageSlots) * kFp8StageBytes;
+  };
+  auto StagedAddr = [&](int it_k) {
+    return stages_addr + (it_k % Layout::kStageSlots) * kFp8StageBytes;
+  };
+  auto StageFull = [&](int it_k) {
+    Barrier::wait(pipe.Full(it_k % Layout::kStageSlots), (it_k / Layout::kStageSlots) & 1);
+  };
+  auto Release = [&](int it_k) {
+    return [&pipe, it_k] { Barrier::arrive(pipe.Empty(it_k % Layout::kStageSlots)); };
+  };
+  if (tid == 0) {
+    handoff.Init();
+    cutlass::arch::fence_barrier_init();
+  }
+  ConsumerSync();
 
-  float o[2 * kGroupsW][kN / 2];
+  float o[4][kN / 2];  // this warpgroup's two latent groups' output tiles
   Segment seg_info;
   int it = 0, seg = 0;
   while (walker.Next(seg_info)) {
     SM90_TRACE(kTraceSegment, seg_info.b);
-    float r_g[kGroupsW];  // running maximum |scale| of this warpgroup's groups (0: none yet)
 #pragma unroll
-    for (int g = 0; g < kGroupsW; ++g) r_g[g] = 0.f;
-#pragma unroll
-    for (int t = 0; t < 2 * kGroupsW; ++t) {
+    for (int t = 0; t < 4; ++t) {
 #pragma unroll
       for (int e = 0; e < kN / 2; ++e) o[t][e] = 0.f;
     }
     float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
     int limit_t[kRowsT];
     StartRegsSegment<Layout>(pipe, smem, p, seg_info, seg, tid, lane, m_t, l_t, limit_t, q_scale);
+    const int n_blocks = seg_info.kv_end - seg_info.kv_begin;
+    float l[kRowsT], r_out[2];  // the rows' sums, this warpgroup's groups' running maximum scales
 
-    // A block's table entries are read while the block before it is computed.
-    BlockLoad load{};
-    if (seg_info.kv_begin < seg_info.kv_end) load = BlockLoad::Of(p, seg_info, seg_info.kv_begin);
-    for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-      BlockLoad next = load;
-      if (k + 1 < seg_info.kv_end) next = BlockLoad::Of(p, seg_info, k + 1);
-      const int stage = it % Layout::kStageSlots;
-      uint8_t* const staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
-      const uint32_t staged_addr = stages_addr + stage * kFp8StageBytes;
-      Barrier::wait(pipe.Full(stage), (it / Layout::kStageSlots) & 1);
-      SM90_TRACE(kTraceBlockReady, k);
-      if (!load.Complete()) {
-        ZeroUnloadedRawRows<kConsumerThreads>(staged, load, tid);
-        cutlass::arch::fence_view_async_shared();
-        ConsumerSync();
-      }
-      float sc[2][kGroupsW];  // the thread's tokens' scales of this warpgroup's groups
+    if (wg == 0) {
+      // Scores of block j, then PV of block j - 1 (whose P warpgroup 1 wrote meanwhile).
+      BlockLoad load{};
+      if (n_blocks > 0) load = BlockLoad::Of(p, seg_info, seg_info.kv_begin);
+      for (int j = 0; j <= n_blocks; ++j) {
+        if (j < n_blocks) {
+          const int it_k = it + j;
+          BlockLoad next = load;
+          if (j + 1 < n_blocks) next = BlockLoad::Of(p, seg_info, seg_info.kv_begin + j + 1);
+          uint8_t* const staged = Staged(it_k);
+          StageFull(it_k);
+          SM90_TRACE(kTraceBlockReady, seg_info.kv_begin + j);
+          if (!load.Complete()) {
+            ZeroUnloadedRawRows<128>(staged, load, wg_tid);
+            cutlass::arch::fence_view_async_shared();
+            WarpgroupSync(wg);
+          }
+          uint32_t factor[kFp8ScaleGroups][2];
+          float r_tok[2];
+          FoldFactors(staged, tok, factor, r_tok);
+          float s_latent[1][kN / 2], s_rope[kN / 2];
+          ScoresFromRawRows<kN, kFp8ScaleGroups, kRopeDim / 16, Layout::kQChunkBytes, 1>(
+              StagedAddr(it_k), q_addr, warp_in_wg, lane, 0, 0, s_latent, s_rope,
+              FoldGroupScales{factor});
+          if (j + 1 == n_blocks && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
+          SM90_TRACE(kTraceScoresDone, seg_info.kv_begin + j);
+          const int b = it_k & 1;
+          Barrier::wait(handoff.ScoresEmpty(b), ((it_k >> 1) & 1) ^ 1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 s4 =
-            *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
-        sc[h][0] = wg == 0 ? s4.x : s4.z;
-        sc[h][1] = wg == 0 ? s4.y : s4.w;
+          for (int v = 0; v < Layout::kScoreSlots; ++v) {
+            float x[4];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              // Element 4 v + u: query row i, token half h (TransposedScores::Element).
+              const int e = 4 * v + u;
+              const int i = 2 * (e / 4) + e % 2, h = (e / 2) % 2;
+              x[u] = fmaf(s_latent[0][e] * r_tok[h], q_scale[i], s_rope[e]);
+            }
+            *SplitScoreSlot(smem, b, v, wg_tid) = make_float4(x[0], x[1], x[2], x[3]);
+          }
+          Barrier::arrive(handoff.ScoresFull(b));
+          load = next;
+        }
+        if (j > 0) {
+          const int it_k = it + j - 1;
+          const int b = it_k & 1;
+          Barrier::wait(handoff.PFull(b), (it_k >> 1) & 1);
+          SM90_TRACE(kTracePStored, seg_info.kv_begin + j - 1);
+          SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, SplitFactors(smem, b),
+                          0, warp_in_wg, lane, o, Release(it_k));
+          Barrier::arrive(handoff.PEmpty(b));
+          SM90_TRACE(kTraceBlockDone, seg_info.kv_begin + j - 1);
+        }
       }
-      float st[kN / 2];
-      {
-        float sg[kGroupsW][kN / 2], sr[kN / 2];
-        ScoresFromRawRows<kN, kGroupsW, kRopeStepsW, Layout::kQChunkBytes>(
-            staged_addr, q_addr, warp_in_wg, lane, group0, kRopeStepsW * wg, sg, sr);
+      if (n_blocks == 0 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
+    } else {
+      // Softmax of block j (its scores from warpgroup 0), P and factors, then its PV.
+      float r_g[kFp8ScaleGroups];  // running maximum |scale| of each group (0: none yet)
+#pragma unroll
+      for (int g = 0; g < kFp8ScaleGroups; ++g) r_g[g] = 0.f;
+      for (int j = 0; j < n_blocks; ++j) {
+        const int it_k = it + j;
+        const int k = seg_info.kv_begin + j;
+        const int b = it_k & 1;
+        const BlockLoad load = BlockLoad::Of(p, seg_info, k);
+        uint8_t* const staged = Staged(it_k);
+        StageFull(it_k);
+        SM90_TRACE(kTraceBlockReady, k);
+        Barrier::wait(handoff.ScoresFull(b), (it_k >> 1) & 1);
+        float st[kN / 2];
+#pragma unroll
+        for (int v = 0; v < Layout::kScoreSlots; ++v) {
+          const float4 x = *SplitScoreSlot(smem, b, v, wg_tid);
+          st[4 * v] = x.x;
+          st[4 * v + 1] = x.y;
+          st[4 * v + 2] = x.z;
+          st[4 * v + 3] = x.w;
+        }
+        Barrier::arrive(handoff.ScoresEmpty(b));
         SM90_TRACE(kTraceScoresDone, k);
-        // This warpgroup's part of each score, handed to the other through shared memory.
+        float sc[2][kFp8ScaleGroups];  // the thread's tokens' scales
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float4 s4 =
+              *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
+          sc[h][0] = s4.x;
+          sc[h][1] = s4.y;
+          sc[h][2] = s4.z;
+          sc[h][3] = s4.w;
+        }
+        // Masked by select; maxima over the thread's tokens, the eight lanes sharing its rows,
+        // then the warpgroup's warps (with each group's largest |scale| in the block).
+        const int token_base = k * kBlockN;
+        float mx[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int e = RegsElement(i, h);
-            float latent = 0.f;
+            if (!(load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i])) st[e] = kNegInf;
+          }
+          mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
 #pragma unroll
-            for (int g = 0; g < kGroupsW; ++g) latent = fmaf(sc[h][g], sg[g][e], latent);
-            st[e] = fmaf(latent, q_scale[i], sr[e]);
+          for (int d = 4; d < 32; d <<= 1) {
+            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
           }
         }
-      }
+        float smax[kFp8ScaleGroups];
 #pragma unroll
-      for (int v = 0; v < Layout::kExchangeSlots; ++v) {
-        *SplitScoreSlot(smem, it & 1, wg, v, wg_tid) =
-            make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
-      }
-      ConsumerSync();
+        for (int g = 0; g < kFp8ScaleGroups; ++g) {
+          smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
+        }
+        if (lane < 4) {
 #pragma unroll
-      for (int v = 0; v < Layout::kExchangeSlots; ++v) {
-        const float4 x = *SplitScoreSlot(smem, it & 1, wg ^ 1, v, wg_tid);
-        st[4 * v] += x.x;
-        st[4 * v + 1] += x.y;
-        st[4 * v + 2] += x.z;
-        st[4 * v + 3] += x.w;
+          for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * kStride + RowT(i)] = mx[i];
+        }
+        if (lane == 0) {
+#pragma unroll
+          for (int g = 0; g < kFp8ScaleGroups; ++g) reduce[warp_in_wg * kStride + kN + g] = smax[g];
+        }
+        WarpgroupSync(wg);
+        float alpha[kRowsT];
+        UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
+        float gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
+        UpdateGroupScales<kFp8ScaleGroups, kStride, kN>(reduce, r_g, gf, inv_r);
+        Barrier::wait(handoff.PEmpty(b), ((it_k >> 1) & 1) ^ 1);
+        StorePTiles<kN, kFp8ScaleGroups, Layout::kPTileBytes>(p_addr + b * kPBufferBytes,
+                                                               warp_in_wg, lane, st, sc, inv_r);
+        float* const factors = SplitFactors(smem, b);
+        if (warp_in_wg == 0 && lane < 4) {
+#pragma unroll
+          for (int i = 0; i < kRowsT; ++i) factors[RowT(i)] = alpha[i];
+        }
+        if (wg_tid == 0) {
+#pragma unroll
+          for (int g = 0; g < kFp8ScaleGroups; ++g) factors[kN + g] = gf[g];
+        }
+        cutlass::arch::fence_view_async_shared();
+        Barrier::arrive(handoff.PFull(b));
+        Barrier::wait(handoff.PFull(b), (it_k >> 1) & 1);
+        SM90_TRACE(kTracePStored, k);
+        SplitPv<kRowsT>(StagedAddr(it_k), p_addr + b * kPBufferBytes, factors, 2, warp_in_wg,
+                        lane, o, Release(it_k));
+        SM90_TRACE(kTraceBlockDone, k);
       }
-
-      // Masked by select; maxima over the thread's tokens, the eight lanes sharing its rows, then
-      // the warpgroup's warps (with its groups' largest |scale| in the block).
-      const int token_base = k * kBlockN;
-      float mx[kRowsT];
+      if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
+      SumRowsOverWarpgroup<kRowsT, kStride>(l_t, reduce, warp_in_wg, lane, wg, l);
+      if (warp_in_wg == 0 && lane < 4) {
+#pragma unroll
+        for (int i = 0; i < kRowsT; ++i) {
+          row_stats[RowT(i)] = l[i];
+          row_stats[kN + RowT(i)] = m_t[i];
+        }
+      }
+      if (wg_tid == 0) {
+        row_stats[2 * kN] = r_g[0];
+        row_stats[2 * kN + 1] = r_g[1];
+      }
+      r_out[0] = r_g[2];
+      r_out[1] = r_g[3];
+    }
+    // Warpgroup 0 takes the rows' sums and maxima and its groups' scales from warpgroup 1.
+    ConsumerHandover();
+    if (wg == 0) {
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int e = RegsElement(i, h);
-          if (!(load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i])) st[e] = kNegInf;
-        }
-        mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
-#pragma unroll
-        for (int d = 4; d < 32; d <<= 1) {
-          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
-        }
+        l[i] = row_stats[RowT(i)];
+        m_t[i] = row_stats[kN + RowT(i)];
       }
-      float smax[kGroupsW];
-#pragma unroll
-      for (int g = 0; g < kGroupsW; ++g) {
-        smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * kStride + RowT(i)] = mx[i];
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < kGroupsW; ++g) reduce[warp_in_wg * kStride + kN + g] = smax[g];
-      }
-      WarpgroupSync(wg);
-      float alpha[kRowsT];
-      UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
-      float gf[kGroupsW], inv_r[kGroupsW];
-      UpdateGroupScales<kGroupsW, kStride, kN>(reduce, r_g, gf, inv_r);
-      bool rescale = false;
-#pragma unroll
-      for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
-#pragma unroll
-      for (int g = 0; g < kGroupsW; ++g) rescale |= gf[g] != 1.f;
-      if (__any_sync(0xffffffffu, rescale)) {
-        ScaleOutput(o, alpha, gf);
-      }
-      StorePTiles<kN, kGroupsW, Layout::kPTileBytes>(p_addr, warp_in_wg, lane, st, sc, inv_r);
-      cutlass::arch::fence_view_async_shared();
-      WarpgroupSync(wg);
-      SM90_TRACE(kTracePStored, k);
-      PvFromRawRows<kN, kGroupsW, Layout::kPTileBytes>(
-          staged_addr, p_addr, warp_in_wg, lane, group0, o,
-          [&] { Barrier::arrive(pipe.Empty(stage)); });
-      SM90_TRACE(kTraceBlockDone, k);
-      load = next;
+      r_out[0] = row_stats[2 * kN];
+      r_out[1] = row_stats[2 * kN + 1];
     }
-    if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
-    // Both warpgroups hold the same row sums and maxima; each stores its groups' four tiles
-    // (group g's output in units of its running maximum scale R_g).
-    float l[kRowsT];
-    SumRowsOverWarpgroup<kRowsT, kStride>(l_t, reduce, warp_in_wg, lane, wg, l);
-    float keep[2 * kGroupsW][kN / 2];
+    // Each warpgroup stores its groups' four tiles (group g's output in units of its running
+    // maximum scale R_g).
+    float keep[4][kN / 2];
 #pragma unroll
-    for (int t = 0; t < 2 * kGroupsW; ++t) {
+    for (int t = 0; t < 4; ++t) {
 #pragma unroll
-      for (int e = 0; e < kN / 2; ++e) keep[t][e] = o[t][e] * r_g[t / 2];
+      for (int e = 0; e < kN / 2; ++e) keep[t][e] = o[t][e] * r_out[t / 2];
     }
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
     StoreRegsTiles(args, seg_info, part, wg, wg_tid, lane, keep, l, m_t);
     SM90_TRACE(kTraceStoreEnd, 0);
+    it += n_blocks;
     ++seg;
   }
   });

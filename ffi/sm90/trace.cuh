@@ -1,8 +1,9 @@
 // Per-CTA event timeline of the decode kernel, for the standalone harness's `trace` mode only.
 //
 // Compiled in with -DJAX_MLA_SM90_TRACE: thread 0 of each CTA (consumer warpgroup 0, the one that
-// scores) appends (%globaltimer, tag, argument) records to g_trace at the points SM90_TRACE marks.
-// Without the macro SM90_TRACE expands to nothing and the kernels are unchanged.
+// scores), or the thread -DJAX_MLA_SM90_TRACE_THREAD=t names (128: warpgroup 1's first), appends
+// (%globaltimer, tag, argument) records to g_trace at the points SM90_TRACE marks. Without the
+// macro SM90_TRACE expands to nothing and the kernels are unchanged.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,11 @@ struct TraceRecord {
 constexpr int kTraceCtas = 264;     // at least the decode grid
 constexpr int kTraceRecords = 4096; // per CTA; later records are dropped
 
+#ifndef JAX_MLA_SM90_TRACE_THREAD
+#define JAX_MLA_SM90_TRACE_THREAD 0
+#endif
+constexpr int kTraceThread = JAX_MLA_SM90_TRACE_THREAD;
+
 #ifdef JAX_MLA_SM90_TRACE
 __device__ TraceRecord g_trace[kTraceCtas][kTraceRecords];
 __device__ int g_trace_count[kTraceCtas];
@@ -47,7 +53,8 @@ __device__ __forceinline__ void TraceEvent(uint32_t tag, int arg) {
   g_trace_count[cta] = i + 1;
 }
 #define SM90_TRACE(tag, arg) \
-  (threadIdx.x == 0 ? ::jax_mla::sm90::TraceEvent((tag), (arg)) : (void)0)
+  (threadIdx.x == ::jax_mla::sm90::kTraceThread ? ::jax_mla::sm90::TraceEvent((tag), (arg)) \
+                                                  : (void)0)
 #else
 #define SM90_TRACE(tag, arg) ((void)0)
 #endif
