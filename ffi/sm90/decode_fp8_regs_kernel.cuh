@@ -461,6 +461,106 @@ __device__ __forceinline__ void UpdateGroupScales(const float* reduce, float (&r
   }
 }
 
+// Whether a block leaves a warpgroup's softmax state as it is, as far as this thread sees: no score
+// of its rows (st, masked; running maxima m_t) moves its row's running maximum (NextRowMax) and no
+// scale of its tokens (sc) exceeds its group's running maximum r_g.
+template <int kRowsT, int kGroups>
+__device__ __forceinline__ bool KeepsSoftmaxState(const float (&st)[2 * kRowsT],
+                                                  const float (&m_t)[kRowsT], float sl2,
+                                                  const float (&sc)[2][kGroups],
+                                                  const float (&r_g)[kGroups]) {
+  bool keeps = true;
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      keeps &= !((st[RegsElement(i, h)] - m_t[i]) * sl2 > kLazyRescaleLog2);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) keeps &= fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])) <= r_g[g];
+  return keeps;
+}
+
+// Whether x holds for any thread of warpgroup wg (all its threads call it: a warpgroup barrier).
+__device__ __forceinline__ bool WarpgroupAny(int wg, bool x) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
+      " bar.red.or.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(x)), "r"(kWarpgroupBarrier + wg)
+      : "memory");
+  return any != 0;
+}
+
+// A block's online softmax over warpgroup wg's Layout::kQChunkRows query rows: the rows' block
+// maxima over the thread's tokens, the eight lanes sharing its rows and the warpgroup's warps
+// (through reduce, with each group's largest |scale|), then the rows' running maxima and sums
+// (UpdateRowsSoftmax: alpha, probabilities in place of st) and the groups' running scales (gf, and
+// 1 / r_g in inv_r).
+template <class Layout, int kRowsT, int kGroups>
+__device__ __forceinline__ void ReduceBlockSoftmax(float* reduce, int wg, int warp_in_wg, int lane,
+                                                   float sl2, float (&st)[2 * kRowsT],
+                                                   const float (&sc)[2][kGroups],
+                                                   float (&m_t)[kRowsT], float (&l_t)[kRowsT],
+                                                   float (&r_g)[kGroups], float (&alpha)[kRowsT],
+                                                   float (&gf)[kGroups], float (&inv_r)[kGroups]) {
+  constexpr int kStride = Layout::kReduceStride;
+  float mx[kRowsT];
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) {
+    mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
+#pragma unroll
+    for (int d = 4; d < 32; d <<= 1) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+  }
+  float smax[kGroups];
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
+  }
+  if (lane < 4) {
+#pragma unroll
+    for (int i = 0; i < kRowsT; ++i) {
+      reduce[warp_in_wg * kStride + TransposedScores::QueryRow(lane, i)] = mx[i];
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+      reduce[warp_in_wg * kStride + Layout::kQChunkRows + g] = smax[g];
+    }
+  }
+  WarpgroupSync(wg);
+  UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
+  UpdateGroupScales<kGroups, kStride, Layout::kQChunkRows>(reduce, r_g, gf, inv_r);
+}
+
+// A block's online softmax over warpgroup wg (all its threads call it), as ReduceBlockSoftmax
+// computes it; when the block moves no row's running maximum and no group's running scale (most
+// blocks, with the lazy rescale), without the reduction: the probabilities at the running maxima,
+// alpha and gf 1 (0 for rows that have seen no token), the same values bit for bit.
+template <class Layout, int kRowsT, int kGroups>
+__device__ __forceinline__ void BlockSoftmax(float* reduce, int wg, int warp_in_wg, int lane,
+                                             float sl2, float (&st)[2 * kRowsT],
+                                             const float (&sc)[2][kGroups], float (&m_t)[kRowsT],
+                                             float (&l_t)[kRowsT], float (&r_g)[kGroups],
+                                             float (&alpha)[kRowsT], float (&gf)[kGroups],
+                                             float (&inv_r)[kGroups]) {
+  if (WarpgroupAny(wg, !KeepsSoftmaxState(st, m_t, sl2, sc, r_g))) {
+    ReduceBlockSoftmax<Layout>(reduce, wg, warp_in_wg, lane, sl2, st, sc, m_t, l_t, r_g, alpha, gf,
+                               inv_r);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kRowsT; ++i) ExpRow(i, m_t[i], sl2, st, m_t, l_t, alpha);
+#pragma unroll
+  for (int g = 0; g < kGroups; ++g) {
+    gf[g] = 1.f;
+    inv_r[g] = r_g[g] > 0.f ? ApproxRcp(r_g[g]) : 0.f;
+  }
+}
+
 // P_g[row][token] = p * scale_g(token) / R_g in f16 for kGroups groups (tile g at p_addr + g
 // kPTileBytes, kN rows x 64 tokens), from the thread's probabilities st and its tokens' scales
 // sc[h][g]: per group and 16 rows one stmatrix.trans (RegsPStore, fragment_layout.h).
@@ -571,10 +671,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       SmemAddr(smem + Layout::kP + wg * kFp8ScaleGroups * Layout::kPTileBytes);
   float* const reduce =
       reinterpret_cast<float*>(smem + Layout::kReduce) + wg * Layout::kReduceFloats;
-  // A thread's tokens of a block (rows of S^T) and query rows (columns), as in DecodeKernel's
-  // transposed path.
+  // A thread's tokens of a block (rows of S^T), as in DecodeKernel's transposed path.
   const int tok[2] = {TransposedScores::Token(wg_tid, 0), TransposedScores::Token(wg_tid, 1)};
-  auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
 
   float o[8][8];
   Segment seg_info;
@@ -627,10 +725,9 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
           staged_addr, q_addr, warp_in_wg, lane, 0, 0, sg, sr);
       SM90_TRACE(kTraceScoresDone, k);
 
-      // Scores, masked by select; maxima over the thread's tokens, the eight lanes sharing its
-      // rows, then the warpgroup's warps (with each group's largest |scale| in the block).
+      // Scores, masked by select.
       const int token_base = k * kBlockN;
-      float st[8], mx[kRowsT];
+      float st[8];
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) {
 #pragma unroll
@@ -642,40 +739,16 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
           const float s = fmaf(latent, q_scale[i], sr[e]);
           st[e] = (load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i]) ? s : kNegInf;
         }
-        mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
-#pragma unroll
-        for (int d = 4; d < 32; d <<= 1) {
-          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
-        }
       }
-      float smax[kFp8ScaleGroups];
-#pragma unroll
-      for (int g = 0; g < kFp8ScaleGroups; ++g) {
-        smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
-      }
-      if (lane < 4) {
-#pragma unroll
-        for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * kStride + RowT(i)] = mx[i];
-      }
-      if (lane == 0) {
-#pragma unroll
-        for (int g = 0; g < kFp8ScaleGroups; ++g) {
-          reduce[warp_in_wg * kStride + Layout::kQChunkRows + g] = smax[g];
-        }
-      }
-      WarpgroupSync(wg);
-      float alpha[kRowsT];
-      UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
-      float gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
-      UpdateGroupScales<kFp8ScaleGroups, kStride, Layout::kQChunkRows>(reduce, r_g, gf, inv_r);
+      float alpha[kRowsT], gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
+      BlockSoftmax<Layout>(reduce, wg, warp_in_wg, lane, sl2, st, sc, m_t, l_t, r_g, alpha, gf,
+                           inv_r);
       bool rescale = false;
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
 #pragma unroll
       for (int g = 0; g < kFp8ScaleGroups; ++g) rescale |= gf[g] != 1.f;
-      if (__any_sync(0xffffffffu, rescale)) {
-        ScaleOutput(o, alpha, gf);
-      }
+      if (__any_sync(0xffffffffu, rescale)) ScaleOutput(o, alpha, gf);
       StorePTiles<16, kFp8ScaleGroups, Layout::kPTileBytes>(p_addr, warp_in_wg, lane, st, sc,
                                                             inv_r);
       cutlass::arch::fence_view_async_shared();

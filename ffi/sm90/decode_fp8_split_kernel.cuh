@@ -328,10 +328,8 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
           sc[h][2] = s4.z;
           sc[h][3] = s4.w;
         }
-        // Masked by select; maxima over the thread's tokens, the eight lanes sharing its rows,
-        // then the warpgroup's warps (with each group's largest |scale| in the block).
+        // Masked by select.
         const int token_base = k * kBlockN;
-        float mx[kRowsT];
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
 #pragma unroll
@@ -339,30 +337,10 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
             const int e = RegsElement(i, h);
             if (!(load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i])) st[e] = kNegInf;
           }
-          mx[i] = fmaxf(st[RegsElement(i, 0)], st[RegsElement(i, 1)]);
-#pragma unroll
-          for (int d = 4; d < 32; d <<= 1) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
-          }
         }
-        float smax[kFp8ScaleGroups];
-#pragma unroll
-        for (int g = 0; g < kFp8ScaleGroups; ++g) {
-          smax[g] = WarpMaxMagnitude(fmaxf(fabsf(sc[0][g]), fabsf(sc[1][g])));
-        }
-        if (lane < 4) {
-#pragma unroll
-          for (int i = 0; i < kRowsT; ++i) reduce[warp_in_wg * kStride + RowT(i)] = mx[i];
-        }
-        if (lane == 0) {
-#pragma unroll
-          for (int g = 0; g < kFp8ScaleGroups; ++g) reduce[warp_in_wg * kStride + kN + g] = smax[g];
-        }
-        WarpgroupSync(wg);
-        float alpha[kRowsT];
-        UpdateRowsSoftmax<kRowsT, kStride>(reduce, lane, sl2, st, m_t, l_t, alpha);
-        float gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
-        UpdateGroupScales<kFp8ScaleGroups, kStride, kN>(reduce, r_g, gf, inv_r);
+        float alpha[kRowsT], gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
+        BlockSoftmax<Layout>(reduce, wg, warp_in_wg, lane, sl2, st, sc, m_t, l_t, r_g, alpha, gf,
+                             inv_r);
         Barrier::wait(handoff.PEmpty(b), ((it_k >> 1) & 1) ^ 1);
         StorePTiles<kN, kFp8ScaleGroups, Layout::kPTileBytes>(p_addr + b * kPBufferBytes,
                                                                warp_in_wg, lane, st, sc, inv_r);

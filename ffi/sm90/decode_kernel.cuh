@@ -172,6 +172,23 @@ __device__ __forceinline__ void MaskRows(float (&s)[4 * kGroups], int tok0, Half
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
 }
 
+// Transposed scores' online softmax of the thread's query row i (< kRowsT) once its running
+// maximum moves to m_new: the rescale factor alpha[i] and the block's probabilities exp2 in place of
+// the row's scores st (TransposedScores::Element), added to its running sum.
+template <int kRowsT>
+__device__ __forceinline__ void ExpRow(int i, float m_new, float sl2, float (&st)[2 * kRowsT],
+                                       float (&m_t)[kRowsT], float (&l_t)[kRowsT],
+                                       float (&alpha)[kRowsT]) {
+  const float mu = m_new == kNegInf ? 0.f : m_new;
+  alpha[i] = Exp2((m_t[i] - mu) * sl2);
+  m_t[i] = m_new;
+  const float nb = -mu * sl2;
+  const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
+  st[ea] = Exp2(fmaf(st[ea], sl2, nb));
+  st[eb] = Exp2(fmaf(st[eb], sl2, nb));
+  l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
+}
+
 // Transposed scores' online softmax: each of the thread's query rows' block maximum from the
 // warpgroup's four warps' maxima (reduce[w * kStride + row]), the running maximum moved
 // (NextRowMax), the rescale factor alpha and the block's probabilities exp2 in place of its scores
@@ -186,15 +203,7 @@ __device__ __forceinline__ void UpdateRowsSoftmax(const float* reduce, int lane,
     float m_blk = reduce[row];
 #pragma unroll
     for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * kStride + row]);
-    const float m_new = NextRowMax(m_t[i], m_blk, sl2);
-    const float mu = m_new == kNegInf ? 0.f : m_new;
-    alpha[i] = Exp2((m_t[i] - mu) * sl2);
-    m_t[i] = m_new;
-    const float nb = -mu * sl2;
-    const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
-    st[ea] = Exp2(fmaf(st[ea], sl2, nb));
-    st[eb] = Exp2(fmaf(st[eb], sl2, nb));
-    l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
+    ExpRow(i, NextRowMax(m_t[i], m_blk, sl2), sl2, st, m_t, l_t, alpha);
   }
 }
 
