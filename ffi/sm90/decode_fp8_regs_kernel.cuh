@@ -461,6 +461,21 @@ __device__ __forceinline__ void UpdateGroupScales(const float* reduce, float (&r
   }
 }
 
+// The four group scales of each of the thread's tokens tok[h] of a staged block (sc[h][g]).
+__device__ __forceinline__ void LoadTokenScales(const uint8_t* staged, const int (&tok)[2],
+                                                float (&sc)[2][kFp8ScaleGroups]) {
+  static_assert(kFp8ScaleGroups == 4, "one float4 of scales a row");
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float4 s4 =
+        *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
+    sc[h][0] = s4.x;
+    sc[h][1] = s4.y;
+    sc[h][2] = s4.z;
+    sc[h][3] = s4.w;
+  }
+}
+
 // Whether a block leaves a warpgroup's softmax state as it is, as far as this thread sees: no score
 // of its rows (st, masked; running maxima m_t) moves its row's running maximum (NextRowMax) and no
 // scale of its tokens (sc) exceeds its group's running maximum r_g.
@@ -711,15 +726,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
         WarpgroupSync(wg);
       }
       float sc[2][kFp8ScaleGroups];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const float4 s4 =
-            *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
-        sc[h][0] = s4.x;
-        sc[h][1] = s4.y;
-        sc[h][2] = s4.z;
-        sc[h][3] = s4.w;
-      }
+      LoadTokenScales(staged, tok, sc);
       float sg[kFp8ScaleGroups][8], sr[8];
       ScoresFromRawRows<16, kFp8ScaleGroups, 4, Layout::kQChunkBytes>(
           staged_addr, q_addr, warp_in_wg, lane, 0, 0, sg, sr);

@@ -319,15 +319,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
         Barrier::arrive(handoff.ScoresEmpty(b));
         SM90_TRACE(kTraceScoresDone, k);
         float sc[2][kFp8ScaleGroups];  // the thread's tokens' scales
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const float4 s4 =
-              *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
-          sc[h][0] = s4.x;
-          sc[h][1] = s4.y;
-          sc[h][2] = s4.z;
-          sc[h][3] = s4.w;
-        }
+        LoadTokenScales(staged, tok, sc);
         // Masked by select.
         const int token_base = k * kBlockN;
 #pragma unroll
