@@ -96,17 +96,17 @@ __global__ void FillRandom(__nv_bfloat16* x, size_t n, uint64_t seed, float amp)
   }
 }
 
-// Writes the fp8 cache row of random values x as write_kv does (docs/fp8-cache.md): per latent
-// group of 128 channels (magnitude 2^(group - 1)) the power-of-two scale
+// Writes the fp8 cache row of random values x (times `gain`) as write_kv does (docs/fp8-cache.md):
+// per latent group of 128 channels (magnitude 2^(group - 1)) the power-of-two scale
 // 2^ceil(log2(max|x| / 448)) and e4m3(x / scale), then the bf16 rope (one warp per row).
-__device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed) {
+__device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed, float gain) {
   const int lane = threadIdx.x % 32;
   for (int g = 0; g < kLatentDim / kFp8GroupSize; ++g) {
     float x[kFp8GroupSize / 32];
     float amax = 0.f;
     for (int i = 0; i < kFp8GroupSize / 32; ++i) {
       const int c = g * kFp8GroupSize + 32 * i + lane;
-      x[i] = ldexpf(RandUniform(seed, row * kHeadDim + c), g - 1);
+      x[i] = gain * ldexpf(RandUniform(seed, row * kHeadDim + c), g - 1);
       amax = fmaxf(amax, fabsf(x[i]));
     }
     for (int d = 16; d > 0; d /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
@@ -121,7 +121,8 @@ __device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed) {
     if (lane == 0) memcpy(row_bytes + kFp8ScalesOffset + 4 * g, &scale, 4);
   }
   for (int c = lane; c < kRopeDim; c += 32) {
-    const __nv_bfloat16 v = __float2bfloat16(RandUniform(seed, row * kHeadDim + kLatentDim + c));
+    const __nv_bfloat16 v =
+        __float2bfloat16(gain * RandUniform(seed, row * kHeadDim + kLatentDim + c));
     memcpy(row_bytes + kFp8RopeOffset + 2 * c, &v, 2);
   }
 }
@@ -129,7 +130,8 @@ __device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed) {
 // Writes random values into the cache rows of every token < the clamped length (valid pages):
 // bf16 rows of 576, or fp8 rows of kFp8RowBytes.
 __global__ void FillTokens(void* cache, bool fp8, const int* block_tables, const int* seq_lens,
-                           int max_pages, int page_size, int num_pages, uint64_t seed) {
+                           int max_pages, int page_size, int num_pages, uint64_t seed,
+                           float growth) {
   const int b = blockIdx.y;
   const long long cap = (long long)max_pages * page_size;
   const int len = (int)std::min<long long>(std::max(seq_lens[b], 0), cap);
@@ -137,15 +139,16 @@ __global__ void FillTokens(void* cache, bool fp8, const int* block_tables, const
     const int page = block_tables[(size_t)b * max_pages + t / page_size];
     if (page < 0 || page >= num_pages) continue;
     const size_t row = (size_t)page * page_size + t % page_size;
+    const float gain = 1.f + growth * t;
     if (fp8) {
       if (threadIdx.x < 32) {
-        WriteFp8Row(static_cast<uint8_t*>(cache) + row * kFp8RowBytes, row, seed);
+        WriteFp8Row(static_cast<uint8_t*>(cache) + row * kFp8RowBytes, row, seed, gain);
       }
       continue;
     }
     __nv_bfloat16* rows = static_cast<__nv_bfloat16*>(cache);
     for (int c = threadIdx.x; c < kHeadDim; c += blockDim.x) {
-      rows[row * kHeadDim + c] = __float2bfloat16(RandUniform(seed, row * kHeadDim + c));
+      rows[row * kHeadDim + c] = __float2bfloat16(gain * RandUniform(seed, row * kHeadDim + c));
     }
   }
 }
@@ -249,6 +252,7 @@ struct CaseSpec {
   bool fp8 = false;              // the fp8 cache instead of bf16
   int ref_requests = -1;         // requests checked against the reference (-1: all)
   int min_blocks = -1;           // DecodeParams::min_blocks_per_part (-1: --min-blocks' value)
+  float growth = 0.f;            // token t's cache values times 1 + growth * t (rising scores)
   uint64_t seed = 1;
 };
 
@@ -397,7 +401,8 @@ struct Problem {
     CHECK_CUDA(cudaMemset(cache, 0xFF, cache_bytes));  // NaN in bf16, e4m3 and f32
     for (int c = 0; c < copies; ++c) {
       FillTokens<<<dim3(std::min(max_len + 1, 4096), s.batch), 128>>>(
-          cache, s.fp8, d_tables[c], d_lens, max_pages, s.page, num_pages, s.seed * 13 + c);
+          cache, s.fp8, d_tables[c], d_lens, max_pages, s.page, num_pages, s.seed * 13 + c,
+          s.growth);
       CHECK_CUDA(cudaGetLastError());
     }
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -569,6 +574,13 @@ struct Suite {
     s.bad = bad; s.fp8 = fp8; s.seed = seed_base + static_cast<int>(cases.size());
     cases.push_back(s);
   }
+  // Cache values growing along each request (times 1 + t / 256 at token t), so that running
+  // maxima (and the fp8 cache's group scales) move every few blocks of a segment: the softmax's
+  // rescaling path between blocks that skip it.
+  void add_rising(const char* name, int B, int q, int H) {
+    add(name, B, q, H, 64, 4096, "fixed");
+    cases.back().growth = 1.f / 256;
+  }
 };
 
 static std::vector<CaseSpec> CheckSuite() {
@@ -603,6 +615,9 @@ static std::vector<CaseSpec> CheckSuite() {
   v.add("whole-parts-h16", NumParts(DeviceSmCount(), 1, 16), 1, 16, 64, 8192, "fixed");
   v.add("one-part-h128", 8, 1, 128, 64, 4096, "uniform");
   v.cases.back().min_blocks = 1 << 20;
+  v.add_rising("rising-h16", 64, 1, 16);
+  v.add_rising("rising-h16-q2", 64, 2, 16);
+  v.add_rising("rising-h128", 16, 1, 128);
   return v.cases;
 }
 
@@ -640,6 +655,9 @@ static std::vector<CaseSpec> CheckSuiteFp8() {
   v.add("long-128k-h64", 1, 1, 64, 64, 131072, "fixed");
   v.add("bad-h128-p64", 6, 1, 128, 64, 2000, "uniform", true);
   v.add("bad-h64-q2-p32", 6, 2, 64, 32, 3000, "uniform", true);
+  v.add_rising("rising-h16", 64, 1, 16);
+  v.add_rising("rising-h16-q2", 64, 2, 16);
+  v.add_rising("rising-h128", 16, 1, 128);
   return v.cases;
 }
 

@@ -713,8 +713,8 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
     if (k0 < seg_info.kv_end) load = BlockLoad::Of(p, seg_info, k0);
     for (int k = k0; k < seg_info.kv_end; k += 2) {
       const int it_k = it + (k - seg_info.kv_begin);
-      BlockLoad next = load;
-      if (k + 2 < seg_info.kv_end) next = BlockLoad::Of(p, seg_info, k + 2);
+      BlockPages next = {{-1, -1}};
+      if (k + 2 < seg_info.kv_end) next = BlockPages::Read(p, seg_info, k + 2);
       const int stage = it_k % Layout::kStageSlots;
       uint8_t* const staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
       const uint32_t staged_addr = stages_addr + stage * kFp8StageBytes;
@@ -764,7 +764,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       PvFromRawRows<16, kFp8ScaleGroups, Layout::kPTileBytes>(
           staged_addr, p_addr, warp_in_wg, lane, 0, o, [&] { Barrier::arrive(pipe.Empty(stage)); });
       SM90_TRACE(kTraceBlockDone, k);
-      load = next;
+      load = BlockLoad::Of(p, seg_info, k + 2, next);
     }
     it += seg_info.kv_end - seg_info.kv_begin;
     if (wg_tid == 0) Barrier::arrive(pipe.QEmpty());

@@ -477,6 +477,28 @@ struct HalfSlot {
   }
 };
 
+// The block table entries of the two 32-token halves of a segment's KV block k as read (-1 for a
+// half past the length), not yet checked: a kernel reads them a block ahead and checks them
+// (BlockLoad::Of) where it needs them, so that nothing waits for the read before.
+struct BlockPages {
+  int page[2];
+
+  __device__ __forceinline__ static BlockPages Read(const DecodeParams& p, const Segment& seg,
+                                                    int k) {
+    const int page_shift = p.page_size == 64 ? 6 : 5;  // page_size is 32 or 64 (ValidShape)
+    BlockPages v;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int token0 = k * kBlockN + h * kHalfN;
+      v.page[h] = token0 < seg.len
+                      ? p.block_tables[static_cast<long long>(seg.b) * p.max_pages +
+                                       (token0 >> page_shift)]
+                      : -1;
+    }
+    return v;
+  }
+};
+
 // What of a 64-token KV block was loaded: tokens [0, n_valid) are below the length, and the
 // 32-token halves whose page id is in range (half_ok[h]); the rest of the stage holds stale data.
 struct BlockLoad {
@@ -489,6 +511,15 @@ struct BlockLoad {
     v.n_valid = min(kBlockN, seg.len - token_base);
     v.half_ok[0] = KvRow(p, seg.b, token_base, seg.len) >= 0;
     v.half_ok[1] = KvRow(p, seg.b, token_base + kHalfN, seg.len) >= 0;
+    return v;
+  }
+  // The same from block k's table entries read before (BlockPages::Read).
+  __device__ __forceinline__ static BlockLoad Of(const DecodeParams& p, const Segment& seg, int k,
+                                                 const BlockPages& pages) {
+    BlockLoad v;
+    v.n_valid = min(kBlockN, seg.len - k * kBlockN);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) v.half_ok[h] = pages.page[h] >= 0 && pages.page[h] < p.num_pages;
     return v;
   }
   __device__ __forceinline__ bool Complete() const {
