@@ -43,8 +43,13 @@ class Problem:
 
 def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max_len=300,
                  kv_lora_rank=512, rope_dim=64, dtype=jnp.float32, spare_pages=3,
-                 garbage_tables=True) -> Problem:
-    """A decode problem whose unused pages, page tails and table padding are all poisoned."""
+                 garbage_tables=True, growth=0.0) -> Problem:
+    """A decode problem whose unused pages, page tails and table padding are all poisoned.
+
+    ``growth``: token t of each request holds its N(0, 1) row times 1 + growth * t, so that scores
+    keep rising along a request and an online softmax's running maximum (and an fp8 cache's
+    scales) move block after block instead of settling after the first ones.
+    """
     rng = np.random.default_rng(seed)
     head_dim = kv_lora_rank + rope_dim
     if seq_lens is None:
@@ -69,6 +74,11 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
         flat[:lengths[b]] = True
         written[tables[b, :n]] = flat.reshape(n, page_size)
     cache[~written] = np.nan
+    if growth:
+        position = np.zeros((num_pages, page_size), np.float32)
+        for b, n in enumerate(pages_per_request):
+            position[tables[b, :n]] = np.arange(n * page_size).reshape(n, page_size)
+        cache *= (1 + growth * position)[..., None]
     query = rng.standard_normal((batch, q_len, num_heads, head_dim)).astype(np.float32)
     return Problem(
         query=jnp.asarray(query, dtype),
