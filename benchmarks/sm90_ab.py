@@ -1,18 +1,22 @@
 """Two builds of the sm90 kernel side by side in the standalone harness
 (benchmarks/sm90_harness.cu): the working tree ("new") against a git revision ("base").
 
-On the CPU machine, build both (nvcc, sm_90a; about a minute each):
+On the CPU machine, build both (nvcc, sm_90a; about a minute each), and any other revisions to
+time beside them (a branch with a variant, say):
 
-    python -m benchmarks.sm90_ab build BASE_REV            # .gpu/sm90_harness{,_base,_lineinfo}
+    python -m benchmarks.sm90_ab build BASE_REV [--variant NAME=REV ...]
+        # .gpu/sm90_harness{,_base,_lineinfo}, and .gpu/sm90_harness_NAME from REV
 
-then on the GPU machine (carry .gpu), the new build's checks and sanitizers, and the two builds
-timed point by point, alternating, over several passes:
+then on the GPU machine (carry .gpu), the new build's checks and sanitizers, and the builds timed
+point by point, alternating, over several passes:
 
     python -m benchmarks.sm90_ab run [--checks] [--passes 2] [--points "B,L,H,q_len,iters,dist;..."]
+                                     [--variants NAME,...]
 
-which writes $OUT/sm90-ab.log (the harness's rows, variant "base" or "new") and prints, per point,
-both builds' µs per layer in every pass and new / base over the passes' sums. `table LOG` prints
-that table again from a log. The harness's own flags (e.g. --cluster1) go after `--`.
+which writes $OUT/sm90-ab.log (the harness's rows, variant "base", "new" or NAME) and prints, per
+point, each build's µs per layer in every pass and its time over base's (sums over the passes).
+`table LOG` prints that table again from a log. The harness's own flags (e.g. --cluster1) go
+after `--`.
 """
 
 from __future__ import annotations
@@ -54,15 +58,38 @@ def nvcc(tree: str, output: str, *extra: str) -> None:
     subprocess.run(cmd, check=True)
 
 
-def build(base_rev: str) -> None:
+def variant_binary(name: str) -> str:
+    return os.path.join(GPU_DIR, f"sm90_harness_{name}")
+
+
+def parse_variants(specs: list[str]) -> list[tuple[str, str]]:
+    """NAME=REV items as (name, rev); a name is what the harness rows and the table call it."""
+    variants = []
+    for spec in specs:
+        name, sep, rev = spec.partition("=")
+        if not sep or not rev or not name.isidentifier() or name in ("base", "new", "lineinfo"):
+            raise SystemExit(f"a variant is NAME=REV with NAME a word other than base, new and "
+                             f"lineinfo; got {spec!r}")
+        variants.append((name, rev))
+    return variants
+
+
+def nvcc_at(rev: str, output: str) -> None:
+    """The harness of git revision `rev` built into `output`."""
+    with tempfile.TemporaryDirectory() as tree:
+        archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "ffi", "benchmarks"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+        nvcc(tree, output)
+
+
+def build(base_rev: str, variants: list[tuple[str, str]]) -> None:
     os.makedirs(GPU_DIR, exist_ok=True)
     nvcc(ROOT, NEW)
     nvcc(ROOT, LINEINFO, "-lineinfo")
-    with tempfile.TemporaryDirectory() as tree:
-        archive = subprocess.run(["git", "-C", ROOT, "archive", base_rev, "ffi", "benchmarks"],
-                                 check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-        nvcc(tree, BASE)
+    nvcc_at(base_rev, BASE)
+    for name, rev in variants:
+        nvcc_at(rev, variant_binary(name))
 
 
 def parse_points(spec: str) -> list[tuple[str, ...]]:
@@ -140,37 +167,50 @@ def last_line(path: str) -> str:
 
 
 def table(lines: list[str]) -> str:
-    """Per point (H, B, L, q_len, page): each build's µs per layer in pass order and new / base
-    over their sums; FAIL rows are counted."""
+    """Per point (H, B, L, q_len, page): each build's µs per layer in pass order ("base", then
+    "new", then the other builds as they first appear) and each build's time over base's, over
+    their sums; FAIL rows are counted."""
     times: dict[tuple[str, ...], dict[str, list[float]]] = {}
+    labels = ["base", "new"]
     fails = 0
     for line in lines:
         if "FAIL" in line:
             fails += 1
             continue
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 7 or not cells[0].isdigit():
-            continue
+        if len(cells) < 7 or not cells[0].isdigit() or not cells[5].isidentifier():
+            continue  # not a harness row: a check row, a header, a table printed before
+        if cells[5] not in labels:
+            labels.append(cells[5])
         times.setdefault(tuple(cells[:5]), {}).setdefault(cells[5], []).append(float(cells[6]))
-    out = ["| H | B | L | q_len | page | base µs | new µs | new / base |",
-           "|---|---|---|---|---|---|---|---|"]
+    others = labels[1:]
+    header = ["H", "B", "L", "q_len", "page", *(f"{label} µs" for label in labels),
+              *(f"{label} / base" for label in others)]
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, by_label in times.items():
-        base, new = by_label.get("base", []), by_label.get("new", [])
-        ratio = f"{sum(new) / sum(base):.3f}" if base and new else "-"
-        out.append("| " + " | ".join(key) + f" | {', '.join(map(str, base))} | "
-                   f"{', '.join(map(str, new))} | {ratio} |")
+        base = by_label.get("base", [])
+        cells = [*key, *(", ".join(map(str, by_label.get(label, []))) for label in labels)]
+        for label in others:
+            own = by_label.get(label, [])
+            cells.append(f"{sum(own) / sum(base):.3f}" if base and own else "-")
+        out.append("| " + " | ".join(cells) + " |")
     out.append(f"\n{fails} failed check(s)")
     return "\n".join(out)
 
 
-def run(points: list[tuple[str, ...]], passes: int, with_checks: bool, flags: list[str]) -> None:
+def run(points: list[tuple[str, ...]], passes: int, with_checks: bool, flags: list[str],
+        variants: list[str]) -> None:
     out_dir = os.environ.get("OUT", ".")
+    builds = [(BASE, "base"), (NEW, "new"), *((variant_binary(v), v) for v in variants)]
+    missing = [binary for binary, _ in builds if not os.path.exists(binary)]
+    if missing:
+        raise SystemExit(f"no harness build at {', '.join(missing)}: run `build` first")
     if with_checks:
         print("\n".join(checks(out_dir, flags)), flush=True)
     lines = []
     for _ in range(passes):
         for point in points:
-            for binary, label in ((BASE, "base"), (NEW, "new")):
+            for binary, label in builds:
                 lines += harness_rows(binary, label, point, flags)
     with open(os.path.join(out_dir, "sm90-ab.log"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -184,17 +224,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90_ab", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("build").add_argument("base_rev")
+    build_args = commands.add_parser("build")
+    build_args.add_argument("base_rev")
+    build_args.add_argument("--variant", action="append", default=[], metavar="NAME=REV")
     run_args = commands.add_parser("run")
     run_args.add_argument("--points", default=DEFAULT_POINTS)
     run_args.add_argument("--passes", type=int, default=2)
     run_args.add_argument("--checks", action="store_true")
+    run_args.add_argument("--variants", default="", metavar="NAME,...")
     commands.add_parser("table").add_argument("log")
     args = parser.parse_args(argv)
     if args.command == "build":
-        build(args.base_rev)
+        build(args.base_rev, parse_variants(args.variant))
     elif args.command == "run":
-        run(parse_points(args.points), args.passes, args.checks, flags)
+        run(parse_points(args.points), args.passes, args.checks, flags,
+            [v for v in args.variants.split(",") if v])
     else:
         print(table(open(args.log).read().splitlines()))
 

@@ -280,6 +280,34 @@ def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():
         sm90_ab.parse_points("1,4096,128")
 
 
+def test_sm90_ab_times_other_builds_beside_base():
+    """A build named by --variants gets its own times and its ratio to base, after new's; a point
+    one build missed shows "-"; a table printed before in the same log is not read as times;
+    variant names that the rows could not tell apart are refused, and so is a run whose builds
+    are not there."""
+    from benchmarks import sm90_ab
+
+    def row(label, us, b=1):
+        return f"| 16 | {b} | 4096 | 2 | 64 | {label} | {us} | 1.4 | 0.1 | 50.0 | 10% | 0.1 |"
+
+    printed = "| 16 | 1 | 4096 | 2 | 64 | 10.0, 10.0 | 9.0, 9.0 | 0.900 |"
+    text = sm90_ab.table([row("base", 10.0), row("new", 9.0), row("s1", 11.0), row("base", 10.0),
+                          row("new", 9.0), row("s1", 11.0), row("base", 5.0, b=2), printed])
+    lines = text.splitlines()
+    assert lines[0] == ("| H | B | L | q_len | page | base µs | new µs | s1 µs | new / base "
+                        "| s1 / base |")
+    assert lines[1] == "|" + "---|" * 10
+    assert "| 16 | 1 | 4096 | 2 | 64 | 10.0, 10.0 | 9.0, 9.0 | 11.0, 11.0 | 0.900 | 1.100 |" in text
+    assert "| 16 | 2 | 4096 | 2 | 64 | 5.0 |  |  | - | - |" in text
+    assert sm90_ab.parse_variants(["s1=kv-before-query", "old=HEAD~2"]) == [
+        ("s1", "kv-before-query"), ("old", "HEAD~2")]
+    for spec in ("s1", "=main", "new=main", "two words=main", "s1="):
+        with pytest.raises(SystemExit, match="a variant is NAME=REV"):
+            sm90_ab.parse_variants([spec])
+    with pytest.raises(SystemExit, match="sm90_harness_nope.*run `build` first"):
+        sm90_ab.run([("1", "4096", "16", "1", "10", "fixed")], 1, False, [], ["nope"])
+
+
 def test_sm90_ab_says_where_to_get_cutlass_when_it_finds_none(monkeypatch):
     from benchmarks import sm90_ab
 
