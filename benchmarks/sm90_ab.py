@@ -14,7 +14,7 @@ point by point, alternating, over several passes:
                                      [--variants NAME,...]
 
 which writes $OUT/sm90-ab.log (the harness's rows, variant "base", "new" or NAME) and prints, per
-point, each build's µs per layer in every pass and its time over base's (sums over the passes).
+point, each build's µs per layer in every pass and its mean time over base's.
 `table LOG` prints that table again from a log. The harness's own flags (e.g. --cluster1) go
 after `--`.
 """
@@ -62,15 +62,27 @@ def variant_binary(name: str) -> str:
     return os.path.join(GPU_DIR, f"sm90_harness_{name}")
 
 
+def check_variant_names(names: list[str]) -> list[str]:
+    """The names, each a word other than the three builds' own and named once: the harness rows
+    and the table tell the builds apart by them."""
+    for name in names:
+        if not name.isidentifier() or name in ("base", "new", "lineinfo"):
+            raise SystemExit(f"a variant's name is a word other than base, new and lineinfo; "
+                             f"got {name!r}")
+    if len(set(names)) != len(names):
+        raise SystemExit(f"each variant is named once; got {', '.join(names)}")
+    return names
+
+
 def parse_variants(specs: list[str]) -> list[tuple[str, str]]:
-    """NAME=REV items as (name, rev); a name is what the harness rows and the table call it."""
+    """NAME=REV items as (name, rev)."""
     variants = []
     for spec in specs:
         name, sep, rev = spec.partition("=")
-        if not sep or not rev or not name.isidentifier() or name in ("base", "new", "lineinfo"):
-            raise SystemExit(f"a variant is NAME=REV with NAME a word other than base, new and "
-                             f"lineinfo; got {spec!r}")
+        if not sep or not rev or rev.startswith("-"):
+            raise SystemExit(f"a variant is NAME=REV with REV a git revision; got {spec!r}")
         variants.append((name, rev))
+    check_variant_names([name for name, _ in variants])
     return variants
 
 
@@ -168,8 +180,8 @@ def last_line(path: str) -> str:
 
 def table(lines: list[str]) -> str:
     """Per point (H, B, L, q_len, page): each build's µs per layer in pass order ("base", then
-    "new", then the other builds as they first appear) and each build's time over base's, over
-    their sums; FAIL rows are counted."""
+    "new", then the other builds as they first appear) and each build's mean time over base's
+    (means, so that a pass a build failed in does not weigh); FAIL rows are counted."""
     times: dict[tuple[str, ...], dict[str, list[float]]] = {}
     labels = ["base", "new"]
     fails = 0
@@ -192,7 +204,8 @@ def table(lines: list[str]) -> str:
         cells = [*key, *(", ".join(map(str, by_label.get(label, []))) for label in labels)]
         for label in others:
             own = by_label.get(label, [])
-            cells.append(f"{sum(own) / sum(base):.3f}" if base and own else "-")
+            cells.append(f"{(sum(own) / len(own)) / (sum(base) / len(base)):.3f}"
+                         if base and own else "-")
         out.append("| " + " | ".join(cells) + " |")
     out.append(f"\n{fails} failed check(s)")
     return "\n".join(out)
@@ -201,7 +214,8 @@ def table(lines: list[str]) -> str:
 def run(points: list[tuple[str, ...]], passes: int, with_checks: bool, flags: list[str],
         variants: list[str]) -> None:
     out_dir = os.environ.get("OUT", ".")
-    builds = [(BASE, "base"), (NEW, "new"), *((variant_binary(v), v) for v in variants)]
+    builds = [(BASE, "base"), (NEW, "new"),
+              *((variant_binary(v), v) for v in check_variant_names(variants))]
     missing = [binary for binary, _ in builds if not os.path.exists(binary)]
     if missing:
         raise SystemExit(f"no harness build at {', '.join(missing)}: run `build` first")

@@ -127,8 +127,8 @@ __device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed, float
   }
 }
 
-// Writes random values into the cache rows of every token < the clamped length (valid pages):
-// bf16 rows of 576, or fp8 rows of kFp8RowBytes.
+// Writes random values into the cache rows of every token < the clamped length (valid pages),
+// token t's times 1 + growth * t: bf16 rows of 576, or fp8 rows of kFp8RowBytes.
 __global__ void FillTokens(void* cache, bool fp8, const int* block_tables, const int* seq_lens,
                            int max_pages, int page_size, int num_pages, uint64_t seed,
                            float growth) {

@@ -47,8 +47,9 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
     """A decode problem whose unused pages, page tails and table padding are all poisoned.
 
     ``growth``: token t of each request holds its N(0, 1) row times 1 + growth * t, so that scores
-    keep rising along a request and an online softmax's running maximum (and an fp8 cache's
-    scales) move block after block instead of settling after the first ones.
+    keep rising along a request and an online softmax's running maximum moves every few blocks
+    instead of settling after the first ones (and an fp8 cache's power-of-two group scales step
+    up along the request).
     """
     rng = np.random.default_rng(seed)
     head_dim = kv_lora_rank + rope_dim

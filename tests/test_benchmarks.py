@@ -282,9 +282,9 @@ def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():
 
 def test_sm90_ab_times_other_builds_beside_base():
     """A build named by --variants gets its own times and its ratio to base, after new's; a point
-    one build missed shows "-"; a table printed before in the same log is not read as times;
-    variant names that the rows could not tell apart are refused, and so is a run whose builds
-    are not there."""
+    one build missed shows "-", and one it missed a pass of compares means; a table printed
+    before in the same log is not read as times; variant names that the rows could not tell
+    apart are refused, and so is a run whose builds are not there."""
     from benchmarks import sm90_ab
 
     def row(label, us, b=1):
@@ -292,18 +292,27 @@ def test_sm90_ab_times_other_builds_beside_base():
 
     printed = "| 16 | 1 | 4096 | 2 | 64 | 10.0, 10.0 | 9.0, 9.0 | 0.900 |"
     text = sm90_ab.table([row("base", 10.0), row("new", 9.0), row("s1", 11.0), row("base", 10.0),
-                          row("new", 9.0), row("s1", 11.0), row("base", 5.0, b=2), printed])
+                          row("new", 9.0), row("s1", 11.0), row("base", 5.0, b=2), printed,
+                          row("base", 6.0, b=3), row("new", 6.3, b=3), row("base", 6.0, b=3)])
     lines = text.splitlines()
     assert lines[0] == ("| H | B | L | q_len | page | base µs | new µs | s1 µs | new / base "
                         "| s1 / base |")
     assert lines[1] == "|" + "---|" * 10
     assert "| 16 | 1 | 4096 | 2 | 64 | 10.0, 10.0 | 9.0, 9.0 | 11.0, 11.0 | 0.900 | 1.100 |" in text
     assert "| 16 | 2 | 4096 | 2 | 64 | 5.0 |  |  | - | - |" in text
+    assert "| 16 | 3 | 4096 | 2 | 64 | 6.0, 6.0 | 6.3 |  | 1.050 | - |" in text  # a failed pass
     assert sm90_ab.parse_variants(["s1=kv-before-query", "old=HEAD~2"]) == [
         ("s1", "kv-before-query"), ("old", "HEAD~2")]
-    for spec in ("s1", "=main", "new=main", "two words=main", "s1="):
+    for spec in ("s1", "s1=", "s1=--output=x"):
         with pytest.raises(SystemExit, match="a variant is NAME=REV"):
             sm90_ab.parse_variants([spec])
+    for spec in ("=main", "new=main", "two words=main"):
+        with pytest.raises(SystemExit, match="a variant's name is a word other than"):
+            sm90_ab.parse_variants([spec])
+    with pytest.raises(SystemExit, match="each variant is named once"):
+        sm90_ab.parse_variants(["s1=main", "s1=HEAD~1"])
+    with pytest.raises(SystemExit, match="a variant's name is a word other than"):
+        sm90_ab.run([("1", "4096", "16", "1", "10", "fixed")], 1, False, [], ["base"])
     with pytest.raises(SystemExit, match="sm90_harness_nope.*run `build` first"):
         sm90_ab.run([("1", "4096", "16", "1", "10", "fixed")], 1, False, [], ["nope"])
 

@@ -69,8 +69,9 @@ def test_skewed_lengths_and_output_scale_on_the_fp8_cache(num_heads, q_len):
 @pytest.mark.parametrize("num_heads,q_len", [(16, 1), (16, 2), (128, 1)])
 @on_gpu
 def test_values_growing_along_each_request_on_the_fp8_cache(num_heads, q_len):
-    """Rows growing along each request (make_problem's growth): the rows' running maxima and the
-    groups' running maximum scales move every few blocks, between blocks that leave them."""
+    """Rows growing along each request (make_problem's growth): the rows' running maxima move
+    every few blocks, between blocks that leave them, and the groups' power-of-two running
+    maximum scales step up along the request."""
     problem, _ = sm90_fp8_problem(9, batch=4, q_len=q_len, num_heads=num_heads, page_size=64,
                                   seq_lens=[2500, 1900, 3000, 777], growth=1 / 512)
     first = sm90(problem)
