@@ -489,7 +489,7 @@ __device__ __forceinline__ bool KeepsSoftmaxState(const float (&st)[2 * kRowsT],
   for (int i = 0; i < kRowsT; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      keeps &= !((st[RegsElement(i, h)] - m_t[i]) * sl2 > kLazyRescaleLog2);
+      keeps &= !MovesRowMax(m_t[i], st[RegsElement(i, h)], sl2);
     }
   }
 #pragma unroll

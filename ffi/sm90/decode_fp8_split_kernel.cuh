@@ -125,18 +125,17 @@ struct FoldGroupScales {
 __device__ __forceinline__ void FoldFactors(const uint8_t* staged, const int (&tok)[2],
                                             uint32_t (&factor)[kFp8ScaleGroups][2],
                                             float (&r_tok)[2]) {
-  static_assert(kFp8ScaleGroups == 4, "one float4 of scales a row");
+  float sc[2][kFp8ScaleGroups];
+  LoadTokenScales(staged, tok, sc);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float4 s4 =
-        *reinterpret_cast<const float4*>(staged + tok[h] * kFp8RowBytes + kFp8ScalesOffset);
-    const float sc[kFp8ScaleGroups] = {s4.x, s4.y, s4.z, s4.w};
-    const float r = fmaxf(fmaxf(fabsf(sc[0]), fabsf(sc[1])), fmaxf(fabsf(sc[2]), fabsf(sc[3])));
+    const float r =
+        fmaxf(fmaxf(fabsf(sc[h][0]), fabsf(sc[h][1])), fmaxf(fabsf(sc[h][2]), fabsf(sc[h][3])));
     const float inv = r > 0.f ? ApproxRcp(r) : 0.f;
     r_tok[h] = r;
 #pragma unroll
     for (int g = 0; g < kFp8ScaleGroups; ++g) {
-      const __half2 f = __float2half2_rn(sc[g] * inv);
+      const __half2 f = __float2half2_rn(sc[h][g] * inv);
       factor[g][h] = *reinterpret_cast<const uint32_t*>(&f);
     }
   }

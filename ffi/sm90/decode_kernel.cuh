@@ -113,8 +113,13 @@ __device__ __forceinline__ float Exp2(float x) {
 // (bf16 and the fp32 sums hold them as well as any). -inf while the row has seen no token.
 constexpr float kLazyRescaleLog2 = 8.f;
 
+// Whether a block maximum m_blk moves the running maximum m (NextRowMax).
+__device__ __forceinline__ bool MovesRowMax(float m, float m_blk, float scale_log2) {
+  return (m_blk - m) * scale_log2 > kLazyRescaleLog2;
+}
+
 __device__ __forceinline__ float NextRowMax(float m, float m_blk, float scale_log2) {
-  return (m_blk - m) * scale_log2 > kLazyRescaleLog2 ? m_blk : m;
+  return MovesRowMax(m, m_blk, scale_log2) ? m_blk : m;
 }
 
 // Multiplies a warpgroup's 64 x 256 accumulator fragment by its two rows' factors.
