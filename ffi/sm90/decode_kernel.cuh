@@ -264,13 +264,22 @@ __device__ __forceinline__ void StoreWarpTile16x32(uint8_t* chunk, int row0, int
   }
 }
 
+// Request b's block-table entry for the page that holds token0, as read (not yet checked).
+__device__ __forceinline__ int TableEntry(const DecodeParams& p, int b, int token0) {
+  return p.block_tables[static_cast<long long>(b) * p.max_pages + (token0 >> PageShift(p))];
+}
+
+// Whether a block-table entry names a page of the cache.
+__device__ __forceinline__ bool PageInRange(const DecodeParams& p, int page) {
+  return page >= 0 && page < p.num_pages;
+}
+
 // Cache row of the 32 tokens starting at token0 (a multiple of 32) of request b, or -1 when they
 // are beyond the length or their page id is out of range.
 __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, int len) {
   if (token0 >= len) return -1;
-  const int page_shift = p.page_size == 64 ? 6 : 5;  // page_size is 32 or 64 (ValidShape)
-  int page = p.block_tables[static_cast<long long>(b) * p.max_pages + (token0 >> page_shift)];
-  if (page < 0 || page >= p.num_pages) return -1;
+  const int page = TableEntry(p, b, token0);
+  if (!PageInRange(p, page)) return -1;
   return page * p.page_size + (token0 & (p.page_size - 1));
 }
 
@@ -490,15 +499,11 @@ struct BlockPages {
 
   __device__ __forceinline__ static BlockPages Read(const DecodeParams& p, const Segment& seg,
                                                     int k) {
-    const int page_shift = p.page_size == 64 ? 6 : 5;  // page_size is 32 or 64 (ValidShape)
     BlockPages v;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int token0 = k * kBlockN + h * kHalfN;
-      v.page[h] = token0 < seg.len
-                      ? p.block_tables[static_cast<long long>(seg.b) * p.max_pages +
-                                       (token0 >> page_shift)]
-                      : -1;
+      v.page[h] = token0 < seg.len ? TableEntry(p, seg.b, token0) : -1;
     }
     return v;
   }
@@ -524,7 +529,7 @@ struct BlockLoad {
     BlockLoad v;
     v.n_valid = min(kBlockN, seg.len - k * kBlockN);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) v.half_ok[h] = pages.page[h] >= 0 && pages.page[h] < p.num_pages;
+    for (int h = 0; h < 2; ++h) v.half_ok[h] = PageInRange(p, pages.page[h]);
     return v;
   }
   __device__ __forceinline__ bool Complete() const {

@@ -93,6 +93,11 @@ struct DecodeParams {
 
 __host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }
 
+// log2 of the page size, 32 or 64 (ValidShape).
+__host__ __device__ inline int PageShift(const DecodeParams& p) {
+  return p.page_size == 64 ? 6 : 5;
+}
+
 __host__ __device__ inline int NumMTiles(int q_len, int num_heads) {
   return CeilDivInt(q_len * num_heads, kBlockM);
 }

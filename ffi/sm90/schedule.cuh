@@ -163,7 +163,7 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
   if (part >= CeilDivInt(total, per_part)) return;
   const int x0 = part * per_part;
   const int lo = LastAtMost(prefix, p.batch, x0, load);  // as ScheduleView::FindRequest
-  const int page_shift = p.page_size == 64 ? 6 : 5;
+  const int page_shift = PageShift(p);
   int half = 0;  // halves visited or passed over so far
   for (int b = lo; b < min(lo + 2, p.batch) && half < max_halves; ++b) {
     const int len = EffectiveLength(load(p.seq_lens + b), p.max_pages, p.page_size);
