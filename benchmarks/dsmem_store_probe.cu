@@ -14,10 +14,10 @@
 //               (acquire at cluster scope) for the peer's stores of the round;
 //   remote-free the same stores with no hand-over (their throughput alone), one cluster barrier
 //               at the end;
-//   bulk N      one thread copies a static 36,864-byte source in its shared memory into the peer's
-//               buffer with N bulk copies (cp.async.bulk shared::cta -> shared::cluster), completed
-//               on the peer's mbarrier by bytes; the receiver acknowledges each buffer back once its
-//               threads have read it.
+//   bulk N      one thread copies a static 36,864-byte source in its shared memory into the
+//               peer's buffer with N bulk copies (cp.async.bulk shared::cta -> shared::cluster),
+//               completed on the peer's mbarrier by bytes; the receiver acknowledges each buffer
+//               back once its threads have read it.
 // µs per round: one launch timed by events after a warm-up launch, median of 5.
 //
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/dsmem_store_probe.cu \
@@ -104,9 +104,15 @@ __device__ __forceinline__ void BulkToPeer(uint32_t dst_cluster, uint32_t src, i
 // The 16-byte unit u of the half tile that CTA `cta` sends in round `round` (round 0 for the bulk
 // copies' static source).
 __host__ __device__ inline uint4 UnitValue(int cta, int round, int u) {
-  const uint32_t x = static_cast<uint32_t>(cta) * 2654435761u ^ static_cast<uint32_t>(round) * 40503u ^
-                     static_cast<uint32_t>(u);
+  const uint32_t x = static_cast<uint32_t>(cta) * 2654435761u ^
+                     static_cast<uint32_t>(round) * 40503u ^ static_cast<uint32_t>(u);
   return make_uint4(x, x + 1, x + 2, x + 3);
+}
+
+// The XOR of the four words of 16-byte unit u of a received buffer.
+__device__ __forceinline__ uint32_t UnitSum(const uint8_t* buffer, int u) {
+  const uint4 v = reinterpret_cast<const uint4*>(buffer)[u];
+  return v.x ^ v.y ^ v.z ^ v.w;
 }
 
 template <int kMode, int kCopies>
@@ -116,7 +122,6 @@ __global__ void __launch_bounds__(kThreads, 1) HandOverKernel(int rounds, uint32
   const uint32_t rank = CtaRank();
   const uint32_t peer = rank ^ 1;
   const int cta = blockIdx.x;
-  const int peer_cta = cta ^ 1;
   const uint32_t buf = SmemAddr(smem + kBuf);
   const uint32_t full = SmemAddr(smem + kBarriers);
   const uint32_t ack = full + 16;
@@ -169,8 +174,7 @@ __global__ void __launch_bounds__(kThreads, 1) HandOverKernel(int rounds, uint32
       }
       if (kMode != kRemoteFree) {
         for (int i = 0; i < kUnitsPerThread; ++i) {
-          const uint4 v = reinterpret_cast<const uint4*>(smem + kBuf + b * kHalfTileBytes)[i * kSenders + tid];
-          sum ^= v.x ^ v.y ^ v.z ^ v.w;
+          sum ^= UnitSum(smem + kBuf + b * kHalfTileBytes, i * kSenders + tid);
         }
       }
       if (kMode == kBulk) {
@@ -184,12 +188,10 @@ __global__ void __launch_bounds__(kThreads, 1) HandOverKernel(int rounds, uint32
     // The last round's stores, read after the cluster barrier.
     const int b = (rounds - 1) & 1;
     for (int i = 0; i < kUnitsPerThread; ++i) {
-      const uint4 v = reinterpret_cast<const uint4*>(smem + kBuf + b * kHalfTileBytes)[i * kSenders + tid];
-      sum ^= v.x ^ v.y ^ v.z ^ v.w;
+      sum ^= UnitSum(smem + kBuf + b * kHalfTileBytes, i * kSenders + tid);
     }
   }
   if (tid < kSenders) checksum[cta * kSenders + tid] = sum;
-  (void)peer_cta;
 }
 
 // What thread t of CTA `cta` should have summed.
