@@ -768,6 +768,14 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       ScoresFromRawRows<16, kFp8ScaleGroups, 4, Layout::kQChunkBytes>(
           staged_addr, q_addr, warp_in_wg, lane, 0, 0, sg, sr);
       SM90_TRACE(kTraceScoresDone, k);
+      // V^T's raw bytes go to registers now, so that the stage is refilled under the softmax and
+      // PV.
+      uint32_t v_raw[kFp8ScaleGroups][16];
+#pragma unroll
+      for (int g = 0; g < kFp8ScaleGroups; ++g) {
+        LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, v_raw[g]);
+      }
+      Barrier::arrive(pipe.Empty(stage));
 
       // Scores, masked by select.
       const int token_base = k * kBlockN;
@@ -798,8 +806,13 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
-      PvFromRawRows<16, kFp8ScaleGroups, Layout::kPTileBytes>(
-          staged_addr, p_addr, warp_in_wg, lane, 0, o, [&] { Barrier::arrive(pipe.Empty(stage)); });
+      PvFromRaw<16, kFp8ScaleGroups, Layout::kPTileBytes>(
+          p_addr, o,
+          [&](int g, uint32_t (&raw)[16]) {
+#pragma unroll
+            for (int i = 0; i < 16; ++i) raw[i] = v_raw[g][i];
+          },
+          [](int) {});
       SM90_TRACE(kTraceBlockDone, k);
       load = BlockLoad::Of(p, seg_info, k + 2, next);
     }
