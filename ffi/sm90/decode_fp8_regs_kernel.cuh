@@ -332,7 +332,7 @@ __device__ __forceinline__ void VFragmentsFromRaw(const uint32_t (&raw)[16], uin
 // group0 .. group0 + kGroups - 1 (tile t of group group0 + t / 2), A = V^T converted from the raw
 // bytes that raw_of(g, raw) gives for group g (LoadVGroupRaw), B = P tile t / 2 at p_addr
 // (kPTileBytes apart); converted(g) runs once group g's fragments are converted.
-template <int kN, int kGroups, int kPTileBytes, class RawOf, class Converted>
+template <int kN, int kGroups, int kPTileBytes, int kFirstGroup = 0, class RawOf, class Converted>
 __device__ __forceinline__ void PvFromRaw(uint32_t p_addr, float (&o)[2 * kGroups][kN / 2],
                                           RawOf raw_of, Converted converted) {
   using PvF16Rs = RsMma<cute::half_t, kN>;
@@ -340,9 +340,10 @@ __device__ __forceinline__ void PvFromRaw(uint32_t p_addr, float (&o)[2 * kGroup
 #pragma unroll
   for (int t = 0; t < 2 * kGroups; ++t) FenceRegisters(o[t]);
 #pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    uint32_t (&f)[8][4] = frag[g % 2];
-    if (g >= 2) cute::warpgroup_wait<1>();
+  for (int j = 0; j < kGroups; ++j) {
+    const int g = (kFirstGroup + j) % kGroups;
+    uint32_t (&f)[8][4] = frag[j % 2];
+    if (j >= 2) cute::warpgroup_wait<1>();
     uint32_t raw[16];
     raw_of(g, raw);
     VFragmentsFromRaw(raw, f);
@@ -697,6 +698,11 @@ __device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
 
 }  // namespace detail
 
+#ifndef SM90_EARLY_V_GROUPS
+#define SM90_EARLY_V_GROUPS 4
+#endif
+constexpr int kEarlyVGroups = SM90_EARLY_V_GROUPS;
+
 // fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
@@ -768,14 +774,6 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       ScoresFromRawRows<16, kFp8ScaleGroups, 4, Layout::kQChunkBytes>(
           staged_addr, q_addr, warp_in_wg, lane, 0, 0, sg, sr);
       SM90_TRACE(kTraceScoresDone, k);
-      // V^T's raw bytes go to registers now, so that the stage is refilled under the softmax and
-      // PV.
-      uint32_t v_raw[kFp8ScaleGroups][16];
-#pragma unroll
-      for (int g = 0; g < kFp8ScaleGroups; ++g) {
-        LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, v_raw[g]);
-      }
-      Barrier::arrive(pipe.Empty(stage));
 
       // Scores, masked by select.
       const int token_base = k * kBlockN;
@@ -792,6 +790,14 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
           st[e] = (load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i]) ? s : kNegInf;
         }
       }
+      // V^T's raw bytes go to registers now, so that the stage is refilled under the softmax and
+      // PV.
+      uint32_t v_raw[kEarlyVGroups][16];
+#pragma unroll
+      for (int g = 0; g < kEarlyVGroups; ++g) {
+        LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, v_raw[g]);
+      }
+      if (kEarlyVGroups == kFp8ScaleGroups) Barrier::arrive(pipe.Empty(stage));
       float alpha[kRowsT], gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
       BlockSoftmax<Layout>(reduce, wg, warp_in_wg, lane, sl2, st, sc, m_t, l_t, r_g, alpha, gf,
                            inv_r);
@@ -806,13 +812,21 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
-      PvFromRaw<16, kFp8ScaleGroups, Layout::kPTileBytes>(
+      PvFromRaw<16, kFp8ScaleGroups, Layout::kPTileBytes, kEarlyVGroups % kFp8ScaleGroups>(
           p_addr, o,
           [&](int g, uint32_t (&raw)[16]) {
+            if (g < kEarlyVGroups) {
 #pragma unroll
-            for (int i = 0; i < 16; ++i) raw[i] = v_raw[g][i];
+              for (int i = 0; i < 16; ++i) raw[i] = v_raw[g < kEarlyVGroups ? g : 0][i];
+            } else {
+              LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, raw);
+            }
           },
-          [](int) {});
+          [&](int g) {
+            if (kEarlyVGroups < kFp8ScaleGroups && g == kFp8ScaleGroups - 1) {
+              Barrier::arrive(pipe.Empty(stage));
+            }
+          });  // groups kEarlyVGroups .. 3 first, from the stage
       SM90_TRACE(kTraceBlockDone, k);
       load = BlockLoad::Of(p, seg_info, k + 2, next);
     }
