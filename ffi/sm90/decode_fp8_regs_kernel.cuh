@@ -328,10 +328,11 @@ __device__ __forceinline__ void VFragmentsFromRaw(const uint32_t (&raw)[16], uin
   }
 }
 
-// O^T[64 t : 64 t + 64] += V^T P_g^T for the 2 kGroups 64-column output tiles t of latent groups
-// group0 .. group0 + kGroups - 1 (tile t of group group0 + t / 2), A = V^T converted from the raw
-// bytes that raw_of(g, raw) gives for group g (LoadVGroupRaw), B = P tile t / 2 at p_addr
-// (kPTileBytes apart); converted(g) runs once group g's fragments are converted.
+// O^T[64 t : 64 t + 64] += V^T P_g^T for the 2 kGroups 64-column output tiles t of kGroups latent
+// groups (tile t of group t / 2), taken in the order kFirstGroup, kFirstGroup + 1, ... (mod
+// kGroups): A = V^T converted from the raw bytes that raw_of(g, raw) gives for group g
+// (LoadVGroupRaw), B = P tile g at p_addr (kPTileBytes apart); converted(g) runs once group g's
+// fragments are converted.
 template <int kN, int kGroups, int kPTileBytes, int kFirstGroup = 0, class RawOf, class Converted>
 __device__ __forceinline__ void PvFromRaw(uint32_t p_addr, float (&o)[2 * kGroups][kN / 2],
                                           RawOf raw_of, Converted converted) {
@@ -698,10 +699,9 @@ __device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
 
 }  // namespace detail
 
-#ifndef SM90_EARLY_V_GROUPS
-#define SM90_EARLY_V_GROUPS 4
-#endif
-constexpr int kEarlyVGroups = SM90_EARLY_V_GROUPS;
+// The latent groups whose V^T bytes the 16-row kernel reads into registers right after a block's
+// scores (0 .. kEarlyVGroups - 1); its PV reads the others from the stage first and releases it.
+constexpr int kEarlyVGroups = 2;
 
 // fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
 __global__ void __launch_bounds__(kThreads, 1)
@@ -790,14 +790,13 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
           st[e] = (load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i]) ? s : kNegInf;
         }
       }
-      // V^T's raw bytes go to registers now, so that the stage is refilled under the softmax and
-      // PV.
+      // Part of V^T's raw bytes go to registers now, so that PV's first groups are the stage's
+      // last reads and the stage is refilled under the rest of PV.
       uint32_t v_raw[kEarlyVGroups][16];
 #pragma unroll
       for (int g = 0; g < kEarlyVGroups; ++g) {
         LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, v_raw[g]);
       }
-      if (kEarlyVGroups == kFp8ScaleGroups) Barrier::arrive(pipe.Empty(stage));
       float alpha[kRowsT], gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
       BlockSoftmax<Layout>(reduce, wg, warp_in_wg, lane, sl2, st, sc, m_t, l_t, r_g, alpha, gf,
                            inv_r);
@@ -812,21 +811,19 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
-      PvFromRaw<16, kFp8ScaleGroups, Layout::kPTileBytes, kEarlyVGroups % kFp8ScaleGroups>(
+      PvFromRaw<16, kFp8ScaleGroups, Layout::kPTileBytes, kEarlyVGroups>(
           p_addr, o,
           [&](int g, uint32_t (&raw)[16]) {
-            if (g < kEarlyVGroups) {
-#pragma unroll
-              for (int i = 0; i < 16; ++i) raw[i] = v_raw[g < kEarlyVGroups ? g : 0][i];
-            } else {
+            if (g >= kEarlyVGroups) {
               LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, raw);
+            } else {
+#pragma unroll
+              for (int i = 0; i < 16; ++i) raw[i] = v_raw[g % kEarlyVGroups][i];
             }
           },
           [&](int g) {
-            if (kEarlyVGroups < kFp8ScaleGroups && g == kFp8ScaleGroups - 1) {
-              Barrier::arrive(pipe.Empty(stage));
-            }
-          });  // groups kEarlyVGroups .. 3 first, from the stage
+            if (g == kFp8ScaleGroups - 1) Barrier::arrive(pipe.Empty(stage));
+          });
       SM90_TRACE(kTraceBlockDone, k);
       load = BlockLoad::Of(p, seg_info, k + 2, next);
     }
