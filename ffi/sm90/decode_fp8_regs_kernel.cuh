@@ -288,44 +288,67 @@ __device__ __forceinline__ void ScoresFromRawRows(uint32_t staged_addr, uint32_t
   FenceRegisters(sr);
 }
 
-// O^T[64 t : 64 t + 64] += V^T P_g^T for the 2 kGroups 64-column output tiles t of latent groups
-// group0 .. group0 + kGroups - 1 (tile t of group group0 + t / 2), A = V^T from the raw rows
-// (ldmatrix.trans; row r < 8 of a warp's 16 is latent column 2r of its 16, row r + 8 column
-// 2r + 1), B = P tile t / 2 at p_addr (kPTileBytes apart). `release` runs once the stage's last
-// values are in registers.
-template <int kN, int kGroups, int kPTileBytes, class Release>
-__device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_addr,
-                                              int warp_in_wg, int lane, int group0,
-                                              float (&o)[2 * kGroups][kN / 2], Release release) {
-  using PvF16Rs = RsMma<cute::half_t, kN>;
-  // ldmatrix.trans row addresses: lane l names token l of a 32-token half, the warp's 16 bytes.
+// V^T's raw e4m3 bytes of latent group `group` for one warpgroup thread: four ldmatrix.trans of
+// the staged rows (lane l names token l of a 32-token half, the warp's 16 bytes), raw[4 (2 m +
+// half) + i] register i of 64-column tile m of the group and token half `half`.
+__device__ __forceinline__ void LoadVGroupRaw(uint32_t staged_addr, int warp_in_wg, int lane,
+                                              int group, uint32_t (&raw)[16]) {
   const uint32_t row_addr = staged_addr + lane * kFp8RowBytes + 16 * warp_in_wg;
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t r[4];
+      LdMatrixX4Trans(row_addr + half * 32 * kFp8RowBytes + 64 * (2 * group + m), r);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) raw[4 * (2 * m + half) + i] = r[i];
+    }
+  }
+}
+
+// A latent group's V^T A fragments (row r < 8 of a warp's 16 is latent column 2r of its 16, row
+// r + 8 column 2r + 1), f[4 m + k step], converted from its raw bytes (LoadVGroupRaw).
+__device__ __forceinline__ void VFragmentsFromRaw(const uint32_t (&raw)[16], uint32_t (&f)[8][4]) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // raw[4 (2 m + half) + 2 s + j]: k step 2 half + s, tokens 8 j .. 8 j + 7 of it; bytes
+      // (column 2r, token 2q), (2r + 1, 2q), (2r, 2q + 1), (2r + 1, 2q + 1) -> pairs by column.
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          uint32_t(&frag)[4] = f[4 * m + 2 * half + s];
+          E4m3x4ToF16x2(__byte_perm(raw[4 * (2 * m + half) + 2 * s + j], 0, 0x3120), frag[2 * j],
+                        frag[2 * j + 1]);
+        }
+      }
+    }
+  }
+}
+
+// O^T[64 t : 64 t + 64] += V^T P_g^T for the 2 kGroups 64-column output tiles t of kGroups latent
+// groups (tile t of group t / 2), taken in the order kFirstGroup, kFirstGroup + 1, ... (mod
+// kGroups): A = V^T converted from the raw bytes that raw_of(g, raw) gives for group g
+// (LoadVGroupRaw), B = P tile g at p_addr (kPTileBytes apart); converted(g) runs once group g's
+// fragments are converted.
+template <int kN, int kGroups, int kPTileBytes, int kFirstGroup = 0, class RawOf, class Converted>
+__device__ __forceinline__ void PvFromRaw(uint32_t p_addr, float (&o)[2 * kGroups][kN / 2],
+                                          RawOf raw_of, Converted converted) {
+  using PvF16Rs = RsMma<cute::half_t, kN>;
   uint32_t frag[2][8][4];  // per buffer: [tile of the group][k step]
 #pragma unroll
   for (int t = 0; t < 2 * kGroups; ++t) FenceRegisters(o[t]);
 #pragma unroll
-  for (int g = 0; g < kGroups; ++g) {
-    uint32_t (&f)[8][4] = frag[g % 2];
-    if (g >= 2) cute::warpgroup_wait<1>();
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint32_t r[4];
-        LdMatrixX4Trans(row_addr + half * 32 * kFp8RowBytes + 64 * (2 * (group0 + g) + m), r);
-        // r[2 s + j]: k step 2 half + s, tokens 8 j .. 8 j + 7 of it; bytes (column 2r, token 2q),
-        // (2r + 1, 2q), (2r, 2q + 1), (2r + 1, 2q + 1) -> pairs by column.
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-#pragma unroll
-          for (int j = 0; j < 2; ++j) {
-            uint32_t(&frag)[4] = f[4 * m + 2 * half + s];
-            E4m3x4ToF16x2(__byte_perm(r[2 * s + j], 0, 0x3120), frag[2 * j], frag[2 * j + 1]);
-          }
-        }
-      }
-    }
-    if (g == kGroups - 1) release();
+  for (int j = 0; j < kGroups; ++j) {
+    const int g = (kFirstGroup + j) % kGroups;
+    uint32_t (&f)[8][4] = frag[j % 2];
+    if (j >= 2) cute::warpgroup_wait<1>();
+    uint32_t raw[16];
+    raw_of(g, raw);
+    VFragmentsFromRaw(raw, f);
+    converted(g);
     FenceFragments<8>(f);
     cute::warpgroup_arrive();
     const uint64_t p_desc = KMajorDesc(p_addr + g * kPTileBytes);
@@ -341,6 +364,22 @@ __device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_a
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int t = 0; t < 2 * kGroups; ++t) FenceRegisters(o[t]);
+}
+
+// PvFromRaw with V^T read from the staged rows group by group; `release` runs once the stage's
+// last values are in registers.
+template <int kN, int kGroups, int kPTileBytes, class Release>
+__device__ __forceinline__ void PvFromRawRows(uint32_t staged_addr, uint32_t p_addr,
+                                              int warp_in_wg, int lane, int group0,
+                                              float (&o)[2 * kGroups][kN / 2], Release release) {
+  PvFromRaw<kN, kGroups, kPTileBytes>(
+      p_addr, o,
+      [&](int g, uint32_t (&raw)[16]) {
+        LoadVGroupRaw(staged_addr, warp_in_wg, lane, group0 + g, raw);
+      },
+      [&](int g) {
+        if (g == kGroups - 1) release();
+      });
 }
 
 // The end-of-segment merge's float4 slots of warpgroup w's thread wg_tid: 0-7 the output tiles it
@@ -660,6 +699,10 @@ __device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
 
 }  // namespace detail
 
+// The latent groups whose V^T bytes the 16-row kernel reads into registers right after a block's
+// scores (0 .. kEarlyVGroups - 1); its PV reads the others from the stage first and releases it.
+constexpr int kEarlyVGroups = 2;
+
 // fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
@@ -747,6 +790,13 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
           st[e] = (load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i]) ? s : kNegInf;
         }
       }
+      // Part of V^T's raw bytes go to registers now, so that PV's first groups are the stage's
+      // last reads and the stage is refilled under the rest of PV.
+      uint32_t v_raw[kEarlyVGroups][16];
+#pragma unroll
+      for (int g = 0; g < kEarlyVGroups; ++g) {
+        LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, v_raw[g]);
+      }
       float alpha[kRowsT], gf[kFp8ScaleGroups], inv_r[kFp8ScaleGroups];
       BlockSoftmax<Layout>(reduce, wg, warp_in_wg, lane, sl2, st, sc, m_t, l_t, r_g, alpha, gf,
                            inv_r);
@@ -761,8 +811,19 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       cutlass::arch::fence_view_async_shared();
       WarpgroupSync(wg);
       SM90_TRACE(kTracePStored, k);
-      PvFromRawRows<16, kFp8ScaleGroups, Layout::kPTileBytes>(
-          staged_addr, p_addr, warp_in_wg, lane, 0, o, [&] { Barrier::arrive(pipe.Empty(stage)); });
+      PvFromRaw<16, kFp8ScaleGroups, Layout::kPTileBytes, kEarlyVGroups>(
+          p_addr, o,
+          [&](int g, uint32_t (&raw)[16]) {
+            if (g >= kEarlyVGroups) {
+              LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, raw);
+            } else {
+#pragma unroll
+              for (int i = 0; i < 16; ++i) raw[i] = v_raw[g % kEarlyVGroups][i];
+            }
+          },
+          [&](int g) {
+            if (g == kFp8ScaleGroups - 1) Barrier::arrive(pipe.Empty(stage));
+          });
       SM90_TRACE(kTraceBlockDone, k);
       load = BlockLoad::Of(p, seg_info, k + 2, next);
     }
