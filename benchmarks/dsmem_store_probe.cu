@@ -5,8 +5,9 @@
 //
 // Each CTA (384 threads, 200 KB of shared memory, so one per SM; clusters of two over the whole
 // device) runs ROUNDS rounds; in each round its 256 "consumer" threads hand a half tile over and
-// receive the peer's, double-buffered, and read what they received (an XOR checksum the host
-// checks):
+// receive the peer's, double-buffered, and read what they received (a checksum the host checks;
+// the bulk copies' source is static, so there it shows that every buffer read holds the source,
+// not which round's copy it came from):
 //   local       each thread stores its 144 bytes (nine 16-byte stores) into its own CTA's buffer,
 //               then the 256 threads meet at a named barrier (the baseline: a conversion's stores);
 //   remote      each thread stores its 144 bytes into the peer's buffer (st.shared::cluster),
@@ -102,17 +103,20 @@ __device__ __forceinline__ void BulkToPeer(uint32_t dst_cluster, uint32_t src, i
 }
 
 // The 16-byte unit u of the half tile that CTA `cta` sends in round `round` (round 0 for the bulk
-// copies' static source).
+// copies' static source): four different words.
 __host__ __device__ inline uint4 UnitValue(int cta, int round, int u) {
   const uint32_t x = static_cast<uint32_t>(cta) * 2654435761u ^
                      static_cast<uint32_t>(round) * 40503u ^ static_cast<uint32_t>(u);
-  return make_uint4(x, x + 1, x + 2, x + 3);
+  return make_uint4(x, x * 3u + 1u, x ^ 0x9e3779b9u, x * 7u + 5u);
 }
 
-// The XOR of the four words of 16-byte unit u of a received buffer.
-__device__ __forceinline__ uint32_t UnitSum(const uint8_t* buffer, int u) {
-  const uint4 v = reinterpret_cast<const uint4*>(buffer)[u];
-  return v.x ^ v.y ^ v.z ^ v.w;
+// What a received unit adds to a thread's checksum (sums of every round's units).
+__host__ __device__ inline uint32_t UnitSum(uint4 v) {
+  return v.x + 3u * v.y + 5u * v.z + 7u * v.w;
+}
+
+__device__ __forceinline__ uint32_t ReceivedUnitSum(const uint8_t* buffer, int u) {
+  return UnitSum(reinterpret_cast<const uint4*>(buffer)[u]);
 }
 
 template <int kMode, int kCopies>
@@ -174,7 +178,7 @@ __global__ void __launch_bounds__(kThreads, 1) HandOverKernel(int rounds, uint32
       }
       if (kMode != kRemoteFree) {
         for (int i = 0; i < kUnitsPerThread; ++i) {
-          sum ^= UnitSum(smem + kBuf + b * kHalfTileBytes, i * kSenders + tid);
+          sum += ReceivedUnitSum(smem + kBuf + b * kHalfTileBytes, i * kSenders + tid);
         }
       }
       if (kMode == kBulk) {
@@ -188,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1) HandOverKernel(int rounds, uint32
     // The last round's stores, read after the cluster barrier.
     const int b = (rounds - 1) & 1;
     for (int i = 0; i < kUnitsPerThread; ++i) {
-      sum ^= UnitSum(smem + kBuf + b * kHalfTileBytes, i * kSenders + tid);
+      sum += ReceivedUnitSum(smem + kBuf + b * kHalfTileBytes, i * kSenders + tid);
     }
   }
   if (tid < kSenders) checksum[cta * kSenders + tid] = sum;
@@ -200,8 +204,7 @@ static uint32_t ExpectedSum(int mode, int cta, int t, int rounds) {
   uint32_t sum = 0;
   auto add = [&](int round) {
     for (int i = 0; i < kUnitsPerThread; ++i) {
-      const uint4 v = UnitValue(from, mode == kBulk ? 0 : round, i * kSenders + t);
-      sum ^= v.x ^ v.y ^ v.z ^ v.w;
+      sum += UnitSum(UnitValue(from, mode == kBulk ? 0 : round, i * kSenders + t));
     }
   };
   if (mode == kRemoteFree) {

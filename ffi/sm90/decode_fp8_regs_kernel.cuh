@@ -700,8 +700,11 @@ __device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
 }  // namespace detail
 
 // The latent groups whose V^T bytes the 16-row kernel reads into registers right after a block's
-// scores (0 .. kEarlyVGroups - 1); its PV reads the others from the stage first and releases it.
+// scores (0 .. kEarlyVGroups - 1); its PV reads the others from the stage first and releases it
+// then, so that the stage is refilled under the rest of PV.
 constexpr int kEarlyVGroups = 2;
+static_assert(kEarlyVGroups > 0 && kEarlyVGroups < kFp8ScaleGroups,
+              "PV reads at least one group from the stage, and releases it after the last");
 
 // fp8 cache, up to 16 query rows (q_len * num_heads <= 16), one M tile: see the top of this file.
 __global__ void __launch_bounds__(kThreads, 1)
@@ -790,8 +793,6 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
           st[e] = (load.RowLoaded(tok[h]) && token_base + tok[h] <= limit_t[i]) ? s : kNegInf;
         }
       }
-      // Part of V^T's raw bytes go to registers now, so that PV's first groups are the stage's
-      // last reads and the stage is refilled under the rest of PV.
       uint32_t v_raw[kEarlyVGroups][16];
 #pragma unroll
       for (int g = 0; g < kEarlyVGroups; ++g) {
@@ -818,7 +819,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
               LoadVGroupRaw(staged_addr, warp_in_wg, lane, g, raw);
             } else {
 #pragma unroll
-              for (int i = 0; i < 16; ++i) raw[i] = v_raw[g % kEarlyVGroups][i];
+              for (int i = 0; i < 16; ++i) raw[i] = v_raw[g][i];
             }
           },
           [&](int g) {
