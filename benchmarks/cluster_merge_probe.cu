@@ -28,16 +28,9 @@
 #include <string>
 #include <vector>
 
-namespace cg = cooperative_groups;
+#include "check_cuda.h"
 
-#define CHECK_CUDA(call)                                                                  \
-  do {                                                                                    \
-    cudaError_t err_ = (call);                                                            \
-    if (err_ != cudaSuccess) {                                                            \
-      fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));       \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 384;
 constexpr int kConsumerThreads = 256;

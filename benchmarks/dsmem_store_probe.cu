@@ -30,14 +30,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK_CUDA(call)                                                                  \
-  do {                                                                                    \
-    cudaError_t err_ = (call);                                                            \
-    if (err_ != cudaSuccess) {                                                            \
-      fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(err_));       \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
+#include "check_cuda.h"
 
 constexpr int kThreads = 384;
 constexpr int kSenders = 256;
