@@ -285,7 +285,6 @@ __device__ __forceinline__ int KvRow(const DecodeParams& p, int b, int token0, i
 
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
 constexpr int kWarpgroupBarrier = 4;  // + warpgroup: its own four warps
-constexpr int kPvDoneBarrier = 3;  // both consumer warpgroups: the previous PV is done with P
 
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
   uint32_t rank;
@@ -1467,9 +1466,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
             }
           }
         }
-        // Both warpgroups are past the previous block's PV: P can be rewritten. Warpgroup w
-        // writes the probabilities of tokens [32w, 32w + 32).
-        NamedSync(kConsumerThreads, kPvDoneBarrier);
+        // Both warpgroups are past the previous block's PV (each waited for its own before the
+        // exchange barrier above): P can be rewritten. Warpgroup w writes the probabilities of
+        // tokens [32w, 32w + 32).
         if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
