@@ -1329,9 +1329,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       ConsumerSync();
     }
 
+    // A block's table entries are read while the block before it is computed.
+    BlockLoad load{};
+    if (seg_info.kv_begin < seg_info.kv_end) load = BlockLoad::Of(p, seg_info, seg_info.kv_begin);
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % kStages;  // with half stages (kFp8, kScoreN 0) see HalfSlot
-      const BlockLoad load = BlockLoad::Of(p, seg_info, k);  // read while the stage lands
+      BlockPages next = {{-1, -1}};
+      if (k + 1 < seg_info.kv_end) next = BlockPages::Read(p, seg_info, k + 1);
       if (!Layout::kHalfStages) Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
       // With kSplitRelease warpgroup 1 reads warpgroup 0's V chunks only to zero unloaded rows.
       if (kSplitRelease && (wg == 0 || !load.Complete())) {
@@ -1670,6 +1674,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         if (!kFp8 && wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
       }
       SM90_TRACE(kTraceBlockDone, k);
+      load = BlockLoad::Of(p, seg_info, k + 1, next);
     }
     cute::warpgroup_wait<0>();
     if (kSplitRelease && v0_pending >= 0) {
