@@ -1329,7 +1329,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       ConsumerSync();
     }
 
-    // A block's table entries are read while the block before it is computed.
+    // A block's table entries are read while the block before it is computed, so that no
+    // dependent global load sits between a block's start and its stage's wait.
     BlockLoad load{};
     if (seg_info.kv_begin < seg_info.kv_end) load = BlockLoad::Of(p, seg_info, seg_info.kv_begin);
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
@@ -1470,9 +1471,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
             }
           }
         }
-        // Both warpgroups are past the previous block's PV (each waited for its own before the
-        // exchange barrier above): P can be rewritten. Warpgroup w writes the probabilities of
-        // tokens [32w, 32w + 32).
+        // Both warpgroups are past the previous block's PV (each waited for its own at the end of
+        // that block, kEarlyRelease, before the exchange barrier above): P can be rewritten.
+        // Warpgroup w writes the probabilities of tokens [32w, 32w + 32).
         if (TransposedScores::WritesToken(wg, tok_a)) {
 #pragma unroll
           for (int i = 0; i < kRowsT; ++i) {
