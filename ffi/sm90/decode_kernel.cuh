@@ -891,24 +891,6 @@ __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int
       });
 }
 
-// Issues the bulk-tensor copies of a query tile (rows [q_row, q_row + q_box_rows) of the query,
-// nine 64-column chunks) into the tile, completing on its full barrier.
-template <class Layout>
-__device__ __forceinline__ void LoadQueryTile(const CUtensorMap& q_map,
-                                              const DecodeKernelArgs& args, uint8_t* smem,
-                                              const Pipeline& pipe, int q_row) {
-  uint64_t* q_full = pipe.QFull();
-  cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-      q_full, kNumChunks * args.q_box_rows * kRowBytes);
-#pragma unroll 1
-  for (int c = 0; c < kNumChunks; ++c) {
-    cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
-                                 static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
-                                 smem + Layout::kQ + c * Layout::kQChunkBytes, c * kChunkCols,
-                                 q_row);
-  }
-}
-
 // The producer thread: for each segment of the part, the query tile (once both consumer
 // warpgroups released the previous one), then each KV block into the next stage (once its
 // consumers released it; with kSplitRelease each of the stage's two parts once its warpgroup
@@ -925,12 +907,22 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
   using TxBarrier = cutlass::arch::ClusterTransactionBarrier;
   const DecodeParams& p = args.p;
   const Pipeline pipe = Pipeline::At<Layout>(smem);
+  uint64_t* q_full = pipe.QFull();
   const int rows = p.q_len * p.num_heads;
+  const uint32_t q_bytes = kNumChunks * args.q_box_rows * kRowBytes;
   Segment seg_info;
   int it = 0, seg = 0;
   while (walker.Next(seg_info)) {
     if (seg > 0) Barrier::wait(pipe.QEmpty(), (seg - 1) & 1);
-    LoadQueryTile<Layout>(q_map, args, smem, pipe, seg_info.b * rows + mtile * kBlockM);
+    TxBarrier::arrive_and_expect_tx(q_full, q_bytes);
+    const int q_row = seg_info.b * rows + mtile * kBlockM;
+#pragma unroll 1
+    for (int c = 0; c < kNumChunks; ++c) {
+      cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
+                                   static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                   smem + Layout::kQ + c * Layout::kQChunkBytes, c * kChunkCols,
+                                   q_row);
+    }
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % Layout::kStageSlots;
       const int round = it / Layout::kStageSlots;

@@ -20,7 +20,6 @@
 #include "combine_kernel.cuh"
 #include "decode_fp8_regs_kernel.cuh"
 #include "decode_fp8_split_kernel.cuh"
-#include "decode_fp8_tiles_kernel.cuh"
 #include "decode_kernel.cuh"
 #include "decode_params.h"
 #include "schedule.cuh"
@@ -57,10 +56,6 @@ struct LaunchOptions {
                               // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
                               // 17-32) instead of DecodeKernel's transposed path: -1 (default)
                               // and 1 yes, 0 no
-  int fp8_tiles = -1;         // the fp8 cache in 64-row tiles (33-128 query rows) in
-                              // DecodeFp8TilesKernel (two bf16 tiles, each block converted in
-                              // place under the block before) instead of DecodeKernel's (one
-                              // tile, separate raw stages): -1 (default) and 1 yes, 0 no
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -95,21 +90,6 @@ inline bool EncodeRowMap(CUtensorMap* map, const void* base, uint64_t rows, uint
                       strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                       CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
-}
-
-// 2-D byte map over the fp8 cache, [rows, kFp8RowBytes] row-major, boxes of box_bytes x kHalfN rows.
-inline bool EncodeFp8RowMap(CUtensorMap* map, const void* base, uint64_t rows, uint32_t box_bytes,
-                            CUtensorMapSwizzle swizzle) {
-  auto encode = TensorMapEncoder();
-  if (encode == nullptr) return false;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(kFp8RowBytes), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(kFp8RowBytes)};
-  cuuint32_t box[2] = {box_bytes, static_cast<cuuint32_t>(kHalfN)};
-  cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(base), dims,
-                      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
@@ -280,18 +260,12 @@ inline bool UseFp8Registers(const LaunchOptions& options, bool fp8, int score_n)
   return fp8 && (score_n == 16 || score_n == 32) && options.fp8_registers != 0;
 }
 
-// Whether the fp8 cache's kernel for kScoreN score_n is DecodeFp8TilesKernel.
-inline bool UseFp8Tiles(const LaunchOptions& options, bool fp8, int score_n) {
-  return fp8 && score_n == 0 && options.fp8_tiles != 0;
-}
-
 // Dynamic shared memory of the kernel SelectKernel picks for kScoreN score_n.
 inline int KernelSmemBytes(const LaunchOptions& options, bool fp8, int score_n) {
   if (!fp8) return SmemLayout<false>::kBytes;
   if (UseFp8Registers(options, fp8, score_n)) {
     return score_n == 16 ? Fp8RegsSmemLayout::kBytes : Fp8SplitSmemLayout::kBytes;
   }
-  if (UseFp8Tiles(options, fp8, score_n)) return Fp8TilesSmemLayout::kBytes;
   return score_n > 0 ? KernelSmemLayout<true, kFp8TransposedRows>::kBytes
                      : KernelSmemLayout<true, 0>::kBytes;
 }
@@ -322,9 +296,6 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     if (UseFp8Registers(options, fp8, score_n)) {
       return score_n == 16 ? reinterpret_cast<const void*>(&DecodeFp8RegsKernel)
                            : reinterpret_cast<const void*>(&DecodeFp8SplitKernel);
-    }
-    if (UseFp8Tiles(options, fp8, score_n)) {
-      return reinterpret_cast<const void*>(&DecodeFp8TilesKernel);
     }
     switch (score_n) {
       case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
@@ -379,7 +350,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
-      options.fp8_tiles < -1 || options.fp8_tiles > 1 ||
       (options.kv_l2_promotion != -1 && options.kv_l2_promotion != 0 &&
        options.kv_l2_promotion != 128 && options.kv_l2_promotion != 256) ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
@@ -417,32 +387,21 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                                                          : cute::TMA::CacheHintSm90::EVICT_NORMAL);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
 
-  // The fp8 cache's rows are staged by plain bulk copies, except in DecodeFp8TilesKernel, which
-  // reads them by byte maps (its latent groups and rope, and its scales).
-  const bool fp8_tiles = detail::UseFp8Tiles(options, p.kv_fp8, score_n);
-  const uint64_t cache_rows = static_cast<uint64_t>(p.num_pages) * p.page_size;
-  CUtensorMap q_map, kv_map = {}, scale_map = {};
+  // The fp8 cache's rows are staged by plain bulk copies: its kernel reads no cache tensor map.
+  CUtensorMap q_map, kv_map = {};
   if (!detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
                             args.q_box_rows) ||
       (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
                                           static_cast<uint64_t>(p.num_pages) * p.page_size,
                                           p.page_size == kBlockN ? kBlockN : kHalfN,
-                                          detail::KvL2Promotion(options, score_n))) ||
-      (fp8_tiles &&
-       (!detail::EncodeFp8RowMap(&kv_map, p.kv_cache, cache_rows, kRowBytes,
-                                 CU_TENSOR_MAP_SWIZZLE_128B) ||
-        !detail::EncodeFp8RowMap(&scale_map, p.kv_cache, cache_rows, kFp8ScaleGroups * 4,
-                                 CU_TENSOR_MAP_SWIZZLE_NONE)))) {
+                                          detail::KvL2Promotion(options, score_n)))) {
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
-  void* tiles_args[] = {&q_map, &kv_map, &scale_map, &args};
   // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
   // same KV tiles, start side by side (and a cluster of two is a pair of them).
   err = detail::LaunchEx(kernel, dim3(parts * m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
-                         stream,
-                         fp8_tiles ? tiles_args : decode_args,
-                         cluster);
+                         stream, decode_args, cluster);
   if (err != cudaSuccess || !options.combine) return err;
 
   DecodeParams cp = p;
