@@ -515,12 +515,7 @@ struct BlockLoad {
   bool half_ok[2];
 
   __device__ __forceinline__ static BlockLoad Of(const DecodeParams& p, const Segment& seg, int k) {
-    BlockLoad v;
-    const int token_base = k * kBlockN;
-    v.n_valid = min(kBlockN, seg.len - token_base);
-    v.half_ok[0] = KvRow(p, seg.b, token_base, seg.len) >= 0;
-    v.half_ok[1] = KvRow(p, seg.b, token_base + kHalfN, seg.len) >= 0;
-    return v;
+    return Of(p, seg, k, BlockPages::Read(p, seg, k));
   }
   // The same from block k's table entries read before (BlockPages::Read).
   __device__ __forceinline__ static BlockLoad Of(const DecodeParams& p, const Segment& seg, int k,
