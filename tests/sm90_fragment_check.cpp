@@ -74,7 +74,7 @@ static std::string Check(int n) {
       for (int i = 0; i < rows_per_thread; ++i) {
         for (int half = 0; half < 2; ++half) {
           const int token = TransposedScores::Token(t, half);
-          if (!TransposedScores::WritesToken(wg, token)) continue;
+          if (!TransposedScores::WritesRow(wg, i, rows_per_thread)) continue;
           if (!written.insert({TransposedScores::QueryRow(t % 32, i), token}).second) {
             return "P element written twice";
           }

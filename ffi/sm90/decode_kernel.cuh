@@ -1410,6 +1410,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           cute::warpgroup_wait<0>();
           FenceRegisters(st);
         }
+        SM90_TRACE(kTraceScoresDone, k);
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 #pragma unroll
         for (int v = 0; v < kStN / 4; ++v) {
@@ -1468,16 +1469,16 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         }
         // Both warpgroups are past the previous block's PV (each waited for its own at the end of
         // that block, kEarlyRelease, before the exchange barrier above): P can be rewritten.
-        // Warpgroup w writes the probabilities of tokens [32w, 32w + 32).
-        if (TransposedScores::WritesToken(wg, tok_a)) {
+        // Warpgroup w writes the probabilities of half of each thread's query rows
+        // (TransposedScores::WritesRow), so that every thread writes and each writes half.
 #pragma unroll
-          for (int i = 0; i < kRowsT; ++i) {
-            const int row = RowT(i);
-            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
-                __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
-            *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
-                __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
-          }
+        for (int i = 0; i < kRowsT; ++i) {
+          if (!TransposedScores::WritesRow(wg, i, kRowsT)) continue;
+          const int row = RowT(i);
+          *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
+              __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
+          *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
+              __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
         }
       } else if constexpr (kWg0Scores) {
         // Warpgroup 0 computes the block's scores S = Q K^T (all 64 tokens, N = 64) and its
@@ -1508,6 +1509,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           cute::warpgroup_wait<0>();
           FenceRegisters(s_full);
           FenceRegisters(o);
+          SM90_TRACE(kTraceScoresDone, k);
           if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
           // Masked online softmax of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e); element
           // (j, e) is token 8 j + quad_col + e of the block.
@@ -1592,6 +1594,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       cute::warpgroup_wait<0>();
       FenceRegisters(s_acc);
       FenceRegisters(o);
+      SM90_TRACE(kTraceScoresDone, k);
       if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
       // Masked online softmax; row maxima shared between the two warpgroups.
@@ -1635,6 +1638,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
       }
+      SM90_TRACE(kTracePStored, k);
 
       if constexpr (kScoreN > 0) {
         // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
