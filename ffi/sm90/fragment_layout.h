@@ -34,10 +34,12 @@ struct TransposedScores {
   static JAX_MLA_HD int QueryRow(int lane, int i) { return Fragment::Col(lane, i / 2, i % 2); }
   static JAX_MLA_HD int Token(int wg_tid, int half) { return Fragment::Row(wg_tid, half); }
   static JAX_MLA_HD int Element(int i, int half) { return Fragment::Element(i / 2, i % 2, half); }
-  // Warpgroup wg writes the probabilities of the first half of a thread's query rows (i < kRowsT
-  // / 2: rows 0 .. 4 kRowsT / 2 - 1 of the tile) if wg is 0, of the second half if 1, for every
-  // thread's tokens: each thread writes half its values, and every thread writes.
-  static JAX_MLA_HD bool WritesRow(int wg, int i, int rows_t) { return (i < rows_t / 2) == (wg == 0); }
+  // Of a thread's rows_t query rows, warpgroup wg writes the probabilities of the first half
+  // (i < rows_t / 2: rows 0 .. 2 rows_t - 1 of the tile) if wg is 0, of the second half if 1, for
+  // the thread's tokens: each thread writes half its values, and every thread writes.
+  static JAX_MLA_HD bool WritesRow(int wg, int i, int rows_t) {
+    return (i < rows_t / 2) == (wg == 0);
+  }
 };
 
 // fp8 cache, QK^T from registers (DecodeKernel's kFp8 path at kScoreN 16): the query tile's columns
