@@ -68,15 +68,22 @@ static std::string Check(int n) {
     }
   }
   if (static_cast<int>(lse_rows.size()) != n) return "LSE rows not covered";
+  // Each (token, query row) of P is owned by one warpgroup's thread, and a warpgroup's owned
+  // values are its threads' elements [wg rows_t, wg rows_t + rows_t) in OwnedRow's order.
   std::set<std::pair<int, int>> written;
   for (int wg = 0; wg < 2; ++wg) {
     for (int t = 0; t < 128; ++t) {
-      for (int i = 0; i < rows_per_thread; ++i) {
+      for (int k = 0; k < rows_per_thread / 2; ++k) {
+        const int i = TransposedScores::OwnedRow(wg, k, rows_per_thread);
+        if (i < 0 || i >= rows_per_thread) return "owned row out of range";
         for (int half = 0; half < 2; ++half) {
+          if (TransposedScores::Element(i, half) !=
+              wg * rows_per_thread + TransposedScores::Element(k, half)) {
+            return "owned values not contiguous in Element's order";
+          }
           const int token = TransposedScores::Token(t, half);
-          if (!TransposedScores::WritesRow(wg, i, rows_per_thread)) continue;
           if (!written.insert({TransposedScores::QueryRow(t % 32, i), token}).second) {
-            return "P element written twice";
+            return "P element owned twice";
           }
         }
       }

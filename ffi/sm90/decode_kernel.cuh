@@ -194,17 +194,26 @@ __device__ __forceinline__ void ExpRow(int i, float m_new, float sl2, float (&st
   l_t[i] = l_t[i] * alpha[i] + st[ea] + st[eb];
 }
 
-// Transposed scores' online softmax: each of the thread's query rows' block maximum from the
-// warpgroup's four warps' maxima (reduce[w * kStride + row]), the running maximum moved
-// (NextRowMax), the rescale factor alpha and the block's probabilities exp2 in place of its scores
-// st (TransposedScores::Element), added to the running sums.
+// Transposed scores: element x (< kN / 2) of the values of the thread's query rows that
+// warpgroup wg owns (TransposedScores::OwnedRow), out of all its kN values st.
+template <int kN>
+__device__ __forceinline__ float OwnedValue(const float (&st)[kN], int wg, int x) {
+  return wg == 0 ? st[x] : st[kN / 2 + x];
+}
+
+// Transposed scores' online softmax of kRowsT of the thread's query rows (its rows first_row_t
+// .. first_row_t + kRowsT - 1): each one's block maximum from the warpgroup's four warps' maxima
+// (reduce[w * kStride + row]), the running maximum moved (NextRowMax), the rescale factor alpha
+// and the block's probabilities exp2 in place of its scores st (TransposedScores::Element),
+// added to the running sums.
 template <int kRowsT, int kStride>
 __device__ __forceinline__ void UpdateRowsSoftmax(const float* reduce, int lane, float sl2,
                                                   float (&st)[2 * kRowsT], float (&m_t)[kRowsT],
-                                                  float (&l_t)[kRowsT], float (&alpha)[kRowsT]) {
+                                                  float (&l_t)[kRowsT], float (&alpha)[kRowsT],
+                                                  int first_row_t = 0) {
 #pragma unroll
   for (int i = 0; i < kRowsT; ++i) {
-    const int row = TransposedScores::QueryRow(lane, i);
+    const int row = TransposedScores::QueryRow(lane, first_row_t + i);
     float m_blk = reduce[row];
 #pragma unroll
     for (int w = 1; w < 4; ++w) m_blk = fmaxf(m_blk, reduce[w * kStride + row]);
@@ -311,30 +320,48 @@ __device__ __forceinline__ uint32_t QkStepOffset(int g) {
   return (g / kQkStepsPerChunk) * kTileChunkBytes + (g % kQkStepsPerChunk) * 32;
 }
 
-// Transposed scores: slot v (four floats per thread) of warpgroup wg's partial S^T, which the
-// other warpgroup adds. With the bf16 cache the slots live in the query tile's rows kScoreN..63,
-// which the scores never read (the bulk copy writes at most kScoreN rows); with the fp8 cache in
-// their own area. Each slot is 128 threads x 16 bytes, thread-contiguous (conflict-free float4
-// accesses).
+// Transposed scores' exchange area: slots of 128 threads x 16 bytes, thread-contiguous
+// (conflict-free float4 accesses). With the bf16 cache the slots live in the query tile's rows
+// kScoreN..63, which the scores never read (the bulk copy writes at most kScoreN rows); with the
+// fp8 cache in their own area. Slots [0, 2 kExchangeSlotsPerWarpgroup) carry partial S^T
+// (ScoreExchangeSlot), the next one the rows' statistics (RowStats).
+template <int kScoreN>
+constexpr int kExchangeSlotsPerWarpgroup = kScoreN / 4 / 4;
+
 template <int kScoreN, bool kFp8>
-__device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int v, int wg_tid) {
+__device__ __forceinline__ uint8_t* ExchangeSlot(uint8_t* smem, int slot) {
   using Layout = KernelSmemLayout<kFp8, kScoreN>;
   constexpr int kSlotBytes = 128 * 16;
-  constexpr int kSlotsPerWarpgroup = kScoreN / 2 / 4;
-  const int slot = wg * kSlotsPerWarpgroup + v;
+  constexpr int kSlots = kConsumerWarpgroups * kExchangeSlotsPerWarpgroup<kScoreN> + 1;
   if constexpr (kFp8) {
-    static_assert(kConsumerWarpgroups * kSlotsPerWarpgroup * kSlotBytes <= kFp8ExchangeBytes,
-                  "the exchange slots fit in their area");
-    return reinterpret_cast<float4*>(smem + Layout::kExchange + slot * kSlotBytes + wg_tid * 16);
+    static_assert(kSlots * kSlotBytes <= kFp8ExchangeBytes, "the exchange slots fit in their area");
+    return smem + Layout::kExchange + slot * kSlotBytes;
   } else {
     constexpr int kSlotsPerChunk = (kBlockM - kScoreN) * kRowBytes / kSlotBytes;
-    static_assert(kSlotsPerChunk >= 1 &&
-                      kConsumerWarpgroups * kSlotsPerWarpgroup <= kSlotsPerChunk * kNumChunks,
+    static_assert(kSlotsPerChunk >= 1 && kSlots <= kSlotsPerChunk * kNumChunks,
                   "the exchange slots fit in the query tile's unused rows");
-    return reinterpret_cast<float4*>(smem + Layout::kQ + (slot / kSlotsPerChunk) * kChunkBytes +
-                                     kScoreN * kRowBytes + (slot % kSlotsPerChunk) * kSlotBytes +
-                                     wg_tid * 16);
+    return smem + Layout::kQ + (slot / kSlotsPerChunk) * kChunkBytes + kScoreN * kRowBytes +
+           (slot % kSlotsPerChunk) * kSlotBytes;
   }
+}
+
+// Slot v (four floats per thread) of the partial S^T that warpgroup wg hands the other: the other
+// warpgroup's rows' sums over wg's half of the 576 columns.
+template <int kScoreN, bool kFp8>
+__device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int v, int wg_tid) {
+  return reinterpret_cast<float4*>(
+      ExchangeSlot<kScoreN, kFp8>(smem, wg * kExchangeSlotsPerWarpgroup<kScoreN> + v) +
+      wg_tid * 16);
+}
+
+// Per-row values one warpgroup publishes for the other (its owned rows' rescale factors each
+// block, their sums and maxima at a segment's end): f32 [3][4][kScoreN / 4], array a's entry of
+// query row TransposedScores::QueryRow(q, i) at a * kScoreN + q * kScoreN / 4 + i (q = lane % 4).
+template <int kScoreN, bool kFp8>
+__device__ __forceinline__ float* RowStats(uint8_t* smem) {
+  static_assert(3 * kScoreN * 4 <= 128 * 16, "the row statistics fit in one slot");
+  return reinterpret_cast<float*>(
+      ExchangeSlot<kScoreN, kFp8>(smem, kConsumerWarpgroups * kExchangeSlotsPerWarpgroup<kScoreN>));
 }
 
 // A named barrier that is also a compiler barrier for memory: CUTLASS's NamedBarrier::sync has no
@@ -350,13 +377,13 @@ __device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kCo
 
 __device__ __forceinline__ void WarpgroupSync(int wg) { NamedSync(128, kWarpgroupBarrier + wg); }
 
-// Transposed scores: the thread's query rows' sums over the segment's tokens, its own (l_t) over
-// the eight lanes sharing the rows, then the warpgroup's four warps in order (through
-// reduce[w * kStride + row]).
+// Transposed scores: kRowsT of the thread's query rows' (its rows first_row_t .. first_row_t +
+// kRowsT - 1) sums over the segment's tokens, its own (l_t) over the eight lanes sharing the
+// rows, then the warpgroup's four warps in order (through reduce[w * kStride + row]).
 template <int kRowsT, int kStride>
 __device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT], float* reduce,
                                                      int warp_in_wg, int lane, int wg,
-                                                     float (&l)[kRowsT]) {
+                                                     float (&l)[kRowsT], int first_row_t = 0) {
 #pragma unroll
   for (int i = 0; i < kRowsT; ++i) {
     l[i] = l_t[i];
@@ -366,13 +393,13 @@ __device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT],
   if (lane < 4) {
 #pragma unroll
     for (int i = 0; i < kRowsT; ++i) {
-      reduce[warp_in_wg * kStride + TransposedScores::QueryRow(lane, i)] = l[i];
+      reduce[warp_in_wg * kStride + TransposedScores::QueryRow(lane, first_row_t + i)] = l[i];
     }
   }
   WarpgroupSync(wg);
 #pragma unroll
   for (int i = 0; i < kRowsT; ++i) {
-    const int row = TransposedScores::QueryRow(lane, i);
+    const int row = TransposedScores::QueryRow(lane, first_row_t + i);
     l[i] = ((reduce[row] + reduce[kStride + row]) + reduce[2 * kStride + row]) +
            reduce[3 * kStride + row];
   }
@@ -1279,6 +1306,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // (fragment_layout.h).
   constexpr int kRowsT = kScoreN > 0 ? kScoreN / 4 : 1;
   constexpr int kStN = kScoreN > 0 ? kScoreN / 2 : 1;
+  // Warpgroup wg owns kOwnRowsT of a thread's rows (TransposedScores::OwnedRow): it completes
+  // their scores (so, 2 kOwnRowsT values), runs their softmax (m_o, l_o) and writes their P; the
+  // other warpgroup's rows' factors and statistics it reads from RowStats.
+  constexpr int kOwnRowsT = kScoreN > 0 ? kRowsT / 2 : 1;
+  constexpr int kOwnN = 2 * kOwnRowsT;
   using QkT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>;
   using PvT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>;
   using QkRs = RsMma<cute::bfloat16_t, kScoreN == 16 ? 16 : 32>;
@@ -1286,8 +1318,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int tok_a = TransposedScores::Token(wg_tid, 0);
   const int tok_b = TransposedScores::Token(wg_tid, 1);
   auto RowT = [&](int i) { return TransposedScores::QueryRow(lane, i); };
-  float st[kStN], m_t[kRowsT], l_t[kRowsT];
-  int limit_t[kRowsT];
+  float st[kStN], so[kOwnN], m_o[kOwnRowsT], l_o[kOwnRowsT];
+  int limit_o[kOwnRowsT];
+  const int own_first = kScoreN > 0 ? TransposedScores::OwnedRow(wg, 0, kRowsT) : 0;
+  const int other_first = kScoreN > 0 ? TransposedScores::OwnedRow(wg ^ 1, 0, kRowsT) : 0;
+  float* const row_stats = kScoreN > 0 ? RowStats<kScoreN, kFp8>(smem) : nullptr;
+  const int stats_q = lane % 4;
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
       reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
@@ -1309,11 +1345,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       for (int i = 0; i < kOPerTile; ++i) o_tiles[t][i] = 0.f;
     }
 #pragma unroll
-    for (int i = 0; i < kRowsT; ++i) {
-      const int row = RowT(i);
-      limit_t[i] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
-      m_t[i] = kNegInf;
-      l_t[i] = 0.f;
+    for (int k = 0; k < kOwnRowsT; ++k) {
+      const int row = RowT(own_first + k);
+      limit_o[k] = row < rows ? seg_info.len - p.q_len + row / p.num_heads : -1;
+      m_o[k] = kNegInf;
+      l_o[k] = 0.f;
     }
 
     Barrier::wait(pipe.QFull(), seg & 1);
@@ -1387,11 +1423,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                                                 kNumVChunks * kChunkBytes
                                           : p_tile;
 
+      float alpha_o[kOwnRowsT];  // transposed scores: the owned rows' rescale factors
       if constexpr (kScoreN > 0) {
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
-        // columns (with the fp8 cache: its two latent groups and half the rope), then each adds
-        // the other's partial sums (shared memory); fp32 addition of two terms is commutative, so
-        // both warpgroups hold the same S^T.
+        // columns (with the fp8 cache: its two latent groups and half the rope), hands the other
+        // warpgroup its partial sums of that one's rows and adds the other's of its own (shared
+        // memory).
         if constexpr (kFp8 && kScoreN == 16) {
           ScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, st);
         } else if constexpr (kFp8) {
@@ -1413,72 +1450,64 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         SM90_TRACE(kTraceScoresDone, k);
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 #pragma unroll
-        for (int v = 0; v < kStN / 4; ++v) {
+        for (int v = 0; v < kOwnN / 4; ++v) {
           *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
-              make_float4(st[4 * v], st[4 * v + 1], st[4 * v + 2], st[4 * v + 3]);
+              make_float4(OwnedValue(st, wg ^ 1, 4 * v), OwnedValue(st, wg ^ 1, 4 * v + 1),
+                          OwnedValue(st, wg ^ 1, 4 * v + 2), OwnedValue(st, wg ^ 1, 4 * v + 3));
         }
         ConsumerSync();
 #pragma unroll
-        for (int v = 0; v < kStN / 4; ++v) {
+        for (int v = 0; v < kOwnN / 4; ++v) {
           const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
-          st[4 * v] += other.x;
-          st[4 * v + 1] += other.y;
-          st[4 * v + 2] += other.z;
-          st[4 * v + 3] += other.w;
+          so[4 * v] = OwnedValue(st, wg, 4 * v) + other.x;
+          so[4 * v + 1] = OwnedValue(st, wg, 4 * v + 1) + other.y;
+          so[4 * v + 2] = OwnedValue(st, wg, 4 * v + 2) + other.z;
+          so[4 * v + 3] = OwnedValue(st, wg, 4 * v + 3) + other.w;
         }
-        // Masked online softmax over tokens: maxima over the thread's two tokens, the eight lanes
-        // sharing its query rows, then the warpgroup's four warps.
+        // Masked online softmax of the owned rows over tokens: maxima over the thread's two
+        // tokens, the eight lanes sharing its query rows, then the warpgroup's four warps.
         const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
         const int ta = token_base + tok_a, tb = token_base + tok_b;
-        float mx[kRowsT];
+        float mx[kOwnRowsT];
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) {
-          const int ea = TransposedScores::Element(i, 0), eb = TransposedScores::Element(i, 1);
-          const float a = (half_ok && ta <= limit_t[i]) ? st[ea] : kNegInf;
-          const float b = (half_ok && tb <= limit_t[i]) ? st[eb] : kNegInf;
-          st[ea] = a;
-          st[eb] = b;
-          mx[i] = fmaxf(a, b);
+        for (int k = 0; k < kOwnRowsT; ++k) {
+          const int ea = TransposedScores::Element(k, 0), eb = TransposedScores::Element(k, 1);
+          const float a = (half_ok && ta <= limit_o[k]) ? so[ea] : kNegInf;
+          const float b = (half_ok && tb <= limit_o[k]) ? so[eb] : kNegInf;
+          so[ea] = a;
+          so[eb] = b;
+          mx[k] = fmaxf(a, b);
 #pragma unroll
           for (int d = 4; d < 32; d <<= 1) {
-            mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], d));
+            mx[k] = fmaxf(mx[k], __shfl_xor_sync(0xffffffffu, mx[k], d));
           }
         }
         if (lane < 4) {
 #pragma unroll
-          for (int i = 0; i < kRowsT; ++i) wg_exchange[warp_in_wg * kScoreN + RowT(i)] = mx[i];
+          for (int k = 0; k < kOwnRowsT; ++k) {
+            wg_exchange[warp_in_wg * kScoreN + RowT(own_first + k)] = mx[k];
+          }
         }
         WarpgroupSync(wg);
-        float alpha[kRowsT];
-        UpdateRowsSoftmax<kRowsT, kScoreN>(wg_exchange, lane, sl2, st, m_t, l_t, alpha);
-        // O^T's columns are query rows laid out as S^T's: this thread's rows are its own.
-        bool rescale = false;
+        UpdateRowsSoftmax<kOwnRowsT, kScoreN>(wg_exchange, lane, sl2, so, m_o, l_o, alpha_o,
+                                              own_first);
+        // The owned rows' factors for the other warpgroup, read after the barrier before PV
+        // (which the other passes only after its reads of the previous block's).
+        if (warp_in_wg == 0 && lane < 4) {
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) rescale |= alpha[i] != 1.f;
-#pragma unroll
-        for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
-        if (__any_sync(0xffffffffu, rescale)) {
-#pragma unroll
-          for (int t = 0; t < kOTiles; ++t) {
-#pragma unroll
-            for (int i = 0; i < kRowsT; ++i) {
-              o_tiles[t][TransposedScores::Element(i, 0)] *= alpha[i];
-              o_tiles[t][TransposedScores::Element(i, 1)] *= alpha[i];
-            }
+          for (int k = 0; k < kOwnRowsT; ++k) {
+            row_stats[stats_q * kRowsT + own_first + k] = alpha_o[k];
           }
         }
         // Both warpgroups are past the previous block's PV (each waited for its own at the end of
         // that block, kEarlyRelease, before the exchange barrier above): P can be rewritten.
-        // Warpgroup w writes the probabilities of half of each thread's query rows
-        // (TransposedScores::WritesRow), so that every thread writes and each writes half.
 #pragma unroll
-        for (int i = 0; i < kRowsT; ++i) {
-          if (!TransposedScores::WritesRow(wg, i, kRowsT)) continue;
-          const int row = RowT(i);
+        for (int k = 0; k < kOwnRowsT; ++k) {
+          const int row = RowT(own_first + k);
           *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_a)) =
-              __float2bfloat16_rn(st[TransposedScores::Element(i, 0)]);
+              __float2bfloat16_rn(so[TransposedScores::Element(k, 0)]);
           *reinterpret_cast<__nv_bfloat16*>(p_tile + SwizzledOffset(row, tok_b)) =
-              __float2bfloat16_rn(st[TransposedScores::Element(i, 1)]);
+              __float2bfloat16_rn(so[TransposedScores::Element(k, 1)]);
         }
       } else if constexpr (kWg0Scores) {
         // Warpgroup 0 computes the block's scores S = Q K^T (all 64 tokens, N = 64) and its
@@ -1641,6 +1670,29 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       SM90_TRACE(kTracePStored, k);
 
       if constexpr (kScoreN > 0) {
+        // O^T's columns are query rows laid out as S^T's: this thread's rows are its own, half of
+        // them owned by the other warpgroup, whose factors it published before the barrier.
+        float alpha[kRowsT];
+        bool rescale = false;
+#pragma unroll
+        for (int i = 0; i < kRowsT; ++i) {
+          const int k = i % kOwnRowsT;
+          const bool owned = (i < kOwnRowsT) == (wg == 0);
+          alpha[i] = owned ? alpha_o[k] : row_stats[stats_q * kRowsT + other_first + k];
+          rescale |= alpha[i] != 1.f;
+        }
+#pragma unroll
+        for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
+        if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+          for (int t = 0; t < kOTiles; ++t) {
+#pragma unroll
+            for (int i = 0; i < kRowsT; ++i) {
+              o_tiles[t][TransposedScores::Element(i, 0)] *= alpha[i];
+              o_tiles[t][TransposedScores::Element(i, 1)] *= alpha[i];
+            }
+          }
+        }
         // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
 #pragma unroll
         for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
@@ -1687,11 +1739,30 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
 
     if constexpr (kScoreN > 0) {
-      float l[kRowsT];
-      SumRowsOverWarpgroup<kRowsT, kScoreN>(l_t, wg_exchange, warp_in_wg, lane, wg, l);
-      WarpgroupSync(wg);  // the exchange buffer is free for the next segment
+      // Each warpgroup's owned rows' sums and maxima, published for the other.
+      float l_own[kOwnRowsT];
+      SumRowsOverWarpgroup<kOwnRowsT, kScoreN>(l_o, wg_exchange, warp_in_wg, lane, wg, l_own,
+                                               own_first);
+      float* const sums = row_stats + kScoreN;
+      float* const maxima = row_stats + 2 * kScoreN;
+      if (warp_in_wg == 0 && lane < 4) {
+#pragma unroll
+        for (int k = 0; k < kOwnRowsT; ++k) {
+          sums[stats_q * kRowsT + own_first + k] = l_own[k];
+          maxima[stats_q * kRowsT + own_first + k] = m_o[k];
+        }
+      }
+      ConsumerSync();  // also frees this warpgroup's exchange buffer for the next segment
+      float l[kRowsT], m[kRowsT];
+#pragma unroll
+      for (int i = 0; i < kRowsT; ++i) {
+        const int k = i % kOwnRowsT;
+        const bool owned = (i < kOwnRowsT) == (wg == 0);
+        l[i] = owned ? l_own[k] : sums[stats_q * kRowsT + other_first + k];
+        m[i] = owned ? m_o[k] : maxima[stats_q * kRowsT + other_first + k];
+      }
       StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
-                               m_t, sl2);
+                               m, sl2);
     } else {
     StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
                sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);

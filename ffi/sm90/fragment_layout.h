@@ -34,12 +34,12 @@ struct TransposedScores {
   static JAX_MLA_HD int QueryRow(int lane, int i) { return Fragment::Col(lane, i / 2, i % 2); }
   static JAX_MLA_HD int Token(int wg_tid, int half) { return Fragment::Row(wg_tid, half); }
   static JAX_MLA_HD int Element(int i, int half) { return Fragment::Element(i / 2, i % 2, half); }
-  // Of a thread's rows_t query rows, warpgroup wg writes the probabilities of the first half
-  // (i < rows_t / 2: rows 0 .. 2 rows_t - 1 of the tile) if wg is 0, of the second half if 1, for
-  // the thread's tokens: each thread writes half its values, and every thread writes.
-  static JAX_MLA_HD bool WritesRow(int wg, int i, int rows_t) {
-    return (i < rows_t / 2) == (wg == 0);
-  }
+  // Of a thread's rows_t query rows, warpgroup wg owns the first half (rows 0 .. 2 rows_t - 1 of
+  // the tile) if wg is 0, the second half if 1: it completes their scores, runs their softmax and
+  // writes their probabilities for the thread's tokens. OwnedRow is the thread's row index i of
+  // its owned row k < rows_t / 2. Their values are the contiguous elements
+  // [wg rows_t, wg rows_t + rows_t) of the thread's 2 rows_t, in the order Element(k, half) gives.
+  static JAX_MLA_HD int OwnedRow(int wg, int k, int rows_t) { return wg * (rows_t / 2) + k; }
 };
 
 // fp8 cache, QK^T from registers (DecodeKernel's kFp8 path at kScoreN 16): the query tile's columns

@@ -27,11 +27,12 @@ constexpr int kSmemAlign = 1024;
 constexpr int kMaxSmemBytes = 232448;  // per block on SM90 (227 KB)
 
 // fp8 cache: a staged 64-token block of raw cache rows (docs/fp8-cache.md), and the exchange area
-// of the transposed scores' partial S^T (two warpgroups x kFp8TransposedRows / 8 slots of 128 x 16
-// bytes).
+// of the transposed scores (two warpgroups x kFp8TransposedRows / 16 slots of 128 x 16 bytes for
+// partial S^T, then one slot for the rows' statistics: ScoreExchangeSlot, RowStats).
 constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;  // 41984
 constexpr int kFp8HalfStageBytes = kFp8StageBytes / 2;  // 32 tokens, one bulk copy
-constexpr int kFp8ExchangeBytes = kConsumerWarpgroups * (kFp8TransposedRows / 8) * 128 * 16;
+constexpr int kFp8ExchangeBytes =
+    (kConsumerWarpgroups * (kFp8TransposedRows / 16) + 1) * 128 * 16;
 constexpr int kFp8ScaleGroups = kLatentDim / kFp8GroupSize;  // 4
 // fp8 cache, 64-row tiles: 32-token stages in a ring (one and a half blocks in flight), each
 // released by every thread of the warpgroup that read it.
