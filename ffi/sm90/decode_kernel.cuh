@@ -1177,12 +1177,12 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
 // kScoreN (16 or 32; 0: off), for q_len * num_heads <= kScoreN: the scores are computed
 // transposed, S^T = K Q^T (M = the block's 64 tokens, N = kScoreN query rows), which avoids
 // computing 64 - q_len * num_heads padded query rows in QK^T. Each consumer warpgroup contracts
-// half of the 576 columns and adds the other's partial S^T (shared memory), then computes the
-// softmax itself (maxima and sums over tokens reduced across its own four warps through its own
-// shared buffer), so both hold the same rescale factors and row results in registers; each writes
-// its half of the block's tokens into P. PV is transposed too, O^T += V^T P^T (M = 64 of the
-// warpgroup's 256 columns, four tiles; N = kScoreN rows), so the padded rows cost nothing there
-// either and a thread's output rows are the query rows whose softmax state it holds.
+// half of the 576 columns; it owns half of each thread's query rows (TransposedScores::OwnedRow),
+// adds the other's partial S^T of those (shared memory), runs their softmax (maxima and sums over
+// tokens reduced across its own four warps through its own shared buffer), writes their P and
+// publishes their rescale factors, sums and maxima for the other (RowStats). PV is transposed
+// too, O^T += V^T P^T (M = 64 of the warpgroup's 256 columns, four tiles; N = kScoreN rows), so
+// the padded rows cost nothing there either and a thread's output rows are its query rows.
 // 64-row tiles (kWg0Scores below): warpgroup 0 alone computes QK^T (N = 64, all 576 columns) and
 // the softmax; its rows' rescale factors go to warpgroup 1 through shared memory (the half of
 // row_max of the block's parity), P over the KV tile's rope chunk, so that one barrier per block
