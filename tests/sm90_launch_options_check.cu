@@ -123,14 +123,19 @@ int main() {
            : p == CU_TENSOR_MAP_L2_PROMOTION_L2_256B ? 256
                                                       : -1;
   };
+  constexpr int kParts = 132;
   for (int rows : {8, 16, 32, 128}) {
-    const int score_n = detail::TransposedScoreRows(defaults, 1, rows);
-    std::printf("promotion rows=%d %d\n", rows, promotion(detail::KvL2Promotion(defaults, score_n)));
+    for (int batch : {33, 34}) {
+      const int score_n = detail::TransposedScoreRows(defaults, 1, rows);
+      std::printf("promotion rows=%d,batch=%d %d\n", rows, batch,
+                  promotion(detail::KvL2Promotion(
+                      defaults, score_n, detail::FewRequestsSplitWide(batch, kParts))));
+    }
   }
   LaunchOptions none;
   none.kv_l2_promotion = 0;
   std::printf("promotion rows=16,kv_l2_promotion=0 %d\n",
-              promotion(detail::KvL2Promotion(none, 16)));
+              promotion(detail::KvL2Promotion(none, 16, false)));
   LaunchOptions transposed;
   transposed.fp8_registers = 0;
   std::printf("fp8 rows=16 registers %d\n",

@@ -24,11 +24,15 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "no_schedule", "min_blocks_per_part=0", "fp8,experiment=1", "fp8,late_release",
          "fp8,cluster=2"]
 
-# The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows and 256 bytes
+# The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows, and up to 32 where
+# each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
 # elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
 # unless fp8_registers = 0.
-DEFAULTS = ["promotion rows=8 128", "promotion rows=16 128", "promotion rows=32 256",
-            "promotion rows=128 256", "promotion rows=16,kv_l2_promotion=0 0",
+DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
+            "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
+            "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
+            "promotion rows=128,batch=33 256", "promotion rows=128,batch=34 256",
+            "promotion rows=16,kv_l2_promotion=0 0",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1"]

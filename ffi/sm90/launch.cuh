@@ -226,12 +226,18 @@ inline int TransposedScoreRows(const LaunchOptions& options, int cluster, int ro
   return rows <= 32 ? 32 : 0;
 }
 
-// The default combine: CombineKernelWide when there are at least kCombineWarpsPerRow parts per
-// request (few requests, each split many ways: its parallel reads of the splits pay off), else
-// CombineKernel (fewer, cheaper CTAs for the many requests that are mostly handled whole).
+// Whether there are at least kCombineWarpsPerRow parts per request: few requests, each split many
+// ways.
+inline bool FewRequestsSplitWide(int batch, int parts) {
+  return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
+}
+
+// The default combine: CombineKernelWide where few requests are split wide (its parallel reads of
+// the splits pay off), else CombineKernel (fewer, cheaper CTAs for the many requests that are
+// mostly handled whole).
 inline bool UseWideCombine(const LaunchOptions& options, int batch, int parts) {
   if (options.wide_combine >= 0) return options.wide_combine != 0;
-  return static_cast<long long>(batch) * kCombineWarpsPerRow <= parts;
+  return FewRequestsSplitWide(batch, parts);
 }
 
 // Whether split requests' partial outputs are stored in bf16 (DecodeKernelArgs::bf16_partials;
@@ -244,11 +250,14 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
 }
 
 // The bf16 cache's tensor-map L2 promotion: by default 128 bytes for the transposed kernel of up
-// to 16 query rows, 256 bytes elsewhere, the faster of the two for each kernel
+// to 16 query rows, and for the one of up to 32 where few requests are split wide
+// (FewRequestsSplitWide), 256 bytes elsewhere, the faster of the two for each
 // (docs/sm90-kernel.md, "Measurements").
-inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int score_n) {
+inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int score_n,
+                                            bool few_requests_split_wide) {
+  const bool promote_128 = score_n == 16 || (score_n == 32 && few_requests_split_wide);
   const int bytes = options.kv_l2_promotion >= 0 ? options.kv_l2_promotion
-                                                 : (score_n == 16 ? 128 : 256);
+                                                 : (promote_128 ? 128 : 256);
   return bytes == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
          : bytes == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                         : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
@@ -394,7 +403,9 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
                                           static_cast<uint64_t>(p.num_pages) * p.page_size,
                                           p.page_size == kBlockN ? kBlockN : kHalfN,
-                                          detail::KvL2Promotion(options, score_n)))) {
+                                          detail::KvL2Promotion(
+                                              options, score_n,
+                                              detail::FewRequestsSplitWide(p.batch, parts))))) {
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
