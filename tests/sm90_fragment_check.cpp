@@ -76,6 +76,11 @@ static std::string Check(int n) {
       for (int k = 0; k < rows_per_thread / 2; ++k) {
         const int i = TransposedScores::OwnedRow(wg, k, rows_per_thread);
         if (i < 0 || i >= rows_per_thread) return "owned row out of range";
+        if (!TransposedScores::Owns(wg, i, rows_per_thread) ||
+            TransposedScores::Owns(1 - wg, i, rows_per_thread) ||
+            TransposedScores::OwnedIndex(i, rows_per_thread) != k) {
+          return "Owns / OwnedIndex not OwnedRow's inverse";
+        }
         for (int half = 0; half < 2; ++half) {
           if (TransposedScores::Element(i, half) !=
               wg * rows_per_thread + TransposedScores::Element(k, half)) {

@@ -123,19 +123,22 @@ int main() {
            : p == CU_TENSOR_MAP_L2_PROMOTION_L2_256B ? 256
                                                       : -1;
   };
-  constexpr int kParts = 132;
+  const int parts = NumParts(132, 1, 16);  // an H200's 132 SMs, one M tile
   for (int rows : {8, 16, 32, 128}) {
     for (int batch : {33, 34}) {
       const int score_n = detail::TransposedScoreRows(defaults, 1, rows);
       std::printf("promotion rows=%d,batch=%d %d\n", rows, batch,
-                  promotion(detail::KvL2Promotion(
-                      defaults, score_n, detail::FewRequestsSplitWide(batch, kParts))));
+                  promotion(detail::KvL2Promotion(defaults, score_n, batch, parts)));
     }
   }
   LaunchOptions none;
   none.kv_l2_promotion = 0;
   std::printf("promotion rows=16,kv_l2_promotion=0 %d\n",
-              promotion(detail::KvL2Promotion(none, 16, false)));
+              promotion(detail::KvL2Promotion(none, 16, 33, parts)));
+  LaunchOptions wide;
+  wide.kv_l2_promotion = 256;
+  std::printf("promotion rows=32,batch=33,kv_l2_promotion=256 %d\n",
+              promotion(detail::KvL2Promotion(wide, 32, 33, parts)));
   LaunchOptions transposed;
   transposed.fp8_registers = 0;
   std::printf("fp8 rows=16 registers %d\n",

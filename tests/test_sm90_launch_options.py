@@ -33,6 +33,7 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
             "promotion rows=128,batch=33 256", "promotion rows=128,batch=34 256",
             "promotion rows=16,kv_l2_promotion=0 0",
+            "promotion rows=32,batch=33,kv_l2_promotion=256 256",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1"]

@@ -1311,6 +1311,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // other warpgroup's rows' factors and statistics it reads from RowStats.
   constexpr int kOwnRowsT = kScoreN > 0 ? kRowsT / 2 : 1;
   constexpr int kOwnN = 2 * kOwnRowsT;
+  static_assert(kScoreN % 16 == 0, "each warpgroup's values of a thread fill whole float4s");
   using QkT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>;
   using PvT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>;
   using QkRs = RsMma<cute::bfloat16_t, kScoreN == 16 ? 16 : 32>;
@@ -1491,8 +1492,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         WarpgroupSync(wg);
         UpdateRowsSoftmax<kOwnRowsT, kScoreN>(wg_exchange, lane, sl2, so, m_o, l_o, alpha_o,
                                               own_first);
-        // The owned rows' factors for the other warpgroup, read after the barrier before PV
-        // (which the other passes only after its reads of the previous block's).
+        // The owned rows' factors for the other warpgroup, which reads them after the barrier
+        // before PV; the next block writes them only after its exchange barrier, which the other
+        // warpgroup reaches only after reading these.
         if (warp_in_wg == 0 && lane < 4) {
 #pragma unroll
           for (int k = 0; k < kOwnRowsT; ++k) {
@@ -1676,8 +1678,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         bool rescale = false;
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
-          const int k = i % kOwnRowsT;
-          const bool owned = (i < kOwnRowsT) == (wg == 0);
+          const int k = TransposedScores::OwnedIndex(i, kRowsT);
+          const bool owned = TransposedScores::Owns(wg, i, kRowsT);
           alpha[i] = owned ? alpha_o[k] : row_stats[stats_q * kRowsT + other_first + k];
           rescale |= alpha[i] != 1.f;
         }
@@ -1756,8 +1758,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       float l[kRowsT], m[kRowsT];
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) {
-        const int k = i % kOwnRowsT;
-        const bool owned = (i < kOwnRowsT) == (wg == 0);
+        const int k = TransposedScores::OwnedIndex(i, kRowsT);
+        const bool owned = TransposedScores::Owns(wg, i, kRowsT);
         l[i] = owned ? l_own[k] : sums[stats_q * kRowsT + other_first + k];
         m[i] = owned ? m_o[k] : maxima[stats_q * kRowsT + other_first + k];
       }

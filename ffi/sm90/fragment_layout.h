@@ -40,6 +40,10 @@ struct TransposedScores {
   // its owned row k < rows_t / 2. Their values are the contiguous elements
   // [wg rows_t, wg rows_t + rows_t) of the thread's 2 rows_t, in the order Element(k, half) gives.
   static JAX_MLA_HD int OwnedRow(int wg, int k, int rows_t) { return wg * (rows_t / 2) + k; }
+  // OwnedRow's inverse: whether warpgroup wg (0 or 1) owns the thread's row i, and i's index k
+  // among its owner's rows.
+  static JAX_MLA_HD bool Owns(int wg, int i, int rows_t) { return (i < rows_t / 2) == (wg == 0); }
+  static JAX_MLA_HD int OwnedIndex(int i, int rows_t) { return i % (rows_t / 2); }
 };
 
 // fp8 cache, QK^T from registers (DecodeKernel's kFp8 path at kScoreN 16): the query tile's columns

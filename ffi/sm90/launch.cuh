@@ -249,13 +249,14 @@ inline bool UseBf16Partials(const LaunchOptions& options, int score_n) {
   return score_n == 0;
 }
 
-// The bf16 cache's tensor-map L2 promotion: by default 128 bytes for the transposed kernel of up
-// to 16 query rows, and for the one of up to 32 where few requests are split wide
-// (FewRequestsSplitWide), 256 bytes elsewhere, the faster of the two for each
-// (docs/sm90-kernel.md, "Measurements").
-inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int score_n,
-                                            bool few_requests_split_wide) {
-  const bool promote_128 = score_n == 16 || (score_n == 32 && few_requests_split_wide);
+// The bf16 cache's tensor-map L2 promotion for `batch` requests over `parts` parts: by default 128
+// bytes for the transposed kernel of up to 16 query rows, and for the one of up to 32 where few
+// requests are split wide (FewRequestsSplitWide), 256 bytes elsewhere (docs/sm90-kernel.md, "L2
+// promotion of the KV map").
+inline CUtensorMapL2promotion KvL2Promotion(const LaunchOptions& options, int score_n, int batch,
+                                            int parts) {
+  const bool promote_128 =
+      score_n == 16 || (score_n == 32 && FewRequestsSplitWide(batch, parts));
   const int bytes = options.kv_l2_promotion >= 0 ? options.kv_l2_promotion
                                                  : (promote_128 ? 128 : 256);
   return bytes == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
@@ -403,9 +404,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
                                           static_cast<uint64_t>(p.num_pages) * p.page_size,
                                           p.page_size == kBlockN ? kBlockN : kHalfN,
-                                          detail::KvL2Promotion(
-                                              options, score_n,
-                                              detail::FewRequestsSplitWide(p.batch, parts))))) {
+                                          detail::KvL2Promotion(options, score_n, p.batch,
+                                                                parts)))) {
     return cudaErrorInvalidValue;
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
