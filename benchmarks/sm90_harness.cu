@@ -685,6 +685,10 @@ static std::vector<CaseSpec> SanitizeSuite() {
   v.add("h128-b8", 8, 1, 128, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("bad-b270-h128", 270, 1, 128, 64, 200, "uniform", true);
+  // Several segments per CTA on the transposed kernels: the owned rows' statistics handed over
+  // between warpgroups at every segment's end.
+  v.add("segments-q2-h16", 300, 2, 16, 64, 300, "uniform");
+  v.add("segments-h16-p32", 300, 1, 16, 32, 300, "uniform");
   return v.cases;
 }
 
