@@ -201,6 +201,18 @@ __device__ __forceinline__ float OwnedValue(const float (&st)[kN], int wg, int x
   return wg == 0 ? st[x] : st[kN / 2 + x];
 }
 
+// Transposed scores: the value of the thread's query row i (< kRowsT) from its owned rows' own[k]
+// if warpgroup wg owns it, else from what the other warpgroup published for its lane group q
+// (published[q kRowsT + i], RowStats' layout).
+template <int kRowsT>
+__device__ __forceinline__ float RowValue(int wg, int i, const float (&own)[kRowsT / 2],
+                                          const float* published, int q) {
+  return TransposedScores::Owns(wg, i, kRowsT)
+             ? own[TransposedScores::OwnedIndex(i, kRowsT)]
+             : published[q * kRowsT + TransposedScores::OwnedRow(wg ^ 1, 0, kRowsT) +
+                         TransposedScores::OwnedIndex(i, kRowsT)];
+}
+
 // Transposed scores' online softmax of kRowsT of the thread's query rows (its rows first_row_t
 // .. first_row_t + kRowsT - 1): each one's block maximum from the warpgroup's four warps' maxima
 // (reduce[w * kStride + row]), the running maximum moved (NextRowMax), the rescale factor alpha
@@ -1322,7 +1334,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   float st[kStN], so[kOwnN], m_o[kOwnRowsT], l_o[kOwnRowsT];
   int limit_o[kOwnRowsT];
   const int own_first = kScoreN > 0 ? TransposedScores::OwnedRow(wg, 0, kRowsT) : 0;
-  const int other_first = kScoreN > 0 ? TransposedScores::OwnedRow(wg ^ 1, 0, kRowsT) : 0;
   float* const row_stats = kScoreN > 0 ? RowStats<kScoreN, kFp8>(smem) : nullptr;
   const int stats_q = lane % 4;
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
@@ -1678,9 +1689,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         bool rescale = false;
 #pragma unroll
         for (int i = 0; i < kRowsT; ++i) {
-          const int k = TransposedScores::OwnedIndex(i, kRowsT);
-          const bool owned = TransposedScores::Owns(wg, i, kRowsT);
-          alpha[i] = owned ? alpha_o[k] : row_stats[stats_q * kRowsT + other_first + k];
+          alpha[i] = RowValue<kRowsT>(wg, i, alpha_o, row_stats, stats_q);
           rescale |= alpha[i] != 1.f;
         }
 #pragma unroll
@@ -1758,10 +1767,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       float l[kRowsT], m[kRowsT];
 #pragma unroll
       for (int i = 0; i < kRowsT; ++i) {
-        const int k = TransposedScores::OwnedIndex(i, kRowsT);
-        const bool owned = TransposedScores::Owns(wg, i, kRowsT);
-        l[i] = owned ? l_own[k] : sums[stats_q * kRowsT + other_first + k];
-        m[i] = owned ? m_o[k] : maxima[stats_q * kRowsT + other_first + k];
+        l[i] = RowValue<kRowsT>(wg, i, l_own, sums, stats_q);
+        m[i] = RowValue<kRowsT>(wg, i, m_o, maxima, stats_q);
       }
       StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
                                m, sl2);
