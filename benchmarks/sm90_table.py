@@ -1,6 +1,7 @@
 """sm90 beside fa3: a markdown table from benchmark JSON files that timed both.
 
     python -m benchmarks.sm90_table benchmarks/results/h200-sm90-full.json [MORE.json ...]
+    python -m benchmarks.sm90_table --summary benchmarks/results/h200-sm90-gpu-time.json
 
 Per point: the floor, fa3 from torch replayed as one CUDA graph per step (FlashInfer's own wrapper,
 the fairest fa3 number), fa3 called eagerly from torch, sm90 through ``jax_mla.decode`` in a
@@ -14,6 +15,9 @@ calls, which fa3's graph replays leave out too), three more columns set that tim
 graph, and the fp8 columns add the fp8 cache's. Where FlashInfer also ran on its own fp8 cache
 (flashinfer_fp8), a second table sets sm90 on the fp8 cache beside it: times, and each output's
 relative L2 distance from the bf16 cache's float32 reference.
+
+``--summary`` prints the README's short table instead: the points of SUMMARY_POINTS (pages of 64),
+by the GPU's busy time where recorded, else by the wall clock.
 """
 
 from __future__ import annotations
@@ -145,11 +149,51 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(paths: list[str]) -> None:
+# (H, q_len, B, L) of the summary: issue 14's targets at 16 and 128 heads, and B = 512.
+SUMMARY_POINTS = [(16, 1, 32, 16384), (16, 1, 128, 4096), (16, 1, 128, 16384), (16, 1, 512, 16384),
+                  (16, 2, 32, 16384), (16, 2, 128, 4096), (128, 1, 32, 4096), (128, 1, 32, 16384),
+                  (128, 1, 128, 4096), (128, 1, 128, 16384), (128, 1, 512, 4096)]
+SUMMARY_COLUMNS = ["H", "q_len", "B", "L", "floor µs", "fa3 µs", "sm90 µs", "sm90 / fa3",
+                   "sm90 % of floor", "sm90 fp8 µs", "fp8 / bf16", "fp8 % of fp8 floor"]
+
+
+def _busy_or_wall(r: dict, method: str):
+    """A method's GPU busy time per layer where recorded, else its wall clock (None if neither)."""
+    return r.get(f"{method}_gpu_us", r.get(f"{method}_us"))
+
+
+def summary_rows(records: list[dict]) -> list[list[str]]:
+    """One row per SUMMARY_POINTS point measured with pages of 64 (the last record of a point
+    wins): fa3's graph replay, sm90 on the bf16 cache beside it and on the fp8 cache beside that."""
+    by_point = {(r["H"], r["q_len"], r["B"], r["L"]): r for r in records
+                if r["page_size"] == 64 and r.get("flashinfer_fa3_graph_us") is not None}
+    out = []
+    for point in SUMMARY_POINTS:
+        r = by_point.get(point)
+        sm90 = r and _busy_or_wall(r, "jax_mla_sm90")
+        if sm90 is None:
+            continue
+        fa3, floor = r["flashinfer_fa3_graph_us"], r["floor_us"]
+        out.append([str(r["H"]), str(r["q_len"]), str(r["B"]), fmt_len(r["L"]), f"{floor:,.1f}",
+                    f"{fa3:,.1f}", *_ratio_cells(sm90, fa3, floor),
+                    *_ratio_cells(_busy_or_wall(r, "jax_mla_sm90_fp8"), sm90,
+                                  r.get("fp8_floor_us"))])
+    return out
+
+
+def summary(records: list[dict]) -> str:
+    return "\n".join(markdown_table(SUMMARY_COLUMNS, summary_rows(records)))
+
+
+def main(argv: list[str]) -> None:
+    short = argv[:1] == ["--summary"]
     records = []
-    for path in paths:
+    for path in argv[1:] if short else argv:
         with open(path) as f:
             records += json.load(f)["records"]
+    if short:
+        print(summary(records))
+        return
     print(table(records))
     extra = fp8_table(records)
     if extra:
