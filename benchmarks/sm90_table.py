@@ -17,11 +17,13 @@ graph, and the fp8 columns add the fp8 cache's. Where FlashInfer also ran on its
 relative L2 distance from the bf16 cache's float32 reference.
 
 ``--summary`` prints the README's short table instead: the points of SUMMARY_POINTS (pages of 64),
-by the GPU's busy time where recorded, else by the wall clock.
+each row by one measure, the GPU's busy time where recorded, else the wall clock (its last column
+says which).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
@@ -154,44 +156,55 @@ SUMMARY_POINTS = [(16, 1, 32, 16384), (16, 1, 128, 4096), (16, 1, 128, 16384), (
                   (16, 2, 32, 16384), (16, 2, 128, 4096), (128, 1, 32, 4096), (128, 1, 32, 16384),
                   (128, 1, 128, 4096), (128, 1, 128, 16384), (128, 1, 512, 4096)]
 SUMMARY_COLUMNS = ["H", "q_len", "B", "L", "floor µs", "fa3 µs", "sm90 µs", "sm90 / fa3",
-                   "sm90 % of floor", "sm90 fp8 µs", "fp8 / bf16", "fp8 % of fp8 floor"]
+                   "sm90 % of floor", "sm90 fp8 µs", "fp8 / bf16", "fp8 % of fp8 floor", "time"]
 
 
-def _busy_or_wall(r: dict, method: str):
-    """A method's GPU busy time per layer where recorded, else its wall clock (None if neither)."""
-    return r.get(f"{method}_gpu_us", r.get(f"{method}_us"))
+def summary_times(r: dict) -> tuple[float | None, float | None, str]:
+    """sm90's time on the bf16 and the fp8 cache (None where not measured) by one measure: the
+    GPU's busy time where the bf16 time has it, else the wall clock; and which ("busy", "wall")."""
+    if r.get("jax_mla_sm90_gpu_us") is not None:
+        return r["jax_mla_sm90_gpu_us"], r.get("jax_mla_sm90_fp8_gpu_us"), "busy"
+    return r.get("jax_mla_sm90_us"), r.get("jax_mla_sm90_fp8_us"), "wall"
 
 
 def summary_rows(records: list[dict]) -> list[list[str]]:
-    """One row per SUMMARY_POINTS point measured with pages of 64 (the last record of a point
-    wins): fa3's graph replay, sm90 on the bf16 cache beside it and on the fp8 cache beside that."""
+    """One row per SUMMARY_POINTS point measured with pages of 64 beside fa3's graph replay (of
+    several records of a point, the last): fa3, sm90 on the bf16 cache beside it and on the fp8
+    cache beside that, in SUMMARY_POINTS' order."""
     by_point = {(r["H"], r["q_len"], r["B"], r["L"]): r for r in records
                 if r["page_size"] == 64 and r.get("flashinfer_fa3_graph_us") is not None}
     out = []
     for point in SUMMARY_POINTS:
         r = by_point.get(point)
-        sm90 = r and _busy_or_wall(r, "jax_mla_sm90")
-        if sm90 is None:
+        if r is None:
             continue
-        fa3, floor = r["flashinfer_fa3_graph_us"], r["floor_us"]
+        bf16, fp8, measure = summary_times(r)
+        if bf16 is None:
+            continue
+        fa3, floor, fp8_floor = r["flashinfer_fa3_graph_us"], r["floor_us"], r.get("fp8_floor_us")
         out.append([str(r["H"]), str(r["q_len"]), str(r["B"]), fmt_len(r["L"]), f"{floor:,.1f}",
-                    f"{fa3:,.1f}", *_ratio_cells(sm90, fa3, floor),
-                    *_ratio_cells(_busy_or_wall(r, "jax_mla_sm90_fp8"), sm90,
-                                  r.get("fp8_floor_us"))])
+                    f"{fa3:,.1f}", *_ratio_cells(bf16, fa3, floor),
+                    *_ratio_cells(fp8 if fp8_floor is not None else None, bf16, fp8_floor),
+                    measure])
     return out
 
 
 def summary(records: list[dict]) -> str:
+    """The README's short table of sm90 beside fa3 (summary_rows), as markdown lines."""
     return "\n".join(markdown_table(SUMMARY_COLUMNS, summary_rows(records)))
 
 
 def main(argv: list[str]) -> None:
-    short = argv[:1] == ["--summary"]
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90_table", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--summary", action="store_true", help="the README's short table")
+    parser.add_argument("files", nargs="+", metavar="FILE.json")
+    args = parser.parse_args(argv)
     records = []
-    for path in argv[1:] if short else argv:
+    for path in args.files:
         with open(path) as f:
             records += json.load(f)["records"]
-    if short:
+    if args.summary:
         print(summary(records))
         return
     print(table(records))

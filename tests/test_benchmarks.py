@@ -688,20 +688,27 @@ def test_the_sm90_table_sets_the_gpu_busy_time_beside_fa3_where_measured():
     assert "GPU" not in sm90_table.table([base])
 
 
-def test_the_sm90_summary_takes_the_busy_time_where_recorded_and_only_its_points():
+def test_the_sm90_summary_times_each_row_by_one_measure_at_its_points_in_order():
     from benchmarks import sm90_table
 
     base = dict(H=16, q_len=1, page_size=64, B=128, L=4096, floor_us=140.0, flashinfer_fa3_us=210.0,
-                flashinfer_fa3_graph_us=200.0, jax_mla_sm90_us=210.0, jax_mla_sm90_rel_err=1e-3)
-    records = [dict(base, jax_mla_sm90_gpu_us=150.0, jax_mla_sm90_fp8_us=120.0, fp8_floor_us=60.0),
-               dict(base, H=128, L=16384),            # no busy time: the wall clock
-               dict(base, page_size=32, B=32, L=16384),  # pages of 32 are not summarised
-               dict(base, B=64)]                      # not a summary point
+                flashinfer_fa3_graph_us=200.0, jax_mla_sm90_us=210.0, jax_mla_sm90_rel_err=1e-3,
+                jax_mla_sm90_fp8_us=120.0, fp8_floor_us=60.0)
+    records = [dict(base, H=128, L=16384, jax_mla_sm90_fp8_us=None),  # no busy time: the wall
+               dict(base, jax_mla_sm90_gpu_us=100.0),  # replaced by the next record of its point
+               dict(base, jax_mla_sm90_gpu_us=150.0),  # busy, and no fp8 busy time: no fp8 cells
+               dict(base, B=32, L=16384, jax_mla_sm90_gpu_us=150.0, jax_mla_sm90_fp8_gpu_us=90.0),
+               dict(base, page_size=32, B=512, L=16384),        # pages of 32 are not summarised
+               dict(base, B=512, L=16384, flashinfer_fa3_graph_us=None),  # no fa3 graph time
+               dict(base, B=64)]                                 # not a summary point
     lines = sm90_table.summary(records).splitlines()
     assert lines[0].startswith("| H | q_len | B | L | floor µs | fa3 µs | sm90 µs |")
     assert lines[2:] == [
-        "| 16 | 1 | 128 | 4k | 140.0 | 200.0 | 150.0 | **0.75** | 93% | 120.0 | **0.80** | 50% |",
-        "| 128 | 1 | 128 | 16k | 140.0 | 200.0 | 210.0 | **1.05** | 67% | - | - | - |"]
+        "| 16 | 1 | 32 | 16k | 140.0 | 200.0 | 150.0 | **0.75** | 93% | 90.0 | **0.60** | 67% | busy |",
+        "| 16 | 1 | 128 | 4k | 140.0 | 200.0 | 150.0 | **0.75** | 93% | - | - | - | busy |",
+        "| 128 | 1 | 128 | 16k | 140.0 | 200.0 | 210.0 | **1.05** | 67% | - | - | - | wall |"]
+    assert sm90_table.summary([dict(base, fp8_floor_us=None)]).splitlines()[2].endswith(
+        "| **1.05** | 67% | - | - | - | wall |")
 
 
 def test_gpu_busy_time_is_the_union_of_kernel_intervals_per_layer():

@@ -1,5 +1,6 @@
 """The README's promises that a CPU machine can check: its end-to-end snippet runs and is right,
-and its backend table lists exactly the backends of ``jax_mla.backends.TABLE``."""
+its backend table lists exactly the backends of ``jax_mla.backends.TABLE``, and its sm90 table is
+what the committed benchmark results give."""
 
 from __future__ import annotations
 
@@ -38,3 +39,14 @@ def test_backend_table_matches_the_code():
     assert list(listed) == [backend.name for backend in backends.TABLE]
     for backend in backends.TABLE:
         assert listed[backend.name] == backend.runs_on
+
+
+def test_sm90_table_is_the_committed_results_summary():
+    import json
+
+    from benchmarks import sm90_table
+
+    results = Path(__file__).parent.parent / "benchmarks" / "results" / "h200-sm90-gpu-time.json"
+    assert "h200-sm90-gpu-time.json" in README
+    records = json.loads(results.read_text())["records"]
+    assert sm90_table.summary(records) in README
