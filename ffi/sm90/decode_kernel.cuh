@@ -56,6 +56,8 @@ struct DecodeKernelArgs {
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
   bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
+  bool fp8_rows_by_map; // the fp8 cache's rows staged through kv_map (EncodeFp8RowMap), not by
+                        // plain bulk copies
 };
 
 namespace detail {
@@ -899,6 +901,21 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
       : "memory");
 }
 
+// Stages kHalfN contiguous fp8 cache rows from `row` on into `dst` (128-byte aligned), completing
+// on `full`: by a bulk-tensor copy through kv_map where args asks for it, else by a plain bulk
+// copy.
+__device__ __forceinline__ void StageFp8Rows(const CUtensorMap& kv_map,
+                                             const DecodeKernelArgs& args, uint8_t* dst, int row,
+                                             uint64_t* full) {
+  if (args.fp8_rows_by_map) {
+    cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint, dst, 0, row);
+    return;
+  }
+  BulkCopyG2S(dst, static_cast<const uint8_t*>(args.p.kv_cache) +
+                       static_cast<size_t>(row) * kFp8RowBytes,
+              kFp8HalfStageBytes, full, args.kv_cache_hint);
+}
+
 // With at most this many requests per call, the bf16 cache's 64-row tiles ask L2 for each
 // part's first KV blocks before the dependency wait (PrefetchFirstKvBlocks); with more, a part's
 // first blocks are a small share of its work and the search for its first request is longer.
@@ -929,10 +946,10 @@ __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int
 // warpgroups released the previous one), then each KV block into the next stage (once its
 // consumers released it; with kSplitRelease each of the stage's two parts once its warpgroup
 // released it), as one bulk-tensor box per page and 64-column chunk, or with the fp8 cache as
-// one bulk copy of each half's 32 contiguous cache rows (with half stages, each half into the next
-// slot of the ring, once the warpgroup that read it before released it); halves that are past the
-// length or whose page id is out of range are not loaded and not counted. With kCluster == 2 this
-// CTA issues every other piece, multicast into both CTAs of the cluster.
+// one copy of each half's 32 contiguous cache rows (StageFp8Rows; with half stages, each half
+// into the next slot of the ring, once the warpgroup that read it before released it); halves
+// that are past the length or whose page id is out of range are not loaded and not counted. With
+// kCluster == 2 this CTA issues every other piece, multicast into both CTAs of the cluster.
 template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false, bool kSplitRelease = false>
 __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
                                              const DecodeKernelArgs& args, uint8_t* smem,
@@ -968,7 +985,6 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         kv_rows[h] = KvRow(p, seg_info.b, k * kBlockN + h * kHalfN, seg_info.len);
       }
       if constexpr (Layout::kHalfStages) {
-        const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const HalfSlot slot = HalfSlot::Of<Layout>(it, h);
@@ -976,9 +992,8 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
           uint64_t* half_full = pipe.Full(slot.index);
           TxBarrier::arrive_and_expect_tx(half_full, kv_rows[h] >= 0 ? kFp8HalfStageBytes : 0);
           if (kv_rows[h] < 0) continue;
-          BulkCopyG2S(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes,
-                      cache + static_cast<size_t>(kv_rows[h]) * kFp8RowBytes, kFp8HalfStageBytes,
-                      half_full, args.kv_cache_hint);
+          StageFp8Rows(kv_map, args, smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes,
+                       kv_rows[h], half_full);
         }
         continue;
       }
@@ -987,13 +1002,10 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
         TxBarrier::arrive_and_expect_tx(
             full, ((kv_rows[0] >= 0) + (kv_rows[1] >= 0)) * kFp8HalfStageBytes);
         uint8_t* stage_base = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
-        const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (kv_rows[h] < 0) continue;
-          BulkCopyG2S(stage_base + h * kFp8HalfStageBytes,
-                      cache + static_cast<size_t>(kv_rows[h]) * kFp8RowBytes, kFp8HalfStageBytes,
-                      full, args.kv_cache_hint);
+          StageFp8Rows(kv_map, args, stage_base + h * kFp8HalfStageBytes, kv_rows[h], full);
         }
         continue;
       }
