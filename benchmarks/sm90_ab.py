@@ -17,6 +17,10 @@ which writes $OUT/sm90-ab.log (the harness's rows, variant "base", "new" or NAME
 point, each build's µs per layer in every pass and its mean time over base's.
 `table LOG` prints that table again from a log. The harness's own flags (e.g. --cluster1) go
 after `--`.
+
+`same-code REV` (CPU machine) compiles the harness of the working tree and of REV to cubins and
+says which kernels' machine code differs (their code, static shared-memory and constant-bank
+sections compared byte for byte): a refactor that moves code should change none.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import struct
 import subprocess
 import sys
 import tempfile
@@ -86,13 +91,66 @@ def parse_variants(specs: list[str]) -> list[tuple[str, str]]:
     return variants
 
 
-def nvcc_at(rev: str, output: str) -> None:
+def nvcc_at(rev: str, output: str, *extra: str) -> None:
     """The harness of git revision `rev` built into `output`."""
     with tempfile.TemporaryDirectory() as tree:
         archive = subprocess.run(["git", "-C", ROOT, "archive", rev, "ffi", "benchmarks"],
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-        nvcc(tree, output)
+        nvcc(tree, output, *extra)
+
+
+def elf_sections(path: str) -> dict[str, bytes]:
+    """Each section of a 64-bit little-endian ELF file (a cubin) by name: its bytes, or for a
+    section without file contents (NOBITS: .nv.shared.*) its size as text."""
+    data = open(path, "rb").read()
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise SystemExit(f"{path} is not a 64-bit little-endian ELF file")
+    section_offset, = struct.unpack_from("<Q", data, 0x28)
+    entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", data, section_offset + i * entry_size)
+               for i in range(count)]
+    names_offset = headers[names_index][4]
+    sections = {}
+    for name_offset, kind, _, _, offset, size in headers:
+        start = names_offset + name_offset
+        name = data[start:data.index(b"\0", start)].decode()
+        sections[name] = f"NOBITS {size}".encode() if kind == 8 else data[offset:offset + size]
+    return sections
+
+
+# A kernel's machine code, its static shared memory and its constant bank (its parameters). Its
+# .nv.info section is left out: it names symbols by index, which shift when another kernel comes
+# or goes; what it holds that matters (registers, spills) shows in the machine code.
+KERNEL_SECTION_PREFIXES = (".text.", ".nv.shared.", ".nv.constant0.")
+
+
+def kernels_differing(old: dict[str, bytes], new: dict[str, bytes]) -> tuple[int, list[str]]:
+    """How many kernels (mangled names) two cubins' sections hold between them, and those whose
+    sections differ or exist in only one of them."""
+    def kernel(name: str) -> str | None:
+        prefix = next((p for p in KERNEL_SECTION_PREFIXES if name.startswith(p)), None)
+        if prefix is None or name.startswith(".nv.shared.reserved."):
+            return None
+        return name[len(prefix):]
+    names = {n for n in old.keys() | new.keys() if kernel(n)}
+    kernels = {kernel(n) for n in names}
+    differing = sorted({kernel(n) for n in names if old.get(n) != new.get(n)})
+    return len(kernels), differing
+
+
+def same_code(rev: str) -> int:
+    """Prints which kernels of the harness compile to other machine code in the working tree
+    than at `rev`; 0 when none does."""
+    with tempfile.TemporaryDirectory() as tmp:
+        old, new = os.path.join(tmp, "old.cubin"), os.path.join(tmp, "new.cubin")
+        nvcc_at(rev, old, "-cubin")
+        nvcc(ROOT, new, "-cubin")
+        total, differing = kernels_differing(elf_sections(old), elf_sections(new))
+    print(f"{total} kernels, {total - len(differing)} with the same machine code as {rev}")
+    for name in differing:
+        print(f"  differs: {name}")
+    return 1 if differing else 0
 
 
 def build(base_rev: str, variants: list[tuple[str, str]]) -> None:
@@ -247,7 +305,10 @@ def main(argv: list[str] | None = None) -> None:
     run_args.add_argument("--checks", action="store_true")
     run_args.add_argument("--variants", default="", metavar="NAME,...")
     commands.add_parser("table").add_argument("log")
+    commands.add_parser("same-code").add_argument("rev")
     args = parser.parse_args(argv)
+    if args.command == "same-code":
+        raise SystemExit(same_code(args.rev))
     if args.command == "build":
         build(args.base_rev, parse_variants(args.variant))
     elif args.command == "run":

@@ -91,6 +91,18 @@ struct DecodeParams {
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1
 };
 
+// What LaunchDecode passes every decode kernel besides its tensor maps.
+struct DecodeKernelArgs {
+  DecodeParams p;
+  int num_parts;
+  int q_box_rows;       // rows per query bulk-tensor box: min(64, q_len * num_heads)
+  uint64_t kv_cache_hint;
+  float scale_log2;     // softmax_scale * log2(e)
+  bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
+  bool fp8_rows_by_map; // the fp8 cache's rows staged through kv_map (EncodeFp8RowMap), not by
+                        // plain bulk copies
+};
+
 __host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }
 
 // log2 of the page size, 32 or 64 (ValidShape).

@@ -142,7 +142,7 @@ struct SegmentWalker {
 };
 
 // The cache rows of a part's first blocks that the decode asks L2 for before its dependency wait
-// (PrefetchFirstKvBlocks in decode_kernel.cuh), when the schedule, lengths and block table may
+// (PrefetchFirstKvBlocks in producer.cuh), when the schedule, lengths and block table may
 // still be being written: whatever they hold, every read stays inside its array and every row
 // visited lies in the cache (tests/sm90_prefetch_check.cu). From the block of the request holding
 // the part's first cost unit (its block 0 where that unit is part of the fixed cost) through that

@@ -76,7 +76,7 @@ struct SmemLayout {
   static constexpr int kBarriers = kRowSum + kConsumerWarpgroups * kBlockM * 4;
   // q_full, q_empty, then full and empty of each slot, then (bf16 cache) full and empty of each
   // stage's warpgroup-0 V chunks when a stage is released in two parts (Pipeline in
-  // decode_kernel.cuh).
+  // pipeline.cuh).
   static constexpr int kNumBarriers = 2 + 2 * kStageSlots + (kFp8 ? 0 : 2 * kStages);
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024

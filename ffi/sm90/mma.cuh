@@ -1,0 +1,92 @@
+// The WGMMA instructions the decode kernels issue (CuTe's wrappers, operands from shared memory or
+// A from registers) and the QK^T k steps of a 576-wide row.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "decode_params.h"
+#include "smem_layout.cuh"
+
+namespace jax_mla {
+namespace sm90 {
+namespace detail {
+
+using QkMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                             cute::SM90::GMMA::Major::K>;
+using QkMma64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                               cute::SM90::GMMA::Major::K>;
+using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::MN>;
+// The transposed products, m64 x kN x k16 with B K-major and N = the query rows (16 or 32), as
+// CuTe selects them: S^T = K Q^T (A = the KV tile, K-major) and O^T = V^T P^T (A = V^T, the KV tile
+// read MN-major), both operands in shared memory (TransposedMma); with A from registers and
+// elements of type Element (RsMma: the fp8 cache's keys and V^T, f16, and the rope's bf16).
+template <int kN>
+using MmaTile = cute::Shape<cute::_64, cute::Int<kN>, cute::_16>;
+template <int kN, cute::SM90::GMMA::Major kMajorA>
+using TransposedMma =
+    decltype(cute::SM90::GMMA::ss_op_selector<cute::bfloat16_t, cute::bfloat16_t, float,
+                                              MmaTile<kN>, kMajorA, cute::SM90::GMMA::Major::K>());
+template <class Element, int kN>
+using RsMma =
+    decltype(cute::SM90::GMMA::rs_op_selector<Element, Element, float, MmaTile<kN>>());
+
+template <class Mma, int N, size_t... I>
+__device__ __forceinline__ void MmaImpl(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
+                                        cute::SM90::GMMA::ScaleOut scale,
+                                        std::index_sequence<I...>) {
+  Mma::fma(desc_a, desc_b, d[I]..., scale);
+}
+
+template <class Op, int N>
+__device__ __forceinline__ void Gmma(uint64_t desc_a, uint64_t desc_b, float (&d)[N],
+                                    bool accumulate) {
+  MmaImpl<Op>(desc_a, desc_b, d,
+               accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
+               std::make_index_sequence<N>{});
+}
+
+template <int N>
+__device__ __forceinline__ void FenceRegisters(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// The QK^T k steps (16 columns each) of the 576-wide rows; transposed scores split them evenly
+// between the consumer warpgroups.
+constexpr int kQkStepsPerChunk = kChunkCols / 16;
+constexpr int kQkSteps = kNumChunks * kQkStepsPerChunk;
+constexpr int kQkStepsPerWarpgroup = kQkSteps / kConsumerWarpgroups;
+static_assert(kQkSteps % kConsumerWarpgroups == 0, "QK^T steps split evenly");
+
+// Byte offset of QK^T k step g inside a 576-wide tile of kTileChunkBytes chunks (its chunk, then 32
+// bytes per step).
+template <int kTileChunkBytes = kChunkBytes>
+__device__ __forceinline__ uint32_t QkStepOffset(int g) {
+  return (g / kQkStepsPerChunk) * kTileChunkBytes + (g % kQkStepsPerChunk) * 32;
+}
+
+template <class Mma, int N, size_t... I>
+__device__ __forceinline__ void MmaRsImpl(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
+                                          cute::SM90::GMMA::ScaleOut scale,
+                                          std::index_sequence<I...>) {
+  Mma::fma(a[0], a[1], a[2], a[3], desc_b, d[I]..., scale);
+}
+
+// A WGMMA with A from registers.
+template <class Op, int N>
+__device__ __forceinline__ void GmmaRs(const uint32_t (&a)[4], uint64_t desc_b, float (&d)[N],
+                                      bool accumulate) {
+  MmaRsImpl<Op>(a, desc_b, d,
+                accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
+                std::make_index_sequence<N>{});
+}
+
+}  // namespace detail
+}  // namespace sm90
+}  // namespace jax_mla
