@@ -19,8 +19,9 @@ point, each build's µs per layer in every pass and its mean time over base's.
 after `--`.
 
 `same-code REV` (CPU machine) compiles the harness of the working tree and of REV to cubins and
-says which kernels' machine code differs (their code, static shared-memory and constant-bank
-sections compared byte for byte): a refactor that moves code should change none.
+says which kernels' machine code differs (their code, static shared memory, parameters, launch
+attributes, registers and stack compared byte for byte): a refactor that moves code should change
+none.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def elf_sections(path: str) -> dict[str, bytes]:
     """Each section of a 64-bit little-endian ELF file (a cubin) by name: its bytes, or for a
     section without file contents (NOBITS: .nv.shared.*) its size as text."""
     data = open(path, "rb").read()
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
         raise SystemExit(f"{path} is not a 64-bit little-endian ELF file")
     section_offset, = struct.unpack_from("<Q", data, 0x28)
     entry_size, count, names_index = struct.unpack_from("<HHH", data, 0x3A)
@@ -119,24 +120,68 @@ def elf_sections(path: str) -> dict[str, bytes]:
     return sections
 
 
-# A kernel's machine code, its static shared memory and its constant bank (its parameters). Its
-# .nv.info section is left out: it names symbols by index, which shift when another kernel comes
-# or goes; what it holds that matters (registers, spills) shows in the machine code.
-KERNEL_SECTION_PREFIXES = (".text.", ".nv.shared.", ".nv.constant0.")
+def symbol_names(sections: dict[str, bytes]) -> list[str]:
+    """The names of the cubin's symbols in symbol-table order (an index names one)."""
+    table, names = sections.get(".symtab", b""), sections.get(".strtab", b"")
+    return [names[name:names.index(b"\0", name)].decode()
+            for name, in struct.iter_unpack("<I20x", table)]
+
+
+def info_entries(info: bytes) -> list[tuple[int, bytes]]:
+    """The entries of an .nv.info section as (attribute, value): format 4 entries carry a 16-bit
+    size and that many bytes, the others a 16-bit value."""
+    entries, i = [], 0
+    while i + 4 <= len(info):
+        form, attribute, value = info[i], info[i + 1], info[i + 2:i + 4]
+        if form == 4:
+            size, = struct.unpack("<H", value)
+            value = info[i + 4:i + 4 + size]
+            i += size
+        entries.append((attribute, value))
+        i += 4
+    return entries
+
+
+# Attributes whose value starts with a symbol index: the kernel's parameter bank in its own
+# .nv.info section (EIATTR_PARAM_CBANK), and in the cubin-wide .nv.info each function's register
+# count, frame size and minimum stack size (EIATTR_REGCOUNT, _FRAME_SIZE, _MIN_STACK_SIZE).
+PARAM_BANK = 0x0A
+PER_FUNCTION_ATTRIBUTES = (0x2F, 0x11, 0x12)
+
+
+def kernel_signatures(sections: dict[str, bytes]) -> dict[str, bytes]:
+    """Per kernel (mangled name): its machine code, static shared memory, constant bank (its
+    parameters), its launch attributes (.nv.info.<kernel>) and its register count and stack sizes,
+    symbol indices replaced by names, which shift when another kernel comes or goes."""
+    names = symbol_names(sections)
+
+    def named(value: bytes) -> bytes:
+        index, = struct.unpack_from("<I", value)
+        return names[index].encode() + value[4:] if index < len(names) else value
+
+    signatures: dict[str, list[bytes]] = {}
+    for section, contents in sorted(sections.items()):
+        for prefix in (".text.", ".nv.shared.", ".nv.constant0.", ".nv.info."):
+            if section.startswith(prefix) and not section.startswith(".nv.shared.reserved."):
+                if prefix == ".nv.info.":
+                    contents = b"".join(bytes([a]) + (named(v) if a == PARAM_BANK else v)
+                                        for a, v in info_entries(contents))
+                signatures.setdefault(section[len(prefix):], []).append(
+                    prefix.encode() + contents)
+    for attribute, value in info_entries(sections.get(".nv.info", b"")):
+        if attribute in PER_FUNCTION_ATTRIBUTES and len(value) >= 4:
+            index, = struct.unpack_from("<I", value)
+            if index < len(names) and names[index] in signatures:
+                signatures[names[index]].append(bytes([attribute]) + value[4:])
+    return {kernel: b"\0".join(parts) for kernel, parts in signatures.items()}
 
 
 def kernels_differing(old: dict[str, bytes], new: dict[str, bytes]) -> tuple[int, list[str]]:
-    """How many kernels (mangled names) two cubins' sections hold between them, and those whose
-    sections differ or exist in only one of them."""
-    def kernel(name: str) -> str | None:
-        prefix = next((p for p in KERNEL_SECTION_PREFIXES if name.startswith(p)), None)
-        if prefix is None or name.startswith(".nv.shared.reserved."):
-            return None
-        return name[len(prefix):]
-    names = {n for n in old.keys() | new.keys() if kernel(n)}
-    kernels = {kernel(n) for n in names}
-    differing = sorted({kernel(n) for n in names if old.get(n) != new.get(n)})
-    return len(kernels), differing
+    """How many kernels two cubins' sections (elf_sections) hold between them, and those whose
+    signatures (kernel_signatures) differ or that exist in only one of them."""
+    old_kernels, new_kernels = kernel_signatures(old), kernel_signatures(new)
+    kernels = old_kernels.keys() | new_kernels.keys()
+    return len(kernels), sorted(k for k in kernels if old_kernels.get(k) != new_kernels.get(k))
 
 
 def same_code(rev: str) -> int:

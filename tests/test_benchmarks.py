@@ -318,31 +318,44 @@ def test_sm90_ab_times_other_builds_beside_base():
 
 
 def test_sm90_ab_same_code_names_the_kernels_whose_machine_code_changed(tmp_path):
-    """Two cubins of three kernels, one of them changed and one left out of the second: the
-    comparison names those two and no other; a file that is not an ELF file is refused."""
+    """Two cubins of the same kernels but for one changed in its code, one in its shared memory,
+    one in its parameters and one in its launch bounds, and one kernel left out of the second:
+    the comparison names those five and not the kernel kept as it was (whose symbol index moved);
+    a file that is not an ELF file is refused."""
     import shutil
 
     from benchmarks import sm90_ab
 
     if shutil.which("nvcc") is None:
         pytest.skip("compiling cubins needs nvcc")
-    kernels = {"kept": "out[0] = a;", "changed": "out[0] = a + 1.f;", "dropped": "out[0] = 2.f;"}
+
+    def source(version):
+        new = version == "new"
+        kernel = 'extern "C" __global__ void {}({}float* out, float a) {{ {} }}\n'.format
+        return "".join([
+            kernel("kept", "", "out[0] = a;"),
+            kernel("changed", "", "out[0] = a * 3.f;" if new else "out[0] = a + 1.f;"),
+            kernel("smem", "", f"__shared__ float s[{64 if new else 32}]; s[threadIdx.x] = a; "
+                               "__syncthreads(); out[0] = s[0];"),
+            kernel("params", "float unused, " if new else "", "out[0] = a;"),
+            kernel("bounds", "", "out[0] = a;").replace(
+                "__global__", f"__global__ __launch_bounds__({128 if new else 256})"),
+            "" if new else kernel("dropped", "", "out[0] = 2.f;")])
+
     cubins = []
     for version in ("old", "new"):
-        source = tmp_path / f"{version}.cu"
-        body = dict(kernels, changed="out[0] = a * 3.f;") if version == "new" else kernels
-        source.write_text("".join(
-            f'extern "C" __global__ void {name}(float* out, float a) {{ {code} }}\n'
-            for name, code in body.items() if not (version == "new" and name == "dropped")))
-        cubin = tmp_path / f"{version}.cubin"
-        subprocess.run(["nvcc", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a", str(source),
-                        "-o", str(cubin)], check=True, capture_output=True)
-        cubins.append(sm90_ab.elf_sections(str(cubin)))
-    assert sm90_ab.kernels_differing(*cubins) == (3, ["changed", "dropped"])
-    assert sm90_ab.kernels_differing(cubins[0], cubins[0]) == (3, [])
-    (tmp_path / "not.cubin").write_bytes(b"#!/bin/sh\n")
-    with pytest.raises(SystemExit, match="not a 64-bit little-endian ELF file"):
-        sm90_ab.elf_sections(str(tmp_path / "not.cubin"))
+        (tmp_path / f"{version}.cu").write_text(source(version))
+        subprocess.run(["nvcc", "-cubin", "-gencode", "arch=compute_90a,code=sm_90a",
+                        str(tmp_path / f"{version}.cu"), "-o", str(tmp_path / f"{version}.cubin")],
+                       check=True, capture_output=True)
+        cubins.append(sm90_ab.elf_sections(str(tmp_path / f"{version}.cubin")))
+    assert sm90_ab.kernels_differing(*cubins) == (
+        6, ["bounds", "changed", "dropped", "params", "smem"])
+    assert sm90_ab.kernels_differing(cubins[0], cubins[0]) == (6, [])
+    for bad in (b"#!/bin/sh\n", b"\x7fELF"):
+        (tmp_path / "not.cubin").write_bytes(bad)
+        with pytest.raises(SystemExit, match="not a 64-bit little-endian ELF file"):
+            sm90_ab.elf_sections(str(tmp_path / "not.cubin"))
 
 
 def test_sm90_ab_says_where_to_get_cutlass_when_it_finds_none(monkeypatch):

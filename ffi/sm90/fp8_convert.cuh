@@ -1,5 +1,7 @@
-// The fp8 cache in DecodeKernel: e4m3 to bf16 conversion, the transposed path's keys converted
-// into registers or into the bf16 tile, and the scores from them.
+// The fp8 cache in DecodeKernel: e4m3 to bf16; staged rows converted into the bf16 tile
+// (DequantiseRow: 17-32-row transposed scores and 64-row tiles), up to 16 rows the keys into
+// registers too (LoadKFragments, the query tile's columns permuted to match), and the transposed
+// scores from them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,7 +14,7 @@
 #include "kv_blocks.cuh"
 #include "mma.cuh"
 #include "smem_layout.cuh"
-#include "softmax.cuh"
+#include "softmax.cuh"  // PackBf16x2
 
 namespace jax_mla {
 namespace sm90 {

@@ -1,5 +1,5 @@
-// Synchronisation of a decode CTA: named barriers between the consumer warpgroups, cluster
-// barriers, the mbarrier pipeline between the producer thread and the consumers (Pipeline, stage
+// Synchronisation of a decode CTA: named barriers (both consumer warpgroups, or one's four warps),
+// cluster barriers, the mbarrier pipeline between the producer thread and the consumers (Pipeline, stage
 // release, the fp8 half-stage ring) and the CTA's set-up.
 #pragma once
 

@@ -16,7 +16,6 @@
 #include "pipeline.cuh"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
-#include "trace.cuh"
 
 namespace jax_mla {
 namespace sm90 {
