@@ -50,6 +50,57 @@
 namespace jax_mla {
 namespace sm90 {
 
+namespace detail {
+
+// A block's KV tile made ready for the MMAs once its stage has landed:
+//  - the fp8 cache, 64-row tiles: both warpgroups' PV of the previous block are done with the
+//    bf16 tile. Warpgroup wg converts half wg of the block (its own QK^T's tokens) from that
+//    half's stage, and each thread hands the stage back after its reads; the fence orders the
+//    stage's reads before its refill (async proxy) and the tile's writes before QK^T's WGMMAs.
+//  - the fp8 cache, transposed scores: the warpgroup's PV of the previous block is done with its
+//    columns of the bf16 tile. Its new values are fenced for the WGMMAs before the warpgroup
+//    barrier where QK^T reads them (32 rows), else by the fence before PV; up to 16 rows the keys
+//    also go into frag.
+//  - the bf16 cache: the rows the block did not load are zeroed.
+template <bool kFp8, int kScoreN, int kCluster, class Layout>
+__device__ __forceinline__ void PrepareBlockTile(uint8_t* smem, const Pipeline& pipe,
+                                                 const BlockLoad& load, int it, int stage, int wg,
+                                                 int wg_tid, int tid, KFragments& frag) {
+  if constexpr (kFp8 && kScoreN == 0) {
+    const int half_row = wg * kHalfN + wg_tid % kHalfN;  // the (row, part) this thread converts
+    const int half_part = wg_tid / kHalfN;
+    ConsumerSync();
+    const HalfSlot slot = HalfSlot::Of<Layout>(it, wg);
+    cutlass::arch::ClusterBarrier::wait(pipe.Full(slot.index), slot.round & 1);
+    DequantiseRow(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes +
+                      (wg_tid % kHalfN) * kFp8RowBytes,
+                  load.RowLoaded(half_row), half_part, smem + Layout::kKv, half_row);
+    cutlass::arch::fence_view_async_shared();
+    ReleaseStage<kCluster>(pipe, slot.index);
+    ConsumerSync();  // warpgroup 0's QK^T reads both halves
+  } else if constexpr (kFp8) {
+    const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
+    WarpgroupSync(wg);
+    if constexpr (kScoreN == 16) {
+      LoadKFragments(staged, smem + Layout::kKv, load, wg, wg_tid, frag);
+    } else {
+      const int row = wg_tid % kBlockN;
+      const int part = 2 * wg + wg_tid / kBlockN;
+      DequantiseRow<8>(staged + row * kFp8RowBytes, load.RowLoaded(row), part,
+                       smem + Layout::kKv, row);
+    }
+    if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
+    WarpgroupSync(wg);
+    if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
+  } else if (!load.Complete()) {
+    ZeroUnloadedRows(smem + Layout::kKv + stage * kTileBytes, load, tid);
+    cutlass::arch::fence_view_async_shared();
+    ConsumerSync();
+  }
+}
+
+}  // namespace detail
+
 // kEarlyRelease: a stage is handed back to the producer as soon as its PV is done (one wait per
 // block); otherwise only once the next block's QK^T has been issued (PV overlaps that issue, but
 // the refill of a stage then starts only after the next block has landed).
@@ -212,9 +263,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // This warpgroup's exchange buffer for reductions across its warps: f32 [4][kScoreN].
   float* wg_exchange =
       reinterpret_cast<float*>(smem + (wg == 0 ? Layout::kRowMax : Layout::kRowSum));
-  // fp8 cache, 64-row tiles: the (row, part) this thread converts (DequantiseRow).
-  const int half_row = wg * kHalfN + wg_tid % kHalfN;
-  const int half_part = wg_tid / kHalfN;
   // kSplitRelease: the stage whose V chunks warpgroup 0's PV, still in flight, reads (-1: none).
   int v0_pending = -1;
 
@@ -264,42 +312,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
       KFragments frag;  // fp8 cache, up to 16 rows: the block's keys as QK^T's A operand
-      if constexpr (kFp8 && kScoreN == 0) {
-        // Both warpgroups' PV of the previous block are done with the bf16 tile. Warpgroup wg
-        // converts half wg of the block (its own QK^T's tokens) from that half's stage, and each
-        // thread hands the stage back after its reads; the fence orders the stage's reads before
-        // its refill (async proxy) and the tile's writes before QK^T's WGMMAs.
-        ConsumerSync();
-        const HalfSlot slot = HalfSlot::Of<Layout>(it, wg);
-        Barrier::wait(pipe.Full(slot.index), slot.round & 1);
-        DequantiseRow(smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes +
-                          (wg_tid % kHalfN) * kFp8RowBytes,
-                      load.RowLoaded(half_row), half_part, smem + Layout::kKv, half_row);
-        cutlass::arch::fence_view_async_shared();
-        ReleaseStage<kCluster>(pipe, slot.index);
-        ConsumerSync();  // warpgroup 0's QK^T reads both halves
-      } else if constexpr (kFp8) {
-        // The warpgroup's PV of the previous block is done with its columns of the bf16 tile. Its
-        // new values are fenced for the WGMMAs before the warpgroup barrier where QK^T reads them
-        // (32 rows), else by the fence before PV.
-        const uint8_t* staged = smem + Layout::kFp8Stages + stage * kFp8StageBytes;
-        WarpgroupSync(wg);
-        if constexpr (kScoreN == 16) {
-          LoadKFragments(staged, smem + Layout::kKv, load, wg, wg_tid, frag);
-        } else {
-          const int row = wg_tid % kBlockN;
-          const int part = 2 * wg + wg_tid / kBlockN;
-          DequantiseRow<8>(staged + row * kFp8RowBytes, load.RowLoaded(row), part,
-                           smem + Layout::kKv, row);
-        }
-        if constexpr (kScoreN != 16) cutlass::arch::fence_view_async_shared();
-        WarpgroupSync(wg);
-        if (wg_tid == 0) ReleaseStage<kCluster>(pipe, stage);
-      } else if (!load.Complete()) {
-        ZeroUnloadedRows(smem + Layout::kKv + stage * kTileBytes, load, tid);
-        cutlass::arch::fence_view_async_shared();
-        ConsumerSync();
-      }
+      PrepareBlockTile<kFp8, kScoreN, kCluster, Layout>(smem, pipe, load, it, stage, wg, wg_tid,
+                                                        tid, frag);
       // kWg0Scores: P of the block goes over the rope chunk of its KV tile (the stage's, or the
       // fp8 cache's one bf16 tile's; only warpgroup 0's QK^T reads it), and the rows' factors into
       // the half of row_max of the block's parity, so that what warpgroup 0 writes for a block
@@ -334,21 +348,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         }
         SM90_TRACE(kTraceScoresDone, k);
         if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
-#pragma unroll
-        for (int v = 0; v < kOwnN / 4; ++v) {
-          *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
-              make_float4(OwnedValue(st, wg ^ 1, 4 * v), OwnedValue(st, wg ^ 1, 4 * v + 1),
-                          OwnedValue(st, wg ^ 1, 4 * v + 2), OwnedValue(st, wg ^ 1, 4 * v + 3));
-        }
-        ConsumerSync();
-#pragma unroll
-        for (int v = 0; v < kOwnN / 4; ++v) {
-          const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
-          so[4 * v] = OwnedValue(st, wg, 4 * v) + other.x;
-          so[4 * v + 1] = OwnedValue(st, wg, 4 * v + 1) + other.y;
-          so[4 * v + 2] = OwnedValue(st, wg, 4 * v + 2) + other.z;
-          so[4 * v + 3] = OwnedValue(st, wg, 4 * v + 3) + other.w;
-        }
+        ExchangePartialScores<kScoreN, kFp8>(smem, wg, wg_tid, st, so);
         // Masked online softmax of the owned rows over tokens: maxima over the thread's two
         // tokens, the eight lanes sharing its query rows, then the warpgroup's four warps.
         const bool half_ok = tok_a < kHalfN ? half_ok0 : half_ok1;
@@ -577,31 +577,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
             }
           }
         }
-        // O^T[64 t : 64 t + 64 of this warpgroup's columns, rows] += V^T P^T over the 64 tokens.
-#pragma unroll
-        for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
-        cute::warpgroup_arrive();
-        const uint64_t v_desc = MNMajorDesc(kv_addr + wg * kOTiles * kChunkBytes);
-        const uint64_t p_desc = KMajorDesc(p_addr);
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-#pragma unroll
-          for (int t = 0; t < kOTiles; ++t) {
-            Gmma<PvT>(DescAdd(v_desc, t * kChunkBytes + kk * 16 * kRowBytes),
-                      DescAdd(p_desc, kk * 32), o_tiles[t], true);
-          }
-        }
+        IssueTransposedPv<PvT>(o_tiles, kv_addr, p_addr, wg);
       } else {
-      // O[:, 256 wg : 256 wg + 256] += P V over the 64 tokens of the tile.
-      FenceRegisters(o);
-      cute::warpgroup_arrive();
-      const uint64_t p_desc = KMajorDesc(SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block));
-      const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
-#pragma unroll
-      for (int kk = 0; kk < ((kSkip & 2) ? 0 : kBlockN / 16); ++kk) {
-        Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
+        // With kSplitRelease warpgroup 0 reads its own copy of P (the P tile).
+        const uint32_t p_addr_pv = SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block);
+        IssuePv<(kSkip & 2) != 0>(o, p_addr_pv, kv_addr, wg);
       }
-      }  // kScoreN == 0
       cute::warpgroup_commit_batch();
       if (kSplitRelease && wg == 0) {
         v0_pending = stage;  // its PV runs on under the next block's QK^T

@@ -1,5 +1,5 @@
 // The WGMMA instructions the decode kernels issue (CuTe's wrappers, operands from shared memory or
-// A from registers) and the QK^T k steps of a 576-wide row.
+// A from registers), the QK^T k steps of a 576-wide row, and the PV products of a block.
 #pragma once
 
 #include <cstddef>
@@ -85,6 +85,41 @@ __device__ __forceinline__ void GmmaRs(const uint32_t (&a)[4], uint64_t desc_b, 
   MmaRsImpl<Op>(a, desc_b, d,
                 accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero,
                 std::make_index_sequence<N>{});
+}
+
+// Transposed scores: issues O^T[64 t : 64 t + 64 of warpgroup wg's columns, rows] += V^T P^T over
+// the block's 64 tokens (V^T read MN-major from the KV tile at kv_addr, P^T from the P tile).
+template <class PvT, int kOTiles, int kOPerTile>
+__device__ __forceinline__ void IssueTransposedPv(float (&o_tiles)[kOTiles][kOPerTile],
+                                                  uint32_t kv_addr, uint32_t p_addr, int wg) {
+#pragma unroll
+  for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
+  cute::warpgroup_arrive();
+  const uint64_t v_desc = MNMajorDesc(kv_addr + wg * kOTiles * kChunkBytes);
+  const uint64_t p_desc = KMajorDesc(p_addr);
+#pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+#pragma unroll
+    for (int t = 0; t < kOTiles; ++t) {
+      Gmma<PvT>(DescAdd(v_desc, t * kChunkBytes + kk * 16 * kRowBytes),
+                DescAdd(p_desc, kk * 32), o_tiles[t], true);
+    }
+  }
+}
+
+// 64-row tiles: issues O[:, 256 wg : 256 wg + 256] += P V over the block's 64 tokens (P at
+// p_addr, V read MN-major from the KV tile at kv_addr); kSkipPv (a timing experiment) issues none.
+template <bool kSkipPv, int kOPerTile>
+__device__ __forceinline__ void IssuePv(float (&o)[kOPerTile], uint32_t p_addr, uint32_t kv_addr,
+                                        int wg) {
+  FenceRegisters(o);
+  cute::warpgroup_arrive();
+  const uint64_t p_desc = KMajorDesc(p_addr);
+  const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
+#pragma unroll
+  for (int kk = 0; kk < (kSkipPv ? 0 : kBlockN / 16); ++kk) {
+    Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
+  }
 }
 
 }  // namespace detail

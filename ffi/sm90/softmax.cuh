@@ -272,6 +272,30 @@ __device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT],
   }
 }
 
+// Transposed scores: hands the other warpgroup this thread's partial S^T of that one's rows
+// (st, over warpgroup wg's half of the columns) and returns in `so` its own rows' complete
+// scores, its partial sums plus the other's (shared memory, between one consumer barrier).
+template <int kScoreN, bool kFp8, int kStN, int kOwnN>
+__device__ __forceinline__ void ExchangePartialScores(uint8_t* smem, int wg, int wg_tid,
+                                                      const float (&st)[kStN],
+                                                      float (&so)[kOwnN]) {
+#pragma unroll
+  for (int v = 0; v < kOwnN / 4; ++v) {
+    *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
+        make_float4(OwnedValue(st, wg ^ 1, 4 * v), OwnedValue(st, wg ^ 1, 4 * v + 1),
+                    OwnedValue(st, wg ^ 1, 4 * v + 2), OwnedValue(st, wg ^ 1, 4 * v + 3));
+  }
+  ConsumerSync();
+#pragma unroll
+  for (int v = 0; v < kOwnN / 4; ++v) {
+    const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
+    so[4 * v] = OwnedValue(st, wg, 4 * v) + other.x;
+    so[4 * v + 1] = OwnedValue(st, wg, 4 * v + 1) + other.y;
+    so[4 * v + 2] = OwnedValue(st, wg, 4 * v + 2) + other.z;
+    so[4 * v + 3] = OwnedValue(st, wg, 4 * v + 3) + other.w;
+  }
+}
+
 }  // namespace detail
 }  // namespace sm90
 }  // namespace jax_mla
