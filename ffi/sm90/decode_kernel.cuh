@@ -20,6 +20,9 @@
 // Up to 32 query rows the scores and PV are computed transposed (kScoreN). With the fp8 cache
 // (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile per
 // block.
+// The kernel is below; PrepareKvTile before it makes a landed block ready for the MMAs, and the
+// pieces both use live in one header per concern (producer, kv_blocks, pipeline, mma, softmax,
+// fp8_convert, epilogue).
 // Safety: only pages whose id is in range and that hold tokens below the (clamped) length are
 // loaded from the cache (with pages of 64 the whole page, its tail included); the shared-memory
 // rows of tokens at or beyond the length or of pages not loaded are zeroed (so 0 * NaN never
@@ -52,20 +55,28 @@ namespace sm90 {
 
 namespace detail {
 
-// A block's KV tile made ready for the MMAs once its stage has landed:
+// A block's KV tile made ready for its MMAs; every consumer thread calls it, once the block's
+// stage has landed (the fp8 cache's 64-row tiles: each warpgroup waits here for its half stage,
+// HalfSlot):
 //  - the fp8 cache, 64-row tiles: both warpgroups' PV of the previous block are done with the
-//    bf16 tile. Warpgroup wg converts half wg of the block (its own QK^T's tokens) from that
-//    half's stage, and each thread hands the stage back after its reads; the fence orders the
-//    stage's reads before its refill (async proxy) and the tile's writes before QK^T's WGMMAs.
+//    bf16 tile. Warpgroup wg converts half wg of the block (tokens [32 wg, 32 wg + 32), all
+//    columns) from that half's stage, and each thread hands the stage back after its reads; the
+//    fence orders the stage's reads before its refill (async proxy) and the tile's writes before
+//    QK^T's WGMMAs.
 //  - the fp8 cache, transposed scores: the warpgroup's PV of the previous block is done with its
 //    columns of the bf16 tile. Its new values are fenced for the WGMMAs before the warpgroup
 //    barrier where QK^T reads them (32 rows), else by the fence before PV; up to 16 rows the keys
-//    also go into frag.
-//  - the bf16 cache: the rows the block did not load are zeroed.
-template <bool kFp8, int kScoreN, int kCluster, class Layout>
-__device__ __forceinline__ void PrepareBlockTile(uint8_t* smem, const Pipeline& pipe,
-                                                 const BlockLoad& load, int it, int stage, int wg,
-                                                 int wg_tid, int tid, KFragments& frag) {
+//    also go into frag. After the second warpgroup barrier (its reads of the staged rows done)
+//    thread 0 of each warpgroup hands the stage back.
+//  - the bf16 cache: the V columns of the rows the block did not load are zeroed by all consumer
+//    threads (so that 0 x NaN never enters PV; with kSplitRelease warpgroup 1 also writes
+//    warpgroup 0's V chunks, hence the caller's wait for them), fenced for the WGMMAs and behind
+//    a consumer barrier. The stage goes back after PV.
+template <int kCluster, int kScoreN, bool kFp8>
+__device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pipe,
+                                              const BlockLoad& load, int it, int stage, int wg,
+                                              int wg_tid, int tid, KFragments& frag) {
+  using Layout = KernelSmemLayout<kFp8, kScoreN>;
   if constexpr (kFp8 && kScoreN == 0) {
     const int half_row = wg * kHalfN + wg_tid % kHalfN;  // the (row, part) this thread converts
     const int half_part = wg_tid / kHalfN;
@@ -247,9 +258,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   // other warpgroup's rows' factors and statistics it reads from RowStats.
   constexpr int kOwnRowsT = kScoreN > 0 ? kRowsT / 2 : 1;
   constexpr int kOwnN = 2 * kOwnRowsT;
-  static_assert(kScoreN % 16 == 0, "each warpgroup's values of a thread fill whole float4s");
   using QkT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::K>;
-  using PvT = TransposedMma<kScoreN == 16 ? 16 : 32, cute::SM90::GMMA::Major::MN>;
   using QkRs = RsMma<cute::bfloat16_t, kScoreN == 16 ? 16 : 32>;
   const int warp_in_wg = wg_tid / 32;
   const int tok_a = TransposedScores::Token(wg_tid, 0);
@@ -298,11 +307,13 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     BlockLoad load{};
     if (seg_info.kv_begin < seg_info.kv_end) load = BlockLoad::Of(p, seg_info, seg_info.kv_begin);
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
-      const int stage = it % kStages;  // with half stages (kFp8, kScoreN 0) see HalfSlot
+      const int stage = it % kStages;  // with half stages (kFp8, kScoreN 0): PrepareKvTile
       BlockPages next = {{-1, -1}};
       if (k + 1 < seg_info.kv_end) next = BlockPages::Read(p, seg_info, k + 1);
+      // Half stages: PrepareKvTile waits for each warpgroup's half.
       if (!Layout::kHalfStages) Barrier::wait(pipe.Full(stage), (it / kStages) & 1);
-      // With kSplitRelease warpgroup 1 reads warpgroup 0's V chunks only to zero unloaded rows.
+      // With kSplitRelease warpgroup 1 reads warpgroup 0's V chunks only to zero unloaded rows
+      // (PrepareKvTile).
       if (kSplitRelease && (wg == 0 || !load.Complete())) {
         Barrier::wait(pipe.V0Full(stage), (it / kStages) & 1);
       }
@@ -312,8 +323,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       const bool half_ok0 = load.half_ok[0];
       const bool half_ok1 = load.half_ok[1];
       KFragments frag;  // fp8 cache, up to 16 rows: the block's keys as QK^T's A operand
-      PrepareBlockTile<kFp8, kScoreN, kCluster, Layout>(smem, pipe, load, it, stage, wg, wg_tid,
-                                                        tid, frag);
+      PrepareKvTile<kCluster, kScoreN, kFp8>(smem, pipe, load, it, stage, wg, wg_tid, tid, frag);
       // kWg0Scores: P of the block goes over the rope chunk of its KV tile (the stage's, or the
       // fp8 cache's one bf16 tile's; only warpgroup 0's QK^T reads it), and the rows' factors into
       // the half of row_max of the block's parity, so that what warpgroup 0 writes for a block
@@ -325,9 +335,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       float alpha_o[kOwnRowsT];  // transposed scores: the owned rows' rescale factors
       if constexpr (kScoreN > 0) {
         // S^T = K Q^T for the block's 64 tokens: warpgroup w contracts its half of the 576
-        // columns (with the fp8 cache: its two latent groups and half the rope), hands the other
-        // warpgroup its partial sums of that one's rows and adds the other's of its own (shared
-        // memory).
+        // columns (with the fp8 cache: its two latent groups and half the rope);
+        // ExchangePartialScores then completes its owned rows' scores.
         if constexpr (kFp8 && kScoreN == 16) {
           ScoresFp8Registers<QkRs, Layout::kQChunkBytes>(frag, q_addr, wg, st);
         } else if constexpr (kFp8) {
@@ -377,8 +386,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         UpdateRowsSoftmax<kOwnRowsT, kScoreN>(wg_exchange, lane, sl2, so, m_o, l_o, alpha_o,
                                               own_first);
         // The owned rows' factors for the other warpgroup, which reads them after the barrier
-        // before PV; the next block writes them only after its exchange barrier, which the other
-        // warpgroup reaches only after reading these.
+        // before PV; the next block writes them only after ExchangePartialScores' barrier, which
+        // the other warpgroup reaches only after reading these.
         if (warp_in_wg == 0 && lane < 4) {
 #pragma unroll
           for (int k = 0; k < kOwnRowsT; ++k) {
@@ -386,7 +395,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
         }
         // Both warpgroups are past the previous block's PV (each waited for its own at the end of
-        // that block, kEarlyRelease, before the exchange barrier above): P can be rewritten.
+        // that block, kEarlyRelease, before ExchangePartialScores' barrier): P can be rewritten.
 #pragma unroll
         for (int k = 0; k < kOwnRowsT; ++k) {
           const int row = RowT(own_first + k);
@@ -577,11 +586,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
             }
           }
         }
-        IssueTransposedPv<PvT>(o_tiles, kv_addr, p_addr, wg);
+        IssueTransposedPv(o_tiles, kv_addr, p_addr, wg);
       } else {
-        // With kSplitRelease warpgroup 0 reads its own copy of P (the P tile).
-        const uint32_t p_addr_pv = SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block);
-        IssuePv<(kSkip & 2) != 0>(o, p_addr_pv, kv_addr, wg);
+        // With kSplitRelease warpgroup 0 reads its own copy of P (the P tile): the rope chunk may
+        // be refilled under its PV.
+        const uint32_t pv_p_addr = SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block);
+        IssuePv<(kSkip & 2) != 0>(o, kv_addr, pv_p_addr, wg);
       }
       cute::warpgroup_commit_batch();
       if (kSplitRelease && wg == 0) {

@@ -87,11 +87,13 @@ __device__ __forceinline__ void GmmaRs(const uint32_t (&a)[4], uint64_t desc_b, 
                 std::make_index_sequence<N>{});
 }
 
-// Transposed scores: issues O^T[64 t : 64 t + 64 of warpgroup wg's columns, rows] += V^T P^T over
-// the block's 64 tokens (V^T read MN-major from the KV tile at kv_addr, P^T from the P tile).
-template <class PvT, int kOTiles, int kOPerTile>
+// DecodeKernel's transposed scores: issues O^T[64 t : 64 t + 64 of warpgroup wg's columns, rows]
+// += V^T P^T over the block's 64 tokens (V^T read MN-major from the KV tile at kv_addr, P^T from
+// the P tile at p_addr): fences the accumulators and arrives; the caller commits and waits.
+template <int kOTiles, int kOPerTile>
 __device__ __forceinline__ void IssueTransposedPv(float (&o_tiles)[kOTiles][kOPerTile],
                                                   uint32_t kv_addr, uint32_t p_addr, int wg) {
+  using PvT = TransposedMma<2 * kOPerTile, cute::SM90::GMMA::Major::MN>;
 #pragma unroll
   for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
   cute::warpgroup_arrive();
@@ -107,11 +109,12 @@ __device__ __forceinline__ void IssueTransposedPv(float (&o_tiles)[kOTiles][kOPe
   }
 }
 
-// 64-row tiles: issues O[:, 256 wg : 256 wg + 256] += P V over the block's 64 tokens (P at
-// p_addr, V read MN-major from the KV tile at kv_addr); kSkipPv (a timing experiment) issues none.
-template <bool kSkipPv, int kOPerTile>
-__device__ __forceinline__ void IssuePv(float (&o)[kOPerTile], uint32_t p_addr, uint32_t kv_addr,
-                                        int wg) {
+// DecodeKernel's 64-row tiles: issues O[:, 256 wg : 256 wg + 256] += P V over the block's 64
+// tokens (V read MN-major from the KV tile at kv_addr, P at p_addr): fences the accumulator and
+// arrives; the caller commits and waits. kSkipPv (a timing experiment) issues no MMA.
+template <bool kSkipPv>
+__device__ __forceinline__ void IssuePv(float (&o)[kLatentDim / kConsumerWarpgroups / 2],
+                                        uint32_t kv_addr, uint32_t p_addr, int wg) {
   FenceRegisters(o);
   cute::warpgroup_arrive();
   const uint64_t p_desc = KMajorDesc(p_addr);

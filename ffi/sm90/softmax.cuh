@@ -234,6 +234,34 @@ __device__ __forceinline__ float4* ScoreExchangeSlot(uint8_t* smem, int wg, int 
       wg_tid * 16);
 }
 
+// Transposed scores: hands the other warpgroup this thread's partial S^T of that one's rows
+// (st, over warpgroup wg's half of the columns) and returns in `so` its own rows' complete
+// scores, its partial sums plus the other's, written before and read after one consumer barrier
+// (every consumer thread calls it). The caller relies on that barrier, and the slots are
+// rewritten by the next block's call only after the consumer barrier that follows its P stores.
+template <int kScoreN, bool kFp8, int kStN, int kOwnN>
+__device__ __forceinline__ void ExchangePartialScores(uint8_t* smem, int wg, int wg_tid,
+                                                      const float (&st)[kStN],
+                                                      float (&so)[kOwnN]) {
+  static_assert(kStN == kScoreN / 2 && kOwnN == kStN / 2, "a thread's values of its query rows");
+  static_assert(kScoreN % 16 == 0, "each warpgroup's values of a thread fill whole float4s");
+#pragma unroll
+  for (int v = 0; v < kOwnN / 4; ++v) {
+    *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
+        make_float4(OwnedValue(st, wg ^ 1, 4 * v), OwnedValue(st, wg ^ 1, 4 * v + 1),
+                    OwnedValue(st, wg ^ 1, 4 * v + 2), OwnedValue(st, wg ^ 1, 4 * v + 3));
+  }
+  ConsumerSync();
+#pragma unroll
+  for (int v = 0; v < kOwnN / 4; ++v) {
+    const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
+    so[4 * v] = OwnedValue(st, wg, 4 * v) + other.x;
+    so[4 * v + 1] = OwnedValue(st, wg, 4 * v + 1) + other.y;
+    so[4 * v + 2] = OwnedValue(st, wg, 4 * v + 2) + other.z;
+    so[4 * v + 3] = OwnedValue(st, wg, 4 * v + 3) + other.w;
+  }
+}
+
 // Per-row values one warpgroup publishes for the other (its owned rows' rescale factors each
 // block, their sums and maxima at a segment's end): f32 [3][4][kScoreN / 4], array a's entry of
 // query row TransposedScores::QueryRow(q, i) at a * kScoreN + q * kScoreN / 4 + i (q = lane % 4).
@@ -269,30 +297,6 @@ __device__ __forceinline__ void SumRowsOverWarpgroup(const float (&l_t)[kRowsT],
     const int row = TransposedScores::QueryRow(lane, first_row_t + i);
     l[i] = ((reduce[row] + reduce[kStride + row]) + reduce[2 * kStride + row]) +
            reduce[3 * kStride + row];
-  }
-}
-
-// Transposed scores: hands the other warpgroup this thread's partial S^T of that one's rows
-// (st, over warpgroup wg's half of the columns) and returns in `so` its own rows' complete
-// scores, its partial sums plus the other's (shared memory, between one consumer barrier).
-template <int kScoreN, bool kFp8, int kStN, int kOwnN>
-__device__ __forceinline__ void ExchangePartialScores(uint8_t* smem, int wg, int wg_tid,
-                                                      const float (&st)[kStN],
-                                                      float (&so)[kOwnN]) {
-#pragma unroll
-  for (int v = 0; v < kOwnN / 4; ++v) {
-    *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg, v, wg_tid) =
-        make_float4(OwnedValue(st, wg ^ 1, 4 * v), OwnedValue(st, wg ^ 1, 4 * v + 1),
-                    OwnedValue(st, wg ^ 1, 4 * v + 2), OwnedValue(st, wg ^ 1, 4 * v + 3));
-  }
-  ConsumerSync();
-#pragma unroll
-  for (int v = 0; v < kOwnN / 4; ++v) {
-    const float4 other = *ScoreExchangeSlot<kScoreN, kFp8>(smem, wg ^ 1, v, wg_tid);
-    so[4 * v] = OwnedValue(st, wg, 4 * v) + other.x;
-    so[4 * v + 1] = OwnedValue(st, wg, 4 * v + 1) + other.y;
-    so[4 * v + 2] = OwnedValue(st, wg, 4 * v + 2) + other.z;
-    so[4 * v + 3] = OwnedValue(st, wg, 4 * v + 3) + other.w;
   }
 }
 
