@@ -13,10 +13,14 @@
 //   bits       E4m3x2ToBf16x2TimesTwoToMinus120 (benchmarks/e4m3_bits.h: byte permute, shift,
 //              mask) and one bf16 multiply by the scale times 2^120
 //   bits k/8   k of each unit's 8 pairs by bits, the others by cvt (k = 2, 4, 6)
-//   f16        cvt to f16 pairs and one f16 multiply (f16 out, as the branch fp8-tiles-f16 has it)
+//   f16        cvt to f16 pairs and one f16 multiply (f16 out: as the register-operand kernels
+//              convert, and the branch fp8-tiles-f16)
+//   f16 bits   E4m3x2ToF16x2TimesTwoToMinus8 and one f16 multiply by the scale times 2^8
+//   f16 bits 4/8  half of each unit's pairs each way
 // Before any timing, bits is checked against cvt bit for bit on all 64,516 byte pairs of finite
 // values, in both halves of a word, at scales 2^-126 (the smallest write_kv writes; subnormal
-// products), 2^-20, 1 and 2^7 (the largest whose product with 2^120 is a finite bf16).
+// products), 2^-20, 1 and 2^7 (the largest whose product with 2^120 is a finite bf16), and f16
+// bits against f16 at scales 2^-10, 1 and 2^7.
 //
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/cvt_probe.cu \
 //        -o .gpu/cvt_probe
@@ -37,7 +41,8 @@
 constexpr int kThreads = 256;
 constexpr int kUnitsPerIteration = 4;
 constexpr int kInputUnits = 1024;  // 16 KB of e4m3 values in shared memory, a power of two
-constexpr int kCopy = -1, kF16 = -2;  // methods besides kBitsPairs = 0 (cvt) .. 8 (bits)
+// Methods besides kBitsPairs = 0 (cvt) .. 8 (bits).
+constexpr int kCopy = -1, kF16 = -2, kF16Bits = -3, kF16Mixed = -4;
 
 __device__ __forceinline__ uint32_t Bits(__nv_bfloat162 v) {
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -67,9 +72,16 @@ __device__ __forceinline__ uint32_t ViaF16(uint32_t word, int half, __half2 scal
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// scale2_2p8: the scale times 2^8 in both halves.
+__device__ __forceinline__ uint32_t ViaF16Bits(uint32_t word, int half, __half2 scale2_2p8) {
+  const uint32_t bits = E4m3x2ToF16x2TimesTwoToMinus8(word, half);
+  const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&bits), scale2_2p8);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
 struct Scales {
   __nv_bfloat162 bf16, bf16_2p120;
-  __half2 f16;
+  __half2 f16, f16_2p8;
 };
 
 // Pair p (< 8) of a 16-byte unit by kMethod: the last kMethod pairs by bits, the others by cvt.
@@ -78,6 +90,10 @@ __device__ __forceinline__ uint32_t ConvertPair(const uint32_t (&w)[4], int p, c
   const uint32_t word = w[p / 2];
   if (kMethod == kCopy) return word;
   if (kMethod == kF16) return ViaF16(word, p % 2, s.f16);
+  if (kMethod == kF16Bits || (kMethod == kF16Mixed && p % 2 == 1)) {
+    return ViaF16Bits(word, p % 2, s.f16_2p8);
+  }
+  if (kMethod == kF16Mixed) return ViaF16(word, p % 2, s.f16);
   return p >= 8 - kMethod ? ViaBits(word, p % 2, s.bf16_2p120) : ViaCvt(word, p % 2, s.bf16);
 }
 
@@ -87,7 +103,7 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(int iters, uint32_t se
   __shared__ uint4 in[kInputUnits];
   __shared__ uint4 out_lo[kUnitsPerIteration * kThreads], out_hi[kUnitsPerIteration * kThreads];
   const Scales s{__float2bfloat162_rn(0.25f), __float2bfloat162_rn(0.25f * 0x1p120f),
-                 __float2half2_rn(0.25f)};
+                 __float2half2_rn(0.25f), __float2half2_rn(0.25f * 0x1p8f)};
   uint32_t x = seed ^ (blockIdx.x * kThreads + threadIdx.x) * 0x9E3779B9u;
   for (int u = threadIdx.x; u < kInputUnits; u += kThreads) {
     uint32_t w[4];
@@ -118,7 +134,8 @@ __global__ void __launch_bounds__(kThreads) ConvertKernel(int iters, uint32_t se
 }
 
 // counts[2 s]: byte pairs of finite e4m3 values compared at scale s; counts[2 s + 1]: those where
-// bits (the pair in bytes 0-1 of a word, and in bytes 2-3) and cvt differ.
+// bits (the pair in bytes 0-1 of a word, and in bytes 2-3) and cvt differ; s = 4..6 the same for
+// f16 bits against f16.
 __global__ void CheckBitsKernel(int* counts) {
   const uint32_t pair = blockIdx.x * blockDim.x + threadIdx.x;  // 0 .. 65535
   if ((pair & 0x7F) == 0x7F || ((pair >> 8) & 0x7F) == 0x7F) return;  // a NaN byte
@@ -130,6 +147,15 @@ __global__ void CheckBitsKernel(int* counts) {
     const uint32_t high = ViaBits((pair << 16) | 0x5A5Au, 1, scale2_2p120);
     atomicAdd(&counts[2 * s], 1);
     if (want != low || want != high) atomicAdd(&counts[2 * s + 1], 1);
+  }
+  const float f16_scales[3] = {0x1p-10f, 1.f, 0x1p7f};
+  for (int s = 0; s < 3; ++s) {
+    const uint32_t want = ViaF16(pair, 0, __float2half2_rn(f16_scales[s]));
+    const __half2 scale2_2p8 = __float2half2_rn(f16_scales[s] * 0x1p8f);
+    const uint32_t low = ViaF16Bits(pair | 0xA5A50000u, 0, scale2_2p8);
+    const uint32_t high = ViaF16Bits((pair << 16) | 0x5A5Au, 1, scale2_2p8);
+    atomicAdd(&counts[2 * (4 + s)], 1);
+    if (want != low || want != high) atomicAdd(&counts[2 * (4 + s) + 1], 1);
   }
 }
 
@@ -145,19 +171,23 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   CHECK_CUDA(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
 
+  constexpr int kChecks = 7;
   int* counts;
-  CHECK_CUDA(cudaMalloc(&counts, 8 * sizeof(int)));
-  CHECK_CUDA(cudaMemset(counts, 0, 8 * sizeof(int)));
+  CHECK_CUDA(cudaMalloc(&counts, 2 * kChecks * sizeof(int)));
+  CHECK_CUDA(cudaMemset(counts, 0, 2 * kChecks * sizeof(int)));
   CheckBitsKernel<<<256, 256>>>(counts);
   CHECK_CUDA(cudaGetLastError());
-  int host_counts[8];
+  int host_counts[2 * kChecks];
   CHECK_CUDA(cudaMemcpy(host_counts, counts, sizeof(host_counts), cudaMemcpyDeviceToHost));
-  printf("bits against cvt, byte pairs of finite values compared / differing at scales 2^-126, "
-         "2^-20, 1, 2^7: %d/%d %d/%d %d/%d %d/%d\n",
-         host_counts[0], host_counts[1], host_counts[2], host_counts[3], host_counts[4],
-         host_counts[5], host_counts[6], host_counts[7]);
-  const bool bits_exact = host_counts[1] + host_counts[3] + host_counts[5] + host_counts[7] == 0 &&
-                          host_counts[0] == 254 * 254;
+  const char* check_names[kChecks] = {"bf16 2^-126", "bf16 2^-20", "bf16 1", "bf16 2^7",
+                                      "f16 2^-10", "f16 1", "f16 2^7"};
+  bool bits_exact = true;
+  printf("bits against cvt, byte pairs of finite values compared / differing, per scale:");
+  for (int c = 0; c < kChecks; ++c) {
+    printf(" %s %d/%d", check_names[c], host_counts[2 * c], host_counts[2 * c + 1]);
+    bits_exact = bits_exact && host_counts[2 * c] == 254 * 254 && host_counts[2 * c + 1] == 0;
+  }
+  printf("\n");
 
   const Kernel kernels[] = {
       {"copy", reinterpret_cast<const void*>(&ConvertKernel<kCopy>)},
@@ -167,6 +197,8 @@ int main(int argc, char** argv) {
       {"bits 6/8", reinterpret_cast<const void*>(&ConvertKernel<6>)},
       {"bits", reinterpret_cast<const void*>(&ConvertKernel<8>)},
       {"f16", reinterpret_cast<const void*>(&ConvertKernel<kF16>)},
+      {"f16 bits 4/8", reinterpret_cast<const void*>(&ConvertKernel<kF16Mixed>)},
+      {"f16 bits", reinterpret_cast<const void*>(&ConvertKernel<kF16Bits>)},
   };
   printf("# %d SMs, peak clock %d MHz, %d iterations of %d units (16 values each) a thread\n", sms,
          clock_khz / 1000, iters, kUnitsPerIteration);

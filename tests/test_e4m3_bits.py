@@ -1,8 +1,9 @@
-"""The bit-field construction of bf16 from e4m3 that benchmarks/cvt_probe.cu times against the
-conversion instruction (``benchmarks/e4m3_bits.h``), run on the host for every byte with the
+"""The bit-field constructions of bf16 and f16 from e4m3 that benchmarks/cvt_probe.cu times against
+the conversion instruction (``benchmarks/e4m3_bits.h``), run on the host for every byte with the
 byte permute emulated (so its selectors are checked too): each finite e4m3 value comes out as
-the bf16 of that value times 2^-120 (subnormals included), from either byte pair of a word, with
-other bytes around it; NaN bytes come out as the documented finite 480 x 2^-120."""
+the bf16 of that value times 2^-120 and the f16 of it times 2^-8 (subnormals included), from
+either byte pair of a word, with other bytes around it; NaN bytes come out as the documented
+finite 480 times those powers of two."""
 
 from __future__ import annotations
 
@@ -25,19 +26,29 @@ int main() {
     const unsigned other = (b * 37u + 11u) & 0xFFu;
     const unsigned low = E4m3x2ToBf16x2TimesTwoToMinus120(b | other << 8 | 0xA5A50000u, 0);
     const unsigned high = E4m3x2ToBf16x2TimesTwoToMinus120(0x5A5Au | b << 16 | other << 24, 1);
-    std::printf("%u %u %u\n", b, low, high);
+    const unsigned low16 = E4m3x2ToF16x2TimesTwoToMinus8(b | other << 8 | 0xA5A50000u, 0);
+    const unsigned high16 = E4m3x2ToF16x2TimesTwoToMinus8(0x5A5Au | b << 16 | other << 24, 1);
+    std::printf("%u %u %u %u %u\n", b, low, high, low16, high16);
   }
 }
 """
 
 
-def expected_bf16_bits(byte: int) -> int:
-    """The bf16 bits of e4m3 byte `byte` times 2^-120 (a NaN byte: 480 of its sign)."""
+def expected_bits(byte: int, dtype, exponent: int) -> int:
+    """The bits of e4m3 byte `byte` times 2^exponent in dtype (a NaN byte: 480 of its sign)."""
     value = np.array([byte], np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)[0]
     if np.isnan(value):
         value = np.float32(-480.0 if byte & 0x80 else 480.0)
-    scaled = np.ldexp(value, -120).astype(np.float32)
-    return int(np.array([scaled]).astype(ml_dtypes.bfloat16).view(np.uint16)[0])
+    scaled = np.ldexp(value, exponent).astype(np.float32)
+    return int(np.array([scaled]).astype(dtype).view(np.uint16)[0])
+
+
+def expected_bf16_bits(byte: int) -> int:
+    return expected_bits(byte, ml_dtypes.bfloat16, -120)
+
+
+def expected_f16_bits(byte: int) -> int:
+    return expected_bits(byte, np.float16, -8)
 
 
 def test_bits_give_every_e4m3_value_times_two_to_minus_120(tmp_path):
@@ -53,9 +64,13 @@ def test_bits_give_every_e4m3_value_times_two_to_minus_120(tmp_path):
             subprocess.run([str(binary)], capture_output=True, text=True,
                            check=True).stdout.splitlines()]
     assert len(rows) == 256
-    for byte, low, high in rows:
+    for byte, low, high, low16, high16 in rows:
         other = (byte * 37 + 11) & 0xFF
         want = expected_bf16_bits(byte) | expected_bf16_bits(other) << 16
         assert (low, high) == (want, want), (byte, hex(low), hex(high), hex(want))
-    # Subnormal e4m3 values stay exact: the smallest, 2^-9, becomes 2^-129 (a bf16 subnormal).
+        want16 = expected_f16_bits(byte) | expected_f16_bits(other) << 16
+        assert (low16, high16) == (want16, want16), (byte, hex(low16), hex(high16), hex(want16))
+    # Subnormal e4m3 values stay exact: the smallest, 2^-9, becomes 2^-129 (a bf16 subnormal) and
+    # 2^-17 (an f16 subnormal).
     assert expected_bf16_bits(0x01) == 0x0010
+    assert expected_f16_bits(0x01) == 0x0080
