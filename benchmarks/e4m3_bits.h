@@ -1,7 +1,8 @@
 // e4m3 values as bf16 or f16 without the conversion instruction: a byte permute that replicates
 // each byte's sign into the byte above it, a shift and a mask put the e4m3 fields where bf16's
-// or f16's go (benchmarks/cvt_probe.cu times it against cvt.rn.f16x2.e4m3x2). Host and device code: on the
-// host the permute is emulated, so that tests/test_e4m3_bits.py checks the selectors too.
+// or f16's go (benchmarks/cvt_probe.cu times it against cvt.rn.f16x2.e4m3x2). Host and device
+// code: on the host the permute is emulated, so that tests/test_e4m3_bits.py checks the
+// selectors too.
 #pragma once
 
 #include <cstdint>
@@ -50,8 +51,8 @@ JAX_MLA_E4M3_HD uint32_t E4m3x2ToBf16x2TimesTwoToMinus120(uint32_t word, int hal
 }
 
 // As E4m3x2ToBf16x2TimesTwoToMinus120, as two f16 whose values are the e4m3 values times 2^-8:
-// shifted left by 7 the exponent and mantissa bits reach bits 13..7 (f16's exponent field holds the
-// e4m3 one: bias 15 = 7 + 8) and the sign bit 15. Exact for every finite e4m3 value, subnormals
+// shifted left by 7 the exponent and mantissa bits reach bits 13..7 (f16's exponent field holds
+// the e4m3 one: bias 15 = 7 + 8) and the sign bit 15. Exact for every finite e4m3 value, subnormals
 // becoming f16 subnormals; a NaN byte becomes the finite 480 x 2^-8 of its sign. Scaling back
 // takes one f16 multiply by scale x 2^8.
 JAX_MLA_E4M3_HD uint32_t E4m3x2ToF16x2TimesTwoToMinus8(uint32_t word, int half) {
