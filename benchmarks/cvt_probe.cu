@@ -2,7 +2,7 @@
 // for the fp8 cache's conversions (docs/fp8-cache.md, "What else remains of issue 15"). The
 // question is whether the conversion instruction (cvt.rn.f16x2.e4m3x2) and a bit-field
 // construction issue to different pipes, so that sending some pairs each way converts faster
-// than either alone. No jax_mla kernel runs here.
+// than either alone. No jax_mla kernel runs here; the kernels' conversion function does.
 //
 // As the kernels' DequantiseRow does, each thread loads 16 e4m3 values (16 bytes) from shared
 // memory, converts them and stores the 16 bf16 (32 bytes) to shared memory, four such units per
@@ -22,8 +22,8 @@
 // products), 2^-20, 1 and 2^7 (the largest whose product with 2^120 is a finite bf16), and f16
 // bits against f16 at scales 2^-10, 1 and 2^7.
 //
-//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a benchmarks/cvt_probe.cu \
-//        -o .gpu/cvt_probe
+//   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. -I<cutlass>/include \
+//        --expt-relaxed-constexpr benchmarks/cvt_probe.cu -o .gpu/cvt_probe
 //   .gpu/cvt_probe [ITERS] [CTAS_PER_SM]   # defaults 2048 and as many as fit; 1 CTA of 256
 //                                          # threads is the kernels' two consumer warpgroups
 #include <cuda_bf16.h>
@@ -37,6 +37,7 @@
 
 #include "check_cuda.h"
 #include "e4m3_bits.h"
+#include "ffi/sm90/fp8_convert.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kUnitsPerIteration = 4;
@@ -54,10 +55,7 @@ __device__ __forceinline__ __nv_bfloat162 AsBf16x2(uint32_t bits) {
 
 // Half `half` (bytes 2 half, 2 half + 1) of `word` by the kernels' conversion.
 __device__ __forceinline__ uint32_t ViaCvt(uint32_t word, int half, __nv_bfloat162 scale2) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-      static_cast<__nv_fp8x2_storage_t>(word >> (16 * half)), __NV_E4M3);
-  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-  return Bits(__hmul2(__floats2bfloat162_rn(f.x, f.y), scale2));
+  return jax_mla::sm90::detail::E4m3x2ToBf16x2(word >> (16 * half), scale2);
 }
 
 // scale2_2p120: the scale times 2^120 in both halves.
