@@ -20,7 +20,10 @@
 // the stage before any read, and their scores masked by select.
 #pragma once
 
-#include "decode_fp8_regs_kernel.cuh"
+#include "decode_kernel.cuh"
+#include "regs_cta.cuh"
+#include "regs_operands.cuh"
+#include "regs_softmax.cuh"
 
 namespace jax_mla {
 namespace sm90 {
