@@ -310,7 +310,8 @@ def mla_prefill(p: dict, cfg: MLAConfig, x, kv_cache, block_tables, prompt_lens)
     in_prompt = positions < prompt_lens[:, None]  # [B, P]
     slots = jnp.where(in_prompt, slot_mapping(block_tables, positions, kv_cache.shape[1]), -1)
     kv_cache = jax_mla.write_kv(kv_cache, c_kv.reshape(batch * length, -1),
-                                k_pe.reshape(batch * length, -1), slots.reshape(-1))
+                                k_pe.reshape(batch * length, -1), slots.reshape(-1),
+                                kv_lora_rank=cfg.kv_lora_rank)
     causal = positions[:, None, :] <= positions[:, :, None]  # [B, P(query), P(key)]
     out = attention_naive(p, cfg, q_nope, q_pe, c_kv, k_pe, causal & in_prompt[:, None, :])
     return out, kv_cache, jnp.concatenate([c_kv, k_pe], axis=-1)
@@ -337,7 +338,8 @@ def mla_decode(p: dict, cfg: MLAConfig, x, kv_cache, block_tables, positions, pl
     q_nope, q_pe = project_query(p, cfg, x, token_positions)
     c_kv, k_pe = project_kv(p, cfg, x, token_positions)
     slots = slot_mapping(block_tables, token_positions, kv_cache.shape[1]).reshape(batch)
-    kv_cache = jax_mla.write_kv(kv_cache, c_kv.reshape(batch, -1), k_pe.reshape(batch, -1), slots)
+    kv_cache = jax_mla.write_kv(kv_cache, c_kv.reshape(batch, -1), k_pe.reshape(batch, -1), slots,
+                                kv_lora_rank=cfg.kv_lora_rank)
 
     w_uk, w_uv = absorbed_weights(p, cfg)
     q_latent = jnp.einsum("bshd,hdc->bshc", q_nope, w_uk)

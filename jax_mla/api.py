@@ -31,16 +31,16 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.
-      softmax_scale: the pre-absorption scale, e.g. ``192**-0.5 * mscale**2`` for DeepSeek.
-      output_scale: multiplies the output.
+      softmax_scale: a float > 0 known at trace time, the pre-absorption scale, e.g. ``192**-0.5 *
+        mscale**2`` for DeepSeek.
+      output_scale: a finite float known at trace time; multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
         of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format
-        (sm90 aside); on Hopper, with ``plan=None``, a device whose shard has a batch of 32 or more
-        with up to 64 heads at q_len 1 (or up to 32 query rows below a batch of 512, or more than
-        64 heads with up to 64 query tokens) takes sm90 instead of fa3
-        (``jax_mla.backends.prefers_sm90``: where the committed benchmark has it faster), and with
-        the fp8 cache every device whose shard sm90 runs takes sm90 instead of xla.
+        (sm90 aside); on Hopper, with ``plan=None``, each device takes sm90 instead of fa3 where
+        ``jax_mla.backends.prefers_sm90`` holds for its shard's shape (where the committed
+        benchmark has it faster; the README's Backends section tabulates it), and with the fp8
+        cache every device whose shard sm90 runs takes sm90 instead of xla.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
@@ -70,12 +70,12 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     """
     _, _, _, kv_lora_rank, _, _ = validation.check_decode_args(
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
-    softmax_scale = validation.check_finite_scale("softmax_scale", softmax_scale)
+    softmax_scale = validation.check_positive_scale("softmax_scale", softmax_scale)
     output_scale = validation.check_finite_scale("output_scale", output_scale)
     kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
     if kv_scale is not None:
-        softmax_scale = validation.check_finite_scale("softmax_scale * kv_scale",
-                                                      softmax_scale * kv_scale)
+        softmax_scale = validation.check_positive_scale("softmax_scale * kv_scale",
+                                                        softmax_scale * kv_scale)
         output_scale = validation.check_finite_scale("output_scale * kv_scale",
                                                      output_scale * kv_scale)
     for name, flag in (("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)):

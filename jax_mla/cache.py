@@ -24,21 +24,29 @@ from jax_mla import e4m3_cache, fp8_cache, validation
 
 def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, rope_dim: int = 64,
                    dtype=jnp.bfloat16, device=None) -> jax.Array:
-    """A zeroed cache on ``device`` (default: JAX's default device).
+    """A zeroed paged cache.
 
     Args:
+      num_pages: pages in the cache (every request's pages come from this one pool).
+      page_size: tokens a page holds.
+      kv_lora_rank, rope_dim: channels of a token's latent and of its rope key.
+      device: a ``jax.Device`` (or sharding) to put it on; None: JAX's default device.
       dtype: a floating dtype (bf16, f16, f32) for a cache ``[num_pages, page_size, kv_lora_rank +
         rope_dim]`` of that dtype; ``jnp.float8_e4m3fn`` for the e4m3 cache of that shape, whose
         values are multiplied by one ``kv_scale``; or the string ``"fp8"`` for the fp8 cache: uint8
         ``[num_pages, page_size, row_bytes]``, 656 bytes a token for (512, 64), with a scale per
         128 latent channels (docs/fp8-cache.md).
+    Returns:
+      The cache: ``[num_pages, page_size, kv_lora_rank + rope_dim]`` of ``dtype``, or for "fp8"
+      uint8 ``[num_pages, page_size, row_bytes]``. Integer sizes may be Python or NumPy ints.
     """
-    for name, value in (("num_pages", num_pages), ("page_size", page_size),
-                        ("kv_lora_rank", kv_lora_rank), ("rope_dim", rope_dim)):
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+    num_pages, page_size, kv_lora_rank, rope_dim = (
+        validation.check_int(name, value) for name, value in (
+            ("num_pages", num_pages), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
+            ("rope_dim", rope_dim)))
+    if device is not None and not isinstance(device, (jax.Device, jax.sharding.Sharding)):
+        raise TypeError(f"device must be None, a jax.Device or a jax.sharding.Sharding, got "
+                        f"{device!r} (e.g. jax.devices('gpu')[0])")
     if isinstance(dtype, str) and dtype == fp8_cache.FP8:
         row_bytes = fp8_cache.layout(kv_lora_rank, rope_dim).row_bytes
         cache = jnp.zeros((num_pages, page_size, row_bytes), fp8_cache.STORAGE_DTYPE)
@@ -64,7 +72,8 @@ def _float_dtype(dtype) -> jnp.dtype:
 
 
 def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
-             slot_mapping: jax.Array, *, kv_scale: float | None = None) -> jax.Array:
+             slot_mapping: jax.Array, *, kv_lora_rank: int | None = None,
+             kv_scale: float | None = None) -> jax.Array:
     """Write ``T`` tokens into the paged cache and return the updated cache.
 
     Args:
@@ -78,13 +87,16 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
         skipped (so are slots past the cache). No other row of the cache changes. A slot named
         more than once holds, channel by channel, one of the tokens written to it; which one is
         unspecified (docs/bad-values.md).
+      kv_lora_rank: channels of the latent, as ``decode`` takes it: by default the cache's row
+        less 64 rope channels (for the fp8 cache, latent's last dim); latent and k_rope must
+        have exactly these widths.
       kv_scale: for the e4m3 cache only, and required there: a finite float > 0, the scale its
         values are stored in (the one ``decode`` is given).
 
     Under ``jax.jit(..., donate_argnums=0)`` the update happens in place: XLA aliases the donated
     cache to the result and copies nothing but the written rows.
     """
-    validation.check_write_args(kv_cache, latent, k_rope, slot_mapping)
+    validation.check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank)
     kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
     num_pages, page_size, row_size = kv_cache.shape
     num_slots = num_pages * page_size

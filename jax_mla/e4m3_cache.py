@@ -10,12 +10,10 @@ values beyond 448 times the scale saturate.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jax_mla import validation
 from jax_mla.fp8_cache import to_e4m3
 
 E4M3 = "e4m3"  # the cache format's name in jax_mla.backends
@@ -38,12 +36,7 @@ def check_kv_scale(kv_cache, kv_scale) -> float | None:
     if kv_scale is None:
         raise TypeError("kv_cache is an e4m3 cache (float8_e4m3fn): pass kv_scale, the float its "
                         "values are multiplied by (docs/fp8-cache.md)")
-    if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float, np.floating,
-                                                               np.integer)):
-        raise TypeError(f"kv_scale must be a Python float, got {type(kv_scale).__name__}")
-    kv_scale = float(kv_scale)
-    if not (math.isfinite(kv_scale) and kv_scale > 0):
-        raise ValueError(f"kv_scale must be finite and > 0, got {kv_scale}")
+    kv_scale = validation.check_positive_scale("kv_scale", kv_scale)
     return kv_scale
 
 

@@ -17,6 +17,8 @@ import functools
 import jax
 import numpy as np
 
+from jax_mla import validation
+
 MAX_TOTAL_WORKS = 16384  # MLAPlan's fixed capacity of each per-work array
 CTA_TILE_Q = 64
 ALIGNMENT = 16
@@ -143,6 +145,11 @@ def _host_scratch(num_bytes: int) -> np.ndarray:
     return np.zeros(num_bytes, np.uint8)
 
 
+def check_plan_sizes(**sizes) -> tuple[int, ...]:
+    """The schedule's sizes (num_heads, max_pages, q_len, ...) as ints >= 1, in the order given."""
+    return tuple(validation.check_int(name, value) for name, value in sizes.items())
+
+
 def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_rank: int = 512,
          rope_dim: int = 64, device=None) -> Plan:
     """Build the fa3/fa2 work schedule for one decode step on the host.
@@ -153,6 +160,7 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
       num_heads: query heads per device (the local count under tensor parallelism).
       max_pages: width of the block table the step passes to ``decode``.
       q_len: query tokens per request.
+      kv_lora_rank, rope_dim: the latent's and the rope's channels in a cache row.
       device: the GPU the schedule is committed to; by default it goes to JAX's default device
         uncommitted, like the step's other arrays, so it adds no placement of its own.
     Returns:
@@ -166,9 +174,9 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer):
         raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got shape {lengths.shape} "
                          f"dtype {lengths.dtype}")
-    for name, value in (("num_heads", num_heads), ("max_pages", max_pages), ("q_len", q_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    num_heads, max_pages, q_len, kv_lora_rank, rope_dim = check_plan_sizes(
+        num_heads=num_heads, max_pages=max_pages, q_len=q_len, kv_lora_rank=kv_lora_rank,
+        rope_dim=rope_dim)
     if lengths.min() < q_len:
         raise ValueError(f"every seq_lens entry must be >= q_len={q_len} (it counts the new tokens), "
                          f"got min {int(lengths.min())}")
@@ -238,13 +246,23 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
 
     Args:
       seq_lens: int32 [B] (traced is fine), the lengths the step passes to ``decode``.
-      num_heads: query heads per device; max_pages: the block table's width; q_len: query tokens.
+      num_heads: query heads per device (the local count under tensor parallelism).
+      max_pages: width of the block table the step passes to ``decode``.
+      q_len: query tokens per request.
+      kv_lora_rank: channels of the latent (the cache's row less its rope).
     Returns:
       A ``Plan`` whose ``int_workspace`` a custom call (CUDA-graph safe) fills on the GPU. It
       honours MLAPlan's invariants but balances the work its own way (docs/gpu-schedule.md).
+    Raises:
+      ValueError where this process has no CUDA GPU: the plan is fa3's and fa2's, and the other
+      backends take ``plan=None`` (sm90 builds its own schedule on the GPU).
     """
     from jax_mla import gpu
 
+    validation.check_rank("seq_lens", seq_lens, 1, "[batch]")
+    validation.check_int32("seq_lens", seq_lens)
+    num_heads, max_pages, q_len, kv_lora_rank = check_plan_sizes(
+        num_heads=num_heads, max_pages=max_pages, q_len=q_len, kv_lora_rank=kv_lora_rank)
     batch = seq_lens.shape[0]
     num_sms = gpu_sm_count("jax_mla.device_plan")
     layout = schedule_layout(num_sms, q_len, num_heads, kv_lora_rank)

@@ -7,14 +7,15 @@ message that names the argument, what was expected and what was given.
 from __future__ import annotations
 
 import math
+import operator
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_mla import e4m3_cache, fp8_cache
 
 DEFAULT_ROPE_DIM = 64
-SUPPORTED_KV_LORA_RANKS = (512, 256)
 
 
 def shape_of(name: str, x) -> tuple[int, ...]:
@@ -42,12 +43,44 @@ def check_int32(name: str, x) -> None:
         raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
 
 
-def check_finite_scale(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` (a Python or NumPy integer, not a bool) as an int >= ``minimum``."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def static_float(name: str, value) -> float:
+    """``value``, a Python or NumPy real number known at trace time, as a float."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}: it is "
+                        "compiled into the call, so pass a static value (under jax.jit close over "
+                        "it, or mark it static)")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating,
+                                                                     np.integer)):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
-    value = float(value)
+    return float(value)
+
+
+def check_finite_scale(name: str, value) -> float:
+    """``value`` (static_float) as a finite float."""
+    value = static_float(name, value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_positive_scale(name: str, value) -> float:
+    """``value`` (static_float) as a finite float > 0."""
+    value = static_float(name, value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value}")
     return value
 
 
@@ -72,8 +105,7 @@ def split_head_dim(head_dim: int, kv_lora_rank: int | None) -> tuple[int, int]:
     """(kv_lora_rank, rope_dim) for a cached row of ``head_dim`` channels."""
     if kv_lora_rank is None:
         kv_lora_rank = head_dim - DEFAULT_ROPE_DIM
-    if not isinstance(kv_lora_rank, int) or isinstance(kv_lora_rank, bool):
-        raise TypeError(f"kv_lora_rank must be an int, got {type(kv_lora_rank).__name__}")
+    kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, minimum=0)
     if not 0 < kv_lora_rank < head_dim:
         raise ValueError(
             f"kv_lora_rank must be in (0, {head_dim}) for a head dim of {head_dim} "
@@ -134,10 +166,10 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
     return batch, q_len, num_heads, kv_lora_rank, rope_dim, page_size
 
 
-def check_write_args(kv_cache, latent, k_rope, slot_mapping):
+def check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank=None):
     """Validate ``write_kv``'s arrays; returns (kv_lora_rank, rope_dim)."""
     _, _, head_dim = check_rank("kv_cache", kv_cache, 3, "[num_pages, page_size, kv_lora_rank + rope_dim]")
-    num_tokens, kv_lora_rank = check_rank("latent", latent, 2, "[num_tokens, kv_lora_rank]")
+    num_tokens, latent_dim = check_rank("latent", latent, 2, "[num_tokens, kv_lora_rank]")
     _, rope_dim = check_rank("k_rope", k_rope, 2, "[num_tokens, rope_dim]")
     check_rank("slot_mapping", slot_mapping, 1, "[num_tokens]")
     check_cache_dtype(kv_cache)
@@ -148,13 +180,20 @@ def check_write_args(kv_cache, latent, k_rope, slot_mapping):
         raise ValueError(f"k_rope must have shape [num_tokens={num_tokens}, rope_dim], got {tuple(k_rope.shape)}")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping must have shape [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}")
+    widths = f"latent {tuple(latent.shape)}, k_rope {tuple(k_rope.shape)}"
     if fp8_cache.is_fp8_cache(kv_cache):
-        check_fp8_row_size(kv_cache, kv_lora_rank, rope_dim,
-                           f"kv_lora_rank {kv_lora_rank} (latent's last dim) and rope_dim {rope_dim} "
+        if kv_lora_rank is not None and check_int("kv_lora_rank", kv_lora_rank) != latent_dim:
+            raise ValueError(f"latent's last dim must be kv_lora_rank={kv_lora_rank}, got {widths}")
+        check_fp8_row_size(kv_cache, latent_dim, rope_dim,
+                           f"kv_lora_rank {latent_dim} (latent's last dim) and rope_dim {rope_dim} "
                            "(k_rope's last dim)")
-    elif kv_lora_rank + rope_dim != head_dim:
+        return latent_dim, rope_dim
+    expected_rank, expected_rope = split_head_dim(head_dim, kv_lora_rank)
+    if (latent_dim, rope_dim) != (expected_rank, expected_rope):
+        swapped = (rope_dim, latent_dim) == (expected_rank, expected_rope)
         raise ValueError(
-            f"latent's last dim + k_rope's last dim must equal kv_cache's last dim {head_dim}, "
-            f"got {kv_lora_rank} + {rope_dim} (latent {tuple(latent.shape)}, k_rope {tuple(k_rope.shape)})"
-        )
-    return kv_lora_rank, rope_dim
+            f"latent must be [num_tokens, kv_lora_rank={expected_rank}] and k_rope [num_tokens, "
+            f"rope_dim={expected_rope}] for kv_cache's last dim {head_dim} (kv_lora_rank "
+            f"defaults to it less {DEFAULT_ROPE_DIM}; pass kv_lora_rank= for another split), got "
+            f"{widths}" + ("; latent and k_rope look swapped" if swapped else ""))
+    return latent_dim, rope_dim

@@ -197,7 +197,7 @@ DECODE, _, DECODE_SCALE = e4m3_problem(make_problem(0, batch=2, q_len=1, num_hea
     (dict(kv_scale=1e308, output_scale=10.0), ValueError,
      r"output_scale \* kv_scale must be finite, got inf"),
     (dict(kv_scale=1e308, softmax_scale=10.0), ValueError,
-     r"softmax_scale \* kv_scale must be finite, got inf"),
+     r"softmax_scale \* kv_scale must be finite and > 0, got inf"),
 ])
 def test_decode_checks_the_scale(overrides, error, message):
     args = dict(query=DECODE.query, kv_cache=DECODE.kv_cache, block_tables=DECODE.block_tables,

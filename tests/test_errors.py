@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import make_problem
 
@@ -39,9 +40,13 @@ DECODE_ERRORS = [
     (dict(seq_lens=SL[:1]), ValueError, r"seq_lens must have shape \[batch=2\], got \(1,\)"),
     (dict(query=Q[:, :0]), ValueError, r"q_len \(dim 1\) must be >= 1"),
     (dict(kv_cache=KV[:, :0]), ValueError, r"page_size \(dim 1\) must be >= 1"),
-    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite, got nan"),
-    (dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite"),
+    (dict(softmax_scale=float("nan")), ValueError, r"softmax_scale must be finite and > 0, got nan"),
+    (dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite and > 0"),
+    (dict(softmax_scale=0.0), ValueError, r"softmax_scale must be finite and > 0, got 0.0"),
+    (dict(softmax_scale=-0.1), ValueError, r"softmax_scale must be finite and > 0, got -0.1"),
     (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a Python float, got str"),
+    (dict(softmax_scale=jnp.float32(0.1)), TypeError,
+     r"softmax_scale must be a Python float, got ArrayImpl: it is compiled into the call"),
     (dict(output_scale=float("-inf")), ValueError, r"output_scale must be finite"),
     (dict(backend="flashmla"), ValueError, r"unknown backend 'flashmla'.*available here: \[.*'xla'\]"),
     (dict(backend="fa3"), ValueError, r"backend 'fa3' needs an NVIDIA GPU.*available here: \['xla'\]"),
@@ -53,6 +58,7 @@ DECODE_ERRORS = [
     (dict(plan="device", backend="xla"), ValueError,
      r"plan is only read by the fa3/fa2 backends; backend 'xla' takes plan=None, got str"),
     (dict(kv_lora_rank=512.0), TypeError, r"kv_lora_rank must be an int, got float"),
+    (dict(kv_lora_rank=True), TypeError, r"kv_lora_rank must be an int, got bool"),
     (dict(query=Q[:, :, :0]), ValueError, r"query's num_heads \(dim 2\) must be >= 1, got query shape "
                                           r"\(2, 1, 0, 576\)"),
     (dict(block_tables=BT[:, :0]), ValueError,
@@ -108,7 +114,16 @@ WRITE_ERRORS = [
     (dict(slot_mapping=SLOTS[:2]), ValueError, r"slot_mapping must have shape \[num_tokens=3\]"),
     (dict(slot_mapping=SLOTS.astype(jnp.int64 if jax.config.jax_enable_x64 else jnp.uint8)), TypeError,
      r"slot_mapping must have dtype int32"),
-    (dict(latent=LATENT[:, :500]), ValueError, r"must equal kv_cache's last dim 576, got 500 \+ 64"),
+    (dict(latent=LATENT[:, :500]), ValueError,
+     r"latent must be \[num_tokens, kv_lora_rank=512\] and k_rope \[num_tokens, rope_dim=64\] for "
+     r"kv_cache's last dim 576 .*got latent \(3, 500\), k_rope \(3, 64\)$"),
+    (dict(latent=ROPE, k_rope=LATENT), ValueError,
+     r"got latent \(3, 64\), k_rope \(3, 512\); latent and k_rope look swapped"),
+    (dict(latent=LATENT[:, :448], k_rope=jnp.zeros((3, 128))), ValueError,
+     r"kv_lora_rank=512\] .* pass kv_lora_rank= for another split"),
+    (dict(kv_lora_rank=448), ValueError, r"latent must be \[num_tokens, kv_lora_rank=448\] and k_rope "
+                                         r"\[num_tokens, rope_dim=128\]"),
+    (dict(kv_lora_rank=512.0), TypeError, r"kv_lora_rank must be an int, got float"),
     (dict(latent=LATENT.astype(jnp.int32)), TypeError, r"latent must have a floating dtype"),
 ]
 
@@ -126,7 +141,39 @@ def test_write_kv_rejects(overrides, error, message):
     (dict(num_pages=0, page_size=16), ValueError, r"num_pages must be >= 1, got 0"),
     (dict(num_pages=4, page_size=1.5), TypeError, r"page_size must be an int, got float"),
     (dict(num_pages=4, page_size=16, dtype=jnp.int8), TypeError, r"dtype must be a floating dtype"),
+    (dict(num_pages=4, page_size=16, device="cpu"), TypeError,
+     r"device must be None, a jax.Device or a jax.sharding.Sharding, got 'cpu'"),
 ])
 def test_allocate_cache_rejects(kwargs, error, message):
     with pytest.raises(error, match=message):
         jax_mla.allocate_cache(**kwargs)
+
+
+def test_write_kv_takes_another_split_when_named():
+    """A cache of 448 + 128 channels takes rows split so when kv_lora_rank says so, and decode
+    reads them back with the same kv_lora_rank."""
+    out = jax_mla.write_kv(CACHE, LATENT[:, :448] + 1, ROPE.repeat(2, axis=1) + 2, SLOTS.at[1].set(1),
+                           kv_lora_rank=448)
+    assert float(out[0, 1, 447]) == 1 and float(out[0, 1, 448]) == 2
+
+
+def test_integer_sizes_may_be_numpy_integers():
+    cache = jax_mla.allocate_cache(np.int64(2), np.int32(16), kv_lora_rank=np.int64(512))
+    assert cache.shape == (2, 16, 576)
+    out = call(kv_lora_rank=np.int64(512))
+    assert out.shape == (2, 1, 16, 512)
+
+
+@pytest.mark.parametrize("seq_lens,kwargs,error,message", [
+    ([3, 5], {}, TypeError, r"seq_lens must be an array, got list"),
+    (jnp.ones((2, 2), jnp.int32), {}, ValueError, r"seq_lens must have rank 1 \(\[batch\]\)"),
+    (jnp.ones((2,), jnp.float32), {}, TypeError, r"seq_lens must have dtype int32, got float32"),
+    (jnp.ones((2,), jnp.int32), dict(num_heads=0), ValueError, r"num_heads must be >= 1, got 0"),
+    (jnp.ones((2,), jnp.int32), dict(q_len=1.0), TypeError, r"q_len must be an int, got float"),
+])
+def test_device_plan_rejects(seq_lens, kwargs, error, message):
+    """Checked before the GPU is asked for, so the same errors on every machine."""
+    args = dict(num_heads=16, max_pages=4)
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        jax_mla.device_plan(seq_lens, **args)

@@ -333,8 +333,9 @@ def test_a_plan_of_the_wrong_type_is_rejected():
     (jnp.ones((4,), jnp.int32), {}, None, None),
     (np.ones((2, 2), np.int32), {}, ValueError, r"seq_lens must be a non-empty 1-D integer array"),
     (np.ones((4,), np.float32), {}, ValueError, r"non-empty 1-D integer array, got shape \(4,\) dtype float32"),
-    (np.ones((4,), np.int32), dict(num_heads=0), ValueError, r"num_heads must be a positive int, got 0"),
-    (np.ones((4,), np.int32), dict(q_len=True), ValueError, r"q_len must be a positive int, got True"),
+    (np.ones((4,), np.int32), dict(num_heads=0), ValueError, r"num_heads must be >= 1, got 0"),
+    (np.ones((4,), np.int32), dict(q_len=True), TypeError, r"q_len must be an int, got bool"),
+    (np.ones((4,), np.int32), dict(max_pages=4.0), TypeError, r"max_pages must be an int, got float"),
     (np.array([1, 5]), dict(q_len=2), ValueError, r"every seq_lens entry must be >= q_len=2"),
     (np.array([3, 5]), {}, ValueError, r"jax_mla.plan builds the fa3/fa2 schedule on a CUDA GPU; this "
                                        r"process has none \(platform cpu\)"),

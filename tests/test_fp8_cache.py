@@ -182,6 +182,8 @@ LATENT, ROPE = jnp.zeros((3, 512), jnp.float32), jnp.zeros((3, 64), jnp.float32)
     (dict(latent=LATENT[:, :500]), ValueError, r"needs kv_lora_rank to be a multiple of 128 .*, got 500"),
     (dict(kv_cache=CACHE.astype(jnp.int16)), TypeError,
      r"kv_cache must have a floating dtype, or uint8 for an fp8 cache \(docs/fp8-cache.md\), got int16"),
+    (dict(kv_lora_rank=256), ValueError,
+     r"latent's last dim must be kv_lora_rank=256, got latent \(3, 512\), k_rope \(3, 64\)"),
 ])
 def test_write_kv_rejects(overrides, error, message):
     args = dict(kv_cache=CACHE, latent=LATENT, k_rope=ROPE, slot_mapping=jnp.zeros(3, jnp.int32))

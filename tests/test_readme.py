@@ -1,6 +1,7 @@
 """The README's promises that a CPU machine can check: its end-to-end snippet runs and is right,
-its backend table lists exactly the backends of ``jax_mla.backends.TABLE``, and its sm90 table is
-what the committed benchmark results give."""
+its backend table lists exactly the backends of ``jax_mla.backends.TABLE``, its table of where
+"auto" takes sm90 is ``backends.prefers_sm90``, and its sm90 table is what the committed benchmark
+results give."""
 
 from __future__ import annotations
 
@@ -50,3 +51,33 @@ def test_sm90_table_is_the_committed_results_summary():
     assert "h200-sm90-gpu-time.json" in README
     records = json.loads(results.read_text())["records"]
     assert sm90_table.summary(records) in README
+
+
+def batches_of(cell: str) -> set[int] | None:
+    """The batches a cell of the README's "auto" table names (None: fa3 at every batch)."""
+    if cell == "fa3":
+        return set()
+    if cell == "every batch":
+        return set(range(1, 1025))
+    if cell.startswith("from "):
+        return set(range(int(cell[5:]), 1025))
+    low, _, high = cell.partition("-")
+    return set(range(int(low), int(high or low) + 1))
+
+
+def test_auto_table_is_prefers_sm90():
+    """Each cell names exactly the batches (1-1024) where "auto" takes sm90 for its heads and q_len."""
+    section = README.split("\n## Backends\n", 1)[1].split("\n## ", 1)[0]
+    table = section[section.index("| heads per device |"):].split("\n\n", 1)[0].splitlines()
+    q_lens = {"q_len 1": (1,), "q_len 2": (2,), "q_len 3-4": (3, 4)}
+    columns = [q_lens[c.strip()] for c in table[0].strip(" |").split("|")[1:]]
+    checked = 0
+    for line in table[2:]:
+        heads, *cells = [c.strip() for c in line.strip(" |").split("|")]
+        for q_len_values, cell in zip(columns, cells):
+            for q_len in q_len_values:
+                expected = batches_of(cell)
+                actual = {b for b in range(1, 1025) if backends.prefers_sm90(b, q_len, int(heads))}
+                assert actual == expected, (heads, q_len, cell)
+                checked += 1
+    assert checked == 20
