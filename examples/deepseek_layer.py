@@ -52,7 +52,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import deepseek_mla as model  # noqa: E402
 
 import jax_mla  # noqa: E402
-from jax_mla import api, backends, fp8_cache  # noqa: E402
+from jax_mla import backends, fp8_cache  # noqa: E402
 
 # Max |absorbed - reference| over max |reference|, per layer and step: bf16 tolerance.
 TOLERANCE = 2e-2
@@ -237,21 +237,16 @@ def cache_format(kv_dtype: str) -> str:
 
 
 def concrete_backend(requested: str, kv_dtype: str = "bf16", shard=None, *,
-                     kv_lora_rank: int = 512, softmax_scale: float = 0.1) -> str:
+                     kv_lora_rank: int = 512) -> str:
     """The backend ``jax_mla.decode(backend=requested)`` runs for this example's bf16 queries on a
-    cache of ``kv_dtype``: what ``requested`` resolves to, or, given one device's ``shard`` (shapes
-    of its query, cache and block table), the backend that device takes (``jax_mla.api.
-    device_backend``: on Hopper sm90 in place of xla for the fp8 cache; the planned backends keep
-    their plan). TypeError when ``requested`` does not take that cache."""
-    platform, fmt = jax.default_backend(), cache_format(kv_dtype)
-    name = backends.resolve(requested, platform, jnp.bfloat16, fmt)
-    planned = "host" if name in PLANNED_BACKENDS else None  # step_plan gives these a plan
-    alternative = backends.auto_alternative(requested, backends.BY_NAME[name], planned, platform,
-                                            jnp.bfloat16, fmt)
-    if shard is None or alternative is None:
-        return name
-    return api.device_backend(backends.BY_NAME[name], alternative, *shard,
-                              kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale).name
+    cache of ``kv_dtype``: given one device's ``shard`` (shapes of its query, cache and block
+    table), what ``jax_mla.backend_for`` names for it without a plan (fa3 and fa2 then get one from
+    ``step_plan``, which keeps them); without, what ``requested`` resolves to. TypeError when
+    ``requested`` does not take that cache."""
+    if shard is None:
+        return backends.resolve(requested, jax.default_backend(), jnp.bfloat16,
+                                cache_format(kv_dtype))
+    return jax_mla.backend_for(*shard, backend=requested, kv_lora_rank=kv_lora_rank)
 
 
 def shard_shapes(cfg: model.MLAConfig, args: argparse.Namespace, num_pages: int, max_pages: int):
@@ -368,7 +363,7 @@ def run(args: argparse.Namespace) -> dict:
     lens, tokens, tables, num_pages = make_requests(rng, cfg, args)
     backend = concrete_backend(args.backend, args.kv_dtype,
                                shard_shapes(cfg, args, num_pages, tables.shape[1]),
-                               kv_lora_rank=cfg.kv_lora_rank, softmax_scale=cfg.softmax_scale)
+                               kv_lora_rank=cfg.kv_lora_rank)
     tolerance = TOLERANCES[args.kv_dtype]
     print(describe(cfg, args, backend))
     print(f"{args.batch} requests, prompt lengths {lens.tolist()}, {args.steps} decode steps; "

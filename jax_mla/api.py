@@ -81,12 +81,7 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     for name, flag in (("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    platform = backends.platform_of(query, kv_cache)
-    cache_format = backends.cache_format_of(kv_cache)
-    chosen = backends.BY_NAME[backends.resolve(backend, platform, query.dtype, cache_format)]
-    check_plan_argument(plan, chosen)
-    alternative = backends.auto_alternative(backend, chosen, plan, platform, query.dtype,
-                                            cache_format)
+    chosen, alternative = choose_backend(backend, plan, query, kv_cache)
     if checks:
         value_checks.check_values(query, kv_cache, block_tables, seq_lens,
                                   plan if isinstance(plan, planning.Plan) else None)
@@ -98,6 +93,40 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     schedule = None if isinstance(plan, str) else plan
     out, lse = sharding.call(kernel, query, kv_cache, block_tables, seq_lens, plan=schedule)
     return (out, lse) if return_lse else out
+
+
+def backend_for(query, kv_cache, block_tables, *, backend: str = "auto",
+                kv_lora_rank: int | None = None, plan=None) -> str:
+    """The name of the backend ``decode`` runs on one device for these arguments.
+
+    Args:
+      query, kv_cache, block_tables: one device's arrays as ``decode`` takes them (under sharding,
+        the shapes of its shard), or ``jax.ShapeDtypeStruct``s of them (then JAX's default
+        platform stands for theirs).
+      backend, kv_lora_rank, plan: as ``decode`` takes them; only whether a plan is given matters.
+    Returns:
+      One of ``jax_mla.backends.ALL_BACKENDS``: ``backend`` itself, or what "auto" picks here for
+      this shape (on Hopper, sm90 where ``backends.prefers_sm90`` holds and sm90 runs the shard).
+    Raises what ``decode`` raises for these arguments (shapes, dtypes, a backend that cannot run).
+    """
+    seq_lens = jax.ShapeDtypeStruct(validation.shape_of("query", query)[:1], jnp.int32)
+    _, _, _, kv_lora_rank, _, _ = validation.check_decode_args(
+        query, kv_cache, block_tables, seq_lens, kv_lora_rank)
+    chosen, alternative = choose_backend(backend, plan, query, kv_cache)
+    return device_backend(chosen, alternative, query, kv_cache, block_tables,
+                          kv_lora_rank=kv_lora_rank, softmax_scale=1.0).name
+
+
+def choose_backend(backend: str, plan, query, kv_cache):
+    """(the backend ``backend`` resolves to for these arrays, the one each device may take instead
+    or None: ``backends.auto_alternative``); the plan checked against the first."""
+    platform = backends.platform_of(query, kv_cache)
+    cache_format = backends.cache_format_of(kv_cache)
+    chosen = backends.BY_NAME[backends.resolve(backend, platform, query.dtype, cache_format)]
+    check_plan_argument(plan, chosen)
+    alternative = backends.auto_alternative(backend, chosen, plan, platform, query.dtype,
+                                            cache_format)
+    return chosen, alternative
 
 
 def check_plan_argument(plan, backend: backends.Backend) -> None:

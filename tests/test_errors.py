@@ -177,3 +177,13 @@ def test_device_plan_rejects(seq_lens, kwargs, error, message):
     args.update(kwargs)
     with pytest.raises(error, match=message):
         jax_mla.device_plan(seq_lens, **args)
+
+
+def test_backend_for_names_what_decode_runs_and_raises_what_it_raises():
+    assert jax_mla.backend_for(Q, KV, BT) == "xla"
+    structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (Q, KV, BT)]
+    assert jax_mla.backend_for(*structs, backend="xla") == "xla"
+    with pytest.raises(ValueError, match=r"plan is only read by the fa3/fa2 backends"):
+        jax_mla.backend_for(Q, KV, BT, plan="device")
+    with pytest.raises(ValueError, match=r"kv_cache's last dim must equal query's last dim 576"):
+        jax_mla.backend_for(Q, KV[..., :520], BT)

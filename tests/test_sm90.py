@@ -273,7 +273,7 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
     """With "auto" resolving to fa3 and no plan, the kernel that runs follows the shard's shape:
     sm90 for 32 requests of 16 or of 128 heads and for 8 of 16, fa3 for 256 requests of 128
     heads, for 8 of 32 and for a page size sm90 does not take (stand-in kernels record which one
-    ran)."""
+    ran), and ``backend_for`` names it."""
     ran = []
 
     def recording(name):
@@ -297,6 +297,8 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
         ran.clear()
         jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
         assert ran == [expected], (batch, num_heads, page_size)
+        assert jax_mla.backend_for(*problem.arrays[:3]) == expected
+        assert jax_mla.backend_for(*problem.arrays[:3], plan="device") == "fa3"
     # The fp8 cache: "auto" resolves to xla; sm90 where it runs the shard (pages of 32 or 64).
     for batch, q_len, num_heads, page_size, expected in ((1, 1, 16, 64, SM90), (3, 2, 16, 32, SM90),
                                                          (3, 1, 64, 64, SM90), (2, 4, 128, 32, SM90),
@@ -307,6 +309,7 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
         ran.clear()
         jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
         assert ran == [expected], (batch, q_len, num_heads, page_size)
+        assert jax_mla.backend_for(*problem.arrays[:3]) == expected
 
 
 # ---- on an SM90 GPU -----------------------------------------------------------------------------
