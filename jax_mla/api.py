@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import backends, e4m3_cache, gpu, guard, planning, sharding, validation, value_checks
+from jax_mla import backends, e4m3_cache, guard, planning, sharding, validation, value_checks
 
 DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
@@ -97,24 +97,35 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
 
 def backend_for(query, kv_cache, block_tables, *, backend: str = "auto",
                 kv_lora_rank: int | None = None, plan=None) -> str:
-    """The name of the backend ``decode`` runs on one device for these arguments.
+    """The name of the backend ``decode`` runs on each device for these arguments.
 
     Args:
-      query, kv_cache, block_tables: one device's arrays as ``decode`` takes them (under sharding,
-        the shapes of its shard), or ``jax.ShapeDtypeStruct``s of them (then JAX's default
-        platform stands for theirs).
+      query, kv_cache, block_tables: as ``decode`` takes them (sharded arrays too: the choice is
+        made on one device's shard, as ``decode`` makes it), or ``jax.ShapeDtypeStruct``s of them
+        (their ``sharding`` where they have one; JAX's default platform stands for theirs).
       backend, kv_lora_rank, plan: as ``decode`` takes them; only whether a plan is given matters.
     Returns:
       One of ``jax_mla.backends.ALL_BACKENDS``: ``backend`` itself, or what "auto" picks here for
-      this shape (on Hopper, sm90 where ``backends.prefers_sm90`` holds and sm90 runs the shard).
-    Raises what ``decode`` raises for these arguments (shapes, dtypes, a backend that cannot run).
+      the shard's shape (on Hopper, sm90 where ``backends.prefers_sm90`` holds and sm90 runs it).
+    Raises what ``decode`` raises at trace time for these arguments: their shapes and dtypes, a
+    backend that cannot run here or does not take the cache, a plan it does not read, and the
+    shapes the chosen kernel does not run (sm90's and trtllm-gen's limits).
     """
     seq_lens = jax.ShapeDtypeStruct(validation.shape_of("query", query)[:1], jnp.int32)
     _, _, _, kv_lora_rank, _, _ = validation.check_decode_args(
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
     chosen, alternative = choose_backend(backend, plan, query, kv_cache)
-    return device_backend(chosen, alternative, query, kv_cache, block_tables,
-                          kv_lora_rank=kv_lora_rank, softmax_scale=1.0).name
+    shard = [one_device(x) for x in (query, kv_cache, block_tables)]
+    runs = device_backend(chosen, alternative, *shard, kv_lora_rank=kv_lora_rank)
+    runs.check_shapes(*shard, kv_lora_rank)
+    return runs.name
+
+
+def one_device(x) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of ``x`` on one device: its shard's where ``x`` has a sharding."""
+    sharding = getattr(x, "sharding", None)
+    shape = sharding.shard_shape(tuple(x.shape)) if sharding is not None else tuple(x.shape)
+    return jax.ShapeDtypeStruct(shape, x.dtype)
 
 
 def choose_backend(backend: str, plan, query, kv_cache):
@@ -142,16 +153,15 @@ def check_plan_argument(plan, backend: backends.Backend) -> None:
 
 
 def device_backend(backend: backends.Backend, alternative: backends.Backend | None, query,
-                   kv_cache, block_tables, *, kv_lora_rank: int,
-                   softmax_scale: float) -> backends.Backend:
+                   kv_cache, block_tables, *, kv_lora_rank: int) -> backends.Backend:
     """The backend one device runs on its shard (arrays or shape-dtype structs): ``alternative``
     (sm90, from ``backends.auto_alternative``) where ``backends.prefers_sm90`` holds for the
-    shard's shape and sm90 runs it (``gpu.check_sm90_shapes``), else ``backend``."""
+    shard's shape and sm90 runs it (its ``check_shapes``), else ``backend``."""
     batch, q_len, num_heads, _ = query.shape
     if alternative is None or not backends.prefers_sm90(batch, q_len, num_heads, backend.name):
         return backend
     try:
-        gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
+        alternative.check_shapes(query, kv_cache, block_tables, kv_lora_rank)
     except ValueError:
         return backend
     return alternative
@@ -165,7 +175,7 @@ def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_le
     ``device_backend``."""
     _, q_len, num_heads, _ = query.shape
     backend = device_backend(backend, alternative, query, kv_cache, block_tables,
-                             kv_lora_rank=kv_lora_rank, softmax_scale=softmax_scale)
+                             kv_lora_rank=kv_lora_rank)
     if fail_closed:
         seq_lens, plan = guard.guard(
             block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],

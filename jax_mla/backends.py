@@ -66,6 +66,8 @@ class Backend:
         GPU of a compute capability runs the backend on it, those GPUs in words).
       named_only_formats: cache formats it takes only when named (``backend=``), never as
         "auto"'s pick: paths not yet run on hardware.
+      check_shapes: ``(query, kv_cache, block_tables, kv_lora_rank)`` -> None, raising
+        ``ValueError`` for the shapes its kernel does not run (one device's shapes).
     """
 
     name: str
@@ -80,6 +82,7 @@ class Backend:
     first_pick: bool = True
     format_capability: dict = dataclasses.field(default_factory=dict)
     named_only_formats: tuple[str, ...] = ()
+    check_shapes: Callable[..., None] = lambda query, kv_cache, block_tables, kv_lora_rank: None
 
     def takes_dtype(self, dtype) -> bool:
         return not self.dtypes or jnp.dtype(dtype) in self.dtypes
@@ -130,7 +133,9 @@ FLOAT_OR_E4M3 = (FLOAT_CACHE, E4M3_CACHE)
 TABLE: tuple[Backend, ...] = (
     Backend(TRTLLM_GEN, "SM100/SM103 (B200, GB200, B300)", lambda cc: cc in ((10, 0), (10, 3)),
             BF16, FLOAT_OR_E4M3, takes_plan=False, applies_output_scale=True,
-            decode=_trtllm_decode, named_only_formats=(E4M3_CACHE,)),
+            decode=_trtllm_decode, named_only_formats=(E4M3_CACHE,),
+            check_shapes=lambda query, kv_cache, block_tables, kv_lora_rank:
+                gpu.check_trtllm_shapes(query, kv_cache, kv_lora_rank)),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
             decode=_fa_decode(FA3)),
@@ -142,7 +147,9 @@ TABLE: tuple[Backend, ...] = (
     # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative).
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
-            decode=_sm90_decode, missing=lambda: gpu.sm90_missing(), first_pick=False),
+            decode=_sm90_decode, missing=lambda: gpu.sm90_missing(), first_pick=False,
+            check_shapes=lambda query, kv_cache, block_tables, kv_lora_rank:
+                gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank)),
     Backend(XLA, "any JAX platform", None,
             (), (FLOAT_CACHE, FP8_CACHE, E4M3_CACHE), takes_plan=False, applies_output_scale=True,
             decode=_xla_decode),

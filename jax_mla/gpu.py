@@ -372,9 +372,10 @@ def sm90_workspace_bytes(batch: int, q_len: int, num_heads: int, num_sms: int) -
     return align(partial_out + 4 * slots * rows_pad * SM90_DIMS[0])
 
 
-def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int, softmax_scale: float) -> None:
+def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
+                      softmax_scale: float | None = None) -> None:
     """Raise ``ValueError`` for what the sm90 kernel does not run (names the argument, the
-    expectation and what was given)."""
+    expectation and what was given); the scale is checked when given."""
     batch, q_len, num_heads, head_dim = query.shape
     num_pages, page_size, _ = kv_cache.shape
     max_pages = block_tables.shape[1]
@@ -399,7 +400,7 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int, softmax_
     if batch * (max_pages * page_size // 64 + 3) >= 2**31:
         raise ValueError(f"sm90 supports batch * (max_pages * page_size / 64 + 3) < 2**31, got "
                          f"batch {batch}, max_pages {max_pages}, page_size {page_size}")
-    if not np.float32(softmax_scale) > 0:
+    if softmax_scale is not None and not np.float32(softmax_scale) > 0:
         raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
 
 

@@ -6,7 +6,6 @@ message that names the argument, what was expected and what was given.
 
 from __future__ import annotations
 
-import math
 import operator
 
 import jax
@@ -16,6 +15,8 @@ import numpy as np
 from jax_mla import e4m3_cache, fp8_cache
 
 DEFAULT_ROPE_DIM = 64
+STATIC = ("it is compiled into the call, so pass a static value (under jax.jit close over it, or "
+          "mark it static)")
 
 
 def shape_of(name: str, x) -> tuple[int, ...]:
@@ -43,15 +44,18 @@ def check_int32(name: str, x) -> None:
         raise TypeError(f"{name} must have dtype int32, got {x.dtype}")
 
 
-def check_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` (a Python or NumPy integer, not a bool) as an int >= ``minimum``."""
+def check_int(name: str, value, minimum: int | None = 1) -> int:
+    """``value`` (a Python or NumPy integer known at trace time, not a bool) as an int, at least
+    ``minimum`` unless that is None."""
+    if isinstance(value, (jax.Array, jax.core.Tracer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {STATIC}")
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     try:
         value = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
 
@@ -59,27 +63,31 @@ def check_int(name: str, value, minimum: int = 1) -> int:
 def static_float(name: str, value) -> float:
     """``value``, a Python or NumPy real number known at trace time, as a float."""
     if isinstance(value, (jax.Array, jax.core.Tracer)):
-        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}: it is "
-                        "compiled into the call, so pass a static value (under jax.jit close over "
-                        "it, or mark it static)")
+        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}: {STATIC}")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating,
                                                                      np.integer)):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
     return float(value)
 
 
+def as_float32(value: float) -> np.float32:
+    """``value`` in float32, the kernels' precision (inf where it is out of range)."""
+    with np.errstate(over="ignore"):
+        return np.float32(value)
+
+
 def check_finite_scale(name: str, value) -> float:
-    """``value`` (static_float) as a finite float."""
+    """``value`` (static_float) as a float, finite also in float32."""
     value = static_float(name, value)
-    if not math.isfinite(value):
+    if not np.isfinite(as_float32(value)):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
 
 
 def check_positive_scale(name: str, value) -> float:
-    """``value`` (static_float) as a finite float > 0."""
+    """``value`` (static_float) as a float, finite and > 0 also in float32."""
     value = static_float(name, value)
-    if not (math.isfinite(value) and value > 0):
+    if not (np.isfinite(as_float32(value)) and as_float32(value) > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value}")
     return value
 
@@ -105,7 +113,7 @@ def split_head_dim(head_dim: int, kv_lora_rank: int | None) -> tuple[int, int]:
     """(kv_lora_rank, rope_dim) for a cached row of ``head_dim`` channels."""
     if kv_lora_rank is None:
         kv_lora_rank = head_dim - DEFAULT_ROPE_DIM
-    kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, minimum=0)
+    kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, minimum=None)
     if not 0 < kv_lora_rank < head_dim:
         raise ValueError(
             f"kv_lora_rank must be in (0, {head_dim}) for a head dim of {head_dim} "

@@ -194,10 +194,11 @@ DECODE, _, DECODE_SCALE = e4m3_problem(make_problem(0, batch=2, q_len=1, num_hea
      r"kv_scale is for an e4m3 cache \(float8_e4m3fn\) only; kv_cache has dtype float32"),
     (dict(kv_cache=DECODE.kv_cache[..., :512]), ValueError,
      r"kv_cache's last dim must equal query's last dim 576"),
-    (dict(kv_scale=1e308, output_scale=10.0), ValueError,
-     r"output_scale \* kv_scale must be finite, got inf"),
-    (dict(kv_scale=1e308, softmax_scale=10.0), ValueError,
-     r"softmax_scale \* kv_scale must be finite and > 0, got inf"),
+    (dict(kv_scale=1e30, output_scale=1e10), ValueError,
+     r"output_scale \* kv_scale must be finite, got 1e\+40"),
+    (dict(kv_scale=1e30, softmax_scale=1e10), ValueError,
+     r"softmax_scale \* kv_scale must be finite and > 0, got 1e\+40"),
+    (dict(kv_scale=1e300), ValueError, r"kv_scale must be finite and > 0, got 1e\+300"),
 ])
 def test_decode_checks_the_scale(overrides, error, message):
     args = dict(query=DECODE.query, kv_cache=DECODE.kv_cache, block_tables=DECODE.block_tables,

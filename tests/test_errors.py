@@ -44,6 +44,7 @@ DECODE_ERRORS = [
     (dict(softmax_scale=float("inf")), ValueError, r"softmax_scale must be finite and > 0"),
     (dict(softmax_scale=0.0), ValueError, r"softmax_scale must be finite and > 0, got 0.0"),
     (dict(softmax_scale=-0.1), ValueError, r"softmax_scale must be finite and > 0, got -0.1"),
+    (dict(softmax_scale=1e-50), ValueError, r"softmax_scale must be finite and > 0, got 1e-50"),
     (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a Python float, got str"),
     (dict(softmax_scale=jnp.float32(0.1)), TypeError,
      r"softmax_scale must be a Python float, got ArrayImpl: it is compiled into the call"),
@@ -59,6 +60,9 @@ DECODE_ERRORS = [
      r"plan is only read by the fa3/fa2 backends; backend 'xla' takes plan=None, got str"),
     (dict(kv_lora_rank=512.0), TypeError, r"kv_lora_rank must be an int, got float"),
     (dict(kv_lora_rank=True), TypeError, r"kv_lora_rank must be an int, got bool"),
+    (dict(kv_lora_rank=-1), ValueError, r"kv_lora_rank must be in \(0, 576\)"),
+    (dict(kv_lora_rank=jnp.int32(512)), TypeError,
+     r"kv_lora_rank must be an int, got ArrayImpl: it is compiled into the call"),
     (dict(query=Q[:, :, :0]), ValueError, r"query's num_heads \(dim 2\) must be >= 1, got query shape "
                                           r"\(2, 1, 0, 576\)"),
     (dict(block_tables=BT[:, :0]), ValueError,
@@ -142,7 +146,8 @@ def test_write_kv_rejects(overrides, error, message):
     (dict(num_pages=4, page_size=1.5), TypeError, r"page_size must be an int, got float"),
     (dict(num_pages=4, page_size=16, dtype=jnp.int8), TypeError, r"dtype must be a floating dtype"),
     (dict(num_pages=4, page_size=16, device="cpu"), TypeError,
-     r"device must be None, a jax.Device or a jax.sharding.Sharding, got 'cpu'"),
+     r"device must be None or what jax.device_put takes \(a jax.Device, a sharding\), got the "
+     r"string 'cpu'"),
 ])
 def test_allocate_cache_rejects(kwargs, error, message):
     with pytest.raises(error, match=message):
@@ -187,3 +192,10 @@ def test_backend_for_names_what_decode_runs_and_raises_what_it_raises():
         jax_mla.backend_for(Q, KV, BT, plan="device")
     with pytest.raises(ValueError, match=r"kv_cache's last dim must equal query's last dim 576"):
         jax_mla.backend_for(Q, KV[..., :520], BT)
+
+
+def test_a_traced_size_is_named_as_static():
+    """write_kv jitted without marking kv_lora_rank static: the error says what to do."""
+    with pytest.raises(TypeError, match=r"kv_lora_rank must be an int, got .*Tracer: it is compiled "
+                                         r"into the call, so pass a static value"):
+        jax.jit(jax_mla.write_kv)(CACHE, LATENT, ROPE, SLOTS, kv_lora_rank=512)

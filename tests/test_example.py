@@ -359,14 +359,16 @@ def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cfg = model.CONFIGS["tiny"]  # 16 heads
 
-    def runs(kv_dtype, page_size, tp, batch=4):
+    def runs(kv_dtype, page_size, tp, batch=4, config=cfg):
         args = deepseek_layer.parse_args(["--kv-dtype", kv_dtype, "--page-size", str(page_size)])
         args.tp, args.batch = tp, batch
-        shard = deepseek_layer.shard_shapes(cfg, args, num_pages=40, max_pages=8)
+        shard = deepseek_layer.shard_shapes(config, args, num_pages=40, max_pages=8)
         return deepseek_layer.concrete_backend("auto", kv_dtype, shard)
 
     assert runs("fp8", 64, tp=1) == "sm90"
     assert runs("fp8", 32, tp=2) == "sm90"
     assert runs("fp8", 16, tp=1) == "xla"
     assert runs("bf16", 64, tp=1, batch=64) == "sm90"
-    assert runs("bf16", 16, tp=1, batch=64) == "fa3"
+    assert runs("bf16", 16, tp=1, batch=64) == "fa3"  # a page size sm90 does not take
+    assert runs("bf16", 64, tp=1, batch=256, config=model.CONFIGS["v3"]) == "fa3"  # fa3 faster
+    assert runs("bf16", 64, tp=4, batch=256, config=model.CONFIGS["v3"]) == "sm90"  # 32 heads

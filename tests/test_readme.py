@@ -25,6 +25,14 @@ def test_end_to_end_snippet_runs_and_matches_the_reference():
     snippet = next(block for block in python_blocks() if "def decode_step" in block)
     scope: dict = {}
     exec(compile(snippet, "README.md", "exec"), scope)
+    # Token t of request b is row i of latent/k_rope, in request order, at its page's offset.
+    cache, rows = np.asarray(scope["cache"], np.float32), np.concatenate(
+        [np.asarray(scope["latent"], np.float32), np.asarray(scope["k_rope"], np.float32)], axis=1)
+    tables, page = scope["tables"], scope["PAGE"]
+    written = [(b, t) for b, n in enumerate(scope["lengths"]) for t in range(n)]
+    assert len(written) == len(rows)
+    for i, (b, t) in enumerate(written):
+        np.testing.assert_array_equal(cache[tables[b, t // page], t % page], rows[i])
     assert len(scope["outs"]) == scope["LAYERS"]
     for layer, out in enumerate(scope["outs"]):
         expected, _ = reference_from_jax(scope["queries"][layer], scope["cache"], scope["block_tables"],

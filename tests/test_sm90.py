@@ -299,6 +299,8 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
         assert ran == [expected], (batch, num_heads, page_size)
         assert jax_mla.backend_for(*problem.arrays[:3]) == expected
         assert jax_mla.backend_for(*problem.arrays[:3], plan="device") == "fa3"
+    with pytest.raises(ValueError, match=r"sm90 needs kv_cache page_size in \(32, 64\), got 16"):
+        jax_mla.backend_for(*problem.arrays[:3], backend=SM90)  # the last problem: pages of 16
     # The fp8 cache: "auto" resolves to xla; sm90 where it runs the shard (pages of 32 or 64).
     for batch, q_len, num_heads, page_size, expected in ((1, 1, 16, 64, SM90), (3, 2, 16, 32, SM90),
                                                          (3, 1, 64, 64, SM90), (2, 4, 128, 32, SM90),
