@@ -100,9 +100,10 @@ def backend_for(query, kv_cache, block_tables, *, backend: str = "auto",
     """The name of the backend ``decode`` runs on each device for these arguments.
 
     Args:
-      query, kv_cache, block_tables: as ``decode`` takes them (sharded arrays too: the choice is
-        made on one device's shard, as ``decode`` makes it), or ``jax.ShapeDtypeStruct``s of them
-        (their ``sharding`` where they have one; JAX's default platform stands for theirs).
+      query, kv_cache, block_tables: as ``decode`` takes them, or ``jax.ShapeDtypeStruct``s of
+        them (JAX's default platform then stands for theirs). Sharded, each array's shard shape is
+        the device's problem, as in the layouts of docs/sharding.md where ``decode`` runs the
+        arrays as they are sharded.
       backend, kv_lora_rank, plan: as ``decode`` takes them; only whether a plan is given matters.
     Returns:
       One of ``jax_mla.backends.ALL_BACKENDS``: ``backend`` itself, or what "auto" picks here for
