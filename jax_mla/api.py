@@ -103,7 +103,8 @@ def backend_for(query, kv_cache, block_tables, *, backend: str = "auto",
       query, kv_cache, block_tables: as ``decode`` takes them, or ``jax.ShapeDtypeStruct``s of
         them (JAX's default platform then stands for theirs). Sharded, each array's shard shape is
         the device's problem, as in the layouts of docs/sharding.md where ``decode`` runs the
-        arrays as they are sharded.
+        arrays as they are sharded; inside ``jax.jit`` a traced array counts with the sharding
+        JAX gives it at trace time (none: its whole shape).
       backend, kv_lora_rank, plan: as ``decode`` takes them; only whether a plan is given matters.
     Returns:
       One of ``jax_mla.backends.ALL_BACKENDS``: ``backend`` itself, or what "auto" picks here for
