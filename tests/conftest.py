@@ -296,3 +296,25 @@ def problem_factory():
 
 __all__ = ["Problem", "backend_params", "check_accuracy", "jax_mla", "make_problem", "relative_error",
            "request_head_error"]
+
+
+def record_kernel_runs(monkeypatch, names) -> list[str]:
+    """A Hopper with fa3, fa2, sm90 and xla (``backends.available_backends`` patched) whose
+    backends ``names`` run stand-in kernels (zeros) that append their name to the list returned,
+    at trace time: which kernel ``decode`` chose, without a GPU."""
+    ran: list[str] = []
+
+    def recording(name):
+        def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+                   kv_lora_rank, plan):
+            ran.append(name)
+            batch, q_len, num_heads, _ = query.shape
+            return (jnp.zeros((batch, q_len, num_heads, kv_lora_rank), query.dtype),
+                    jnp.zeros((batch, q_len, num_heads), jnp.float32))
+        return dataclasses.replace(backends.BY_NAME[name], decode=decode)
+
+    for name in names:
+        monkeypatch.setitem(backends.BY_NAME, name, recording(name))
+    monkeypatch.setattr(backends, "available_backends",
+                        lambda platform=None: ["fa3", "fa2", "sm90", "xla"])
+    return ran

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (check_accuracy, gpu_blocker, make_problem, relative_error,
-                      request_head_error, tolerances)
+from conftest import (check_accuracy, gpu_blocker, make_problem, record_kernel_runs,
+                      relative_error, request_head_error, tolerances)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_mla
@@ -348,23 +348,7 @@ def test_backend_for_names_what_each_shard_runs(monkeypatch):
     """With heads split over 4 devices "auto" chooses on the shard: 256 requests of 128 heads keep
     fa3 on one device, but each device's 32 heads take sm90 (stand-in kernels record which ran),
     and backend_for, given the sharded arrays, names it."""
-    from jax_mla import backends
-
-    ran = []
-
-    def recording(name):
-        def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                   kv_lora_rank, plan):
-            ran.append(name)
-            batch, q_len, num_heads, _ = query.shape
-            return (jnp.zeros((batch, q_len, num_heads, kv_lora_rank), query.dtype),
-                    jnp.zeros((batch, q_len, num_heads), jnp.float32))
-        return dataclasses.replace(backends.BY_NAME[name], decode=decode)
-
-    for name in ("fa3", "sm90"):
-        monkeypatch.setitem(backends.BY_NAME, name, recording(name))
-    monkeypatch.setattr(backends, "available_backends",
-                        lambda platform=None: ["fa3", "fa2", "sm90", "xla"])
+    ran = record_kernel_runs(monkeypatch, ("fa3", "sm90"))
     mesh = cpu_mesh((1, 4))
     query = put(mesh, jnp.zeros((256, 1, 128, 576), jnp.bfloat16), None, None, "tp", None)
     cache = put(mesh, jnp.zeros((4, 64, 576), jnp.bfloat16))

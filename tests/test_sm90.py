@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (HAS_TVM_FFI, assert_custom_calls_in_command_buffers, check_accuracy,
-                      fp8_problem, lse_error, make_problem, request_head_error, tolerances)
+                      fp8_problem, lse_error, make_problem, record_kernel_runs, request_head_error,
+                      tolerances)
 
 import jax_mla
 from jax_mla import api, backends, gpu, xla_backend
@@ -274,21 +275,7 @@ def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatc
     sm90 for 32 requests of 16 or of 128 heads and for 8 of 16, fa3 for 256 requests of 128
     heads, for 8 of 32 and for a page size sm90 does not take (stand-in kernels record which one
     ran), and ``backend_for`` names it."""
-    ran = []
-
-    def recording(name):
-        def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                   kv_lora_rank, plan):
-            ran.append(name)
-            batch, q_len, num_heads, _ = query.shape
-            return (jnp.zeros((batch, q_len, num_heads, kv_lora_rank), query.dtype),
-                    jnp.zeros((batch, q_len, num_heads), jnp.float32))
-        return dataclasses.replace(backends.BY_NAME[name], decode=decode)
-
-    for name in ("fa3", SM90, "xla"):
-        monkeypatch.setitem(backends.BY_NAME, name, recording(name))
-    monkeypatch.setattr(backends, "available_backends",
-                        lambda platform=None: ["fa3", "fa2", SM90, "xla"])
+    ran = record_kernel_runs(monkeypatch, ("fa3", SM90, "xla"))
     for batch, num_heads, page_size, expected in ((32, 16, 64, SM90), (32, 128, 64, SM90),
                                                   (256, 128, 64, "fa3"), (8, 16, 64, SM90),
                                                   (8, 32, 64, "fa3"), (32, 16, 16, "fa3")):
