@@ -40,7 +40,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         (sm90 aside); on Hopper, with ``plan=None``, each device takes sm90 instead of fa3 where
         ``jax_mla.backends.prefers_sm90`` holds for its shard's shape (where the committed
         benchmark has it faster; the README's Backends section tabulates it), and with the fp8
-        cache every device whose shard sm90 runs takes sm90 instead of xla.
+        cache every device whose shard sm90 runs takes sm90 instead of xla. ``backend_for``
+        names the choice.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
