@@ -87,7 +87,8 @@ def check_finite_scale(name: str, value) -> float:
 def check_positive_scale(name: str, value) -> float:
     """``value`` (static_float) as a float, finite and > 0 also in float32."""
     value = static_float(name, value)
-    if not (np.isfinite(as_float32(value)) and as_float32(value) > 0):
+    in_float32 = as_float32(value)
+    if not (np.isfinite(in_float32) and in_float32 > 0):
         raise ValueError(f"{name} must be finite and > 0, got {value}")
     return value
 
