@@ -41,10 +41,8 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
       The cache: ``[num_pages, page_size, kv_lora_rank + rope_dim]`` of ``dtype``, or for "fp8"
       uint8 ``[num_pages, page_size, row_bytes]``. Integer sizes may be Python or NumPy ints.
     """
-    num_pages, page_size, kv_lora_rank, rope_dim = (
-        validation.check_int(name, value) for name, value in (
-            ("num_pages", num_pages), ("page_size", page_size), ("kv_lora_rank", kv_lora_rank),
-            ("rope_dim", rope_dim)))
+    num_pages, page_size, kv_lora_rank, rope_dim = validation.check_sizes(
+        num_pages=num_pages, page_size=page_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
     if isinstance(device, str):
         raise TypeError(f"device must be None or what jax.device_put takes (a jax.Device, a "
                         f"sharding), got the string {device!r}; e.g. jax.devices('gpu')[0]")

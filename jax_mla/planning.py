@@ -145,11 +145,6 @@ def _host_scratch(num_bytes: int) -> np.ndarray:
     return np.zeros(num_bytes, np.uint8)
 
 
-def check_plan_sizes(**sizes) -> tuple[int, ...]:
-    """The schedule's sizes (num_heads, max_pages, q_len, ...) as ints >= 1, in the order given."""
-    return tuple(validation.check_int(name, value) for name, value in sizes.items())
-
-
 def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_rank: int = 512,
          rope_dim: int = 64, device=None) -> Plan:
     """Build the fa3/fa2 work schedule for one decode step on the host.
@@ -174,7 +169,7 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
     if lengths.ndim != 1 or lengths.size == 0 or not np.issubdtype(lengths.dtype, np.integer):
         raise ValueError(f"seq_lens must be a non-empty 1-D integer array, got shape {lengths.shape} "
                          f"dtype {lengths.dtype}")
-    num_heads, max_pages, q_len, kv_lora_rank, rope_dim = check_plan_sizes(
+    num_heads, max_pages, q_len, kv_lora_rank, rope_dim = validation.check_sizes(
         num_heads=num_heads, max_pages=max_pages, q_len=q_len, kv_lora_rank=kv_lora_rank,
         rope_dim=rope_dim)
     if lengths.min() < q_len:
@@ -261,7 +256,7 @@ def device_plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1,
 
     validation.check_rank("seq_lens", seq_lens, 1, "[batch]")
     validation.check_int32("seq_lens", seq_lens)
-    num_heads, max_pages, q_len, kv_lora_rank = check_plan_sizes(
+    num_heads, max_pages, q_len, kv_lora_rank = validation.check_sizes(
         num_heads=num_heads, max_pages=max_pages, q_len=q_len, kv_lora_rank=kv_lora_rank)
     batch = seq_lens.shape[0]
     num_sms = gpu_sm_count("jax_mla.device_plan")

@@ -60,6 +60,11 @@ def check_int(name: str, value, minimum: int | None = 1) -> int:
     return value
 
 
+def check_sizes(**sizes) -> tuple[int, ...]:
+    """Each keyword's value (``check_int``) as an int >= 1, in the order given."""
+    return tuple(check_int(name, value) for name, value in sizes.items())
+
+
 def static_float(name: str, value) -> float:
     """``value``, a Python or NumPy real number known at trace time, as a float."""
     if isinstance(value, (jax.Array, jax.core.Tracer)):

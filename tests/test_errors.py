@@ -155,8 +155,8 @@ def test_allocate_cache_rejects(kwargs, error, message):
 
 
 def test_write_kv_takes_another_split_when_named():
-    """A cache of 448 + 128 channels takes rows split so when kv_lora_rank says so, and decode
-    reads them back with the same kv_lora_rank."""
+    """A cache row of 576 channels takes a 448 + 128 split when kv_lora_rank says so: each part
+    lands in its channels."""
     out = jax_mla.write_kv(CACHE, LATENT[:, :448] + 1, ROPE.repeat(2, axis=1) + 2, SLOTS.at[1].set(1),
                            kv_lora_rank=448)
     assert float(out[0, 1, 447]) == 1 and float(out[0, 1, 448]) == 2
