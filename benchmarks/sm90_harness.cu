@@ -17,7 +17,7 @@
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|segments|transposed|combine|release|
-//                                     partials|l2|fp8-kernels|fp8-rows-map|all]
+//                                     partials|l2|fp8-kernels|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -27,8 +27,6 @@
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
 //   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
 //   in DecodeKernel's transposed path instead of the register-operand kernels).
-//   --fp8-rows-map BYTES (checks only): LaunchOptions::fp8_rows_map_l2_promotion = BYTES (the fp8
-//   cache's rows staged through a tensor map with that L2 promotion: 0, 128 or 256).
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
 //   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
 //   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
@@ -60,8 +58,6 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings (--cluster2/1)
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
-static int g_fp8_rows_l2_promotion = -1;  // LaunchOptions::fp8_rows_map_l2_promotion of checks
-                                          // ("--fp8-rows-map BYTES")
 static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-transposed": 0)
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
@@ -452,7 +448,6 @@ static void RunOnce(const Problem& pb, int copy) {
   ApplyClusterFlag(opt, pb.spec.q_len, pb.spec.heads);
   opt.transposed_scores = g_transposed;
   opt.fp8_registers = g_fp8_registers;
-  opt.fp8_rows_map_l2_promotion = g_fp8_rows_l2_promotion;
   opt.wide_combine = g_wide_combine;
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
@@ -741,12 +736,6 @@ static std::vector<Variant> L2PromotionVariants() {
           {"l2-promo-none", With([](LaunchOptions& o) { o.kv_l2_promotion = 0; })}};
 }
 
-static std::vector<Variant> Fp8RowsMapVariants() {
-  return {{"fp8-rows-map-256", With([](LaunchOptions& o) { o.fp8_rows_map_l2_promotion = 256; })},
-          {"fp8-rows-map-128", With([](LaunchOptions& o) { o.fp8_rows_map_l2_promotion = 128; })},
-          {"fp8-rows-map-none", With([](LaunchOptions& o) { o.fp8_rows_map_l2_promotion = 0; })}};
-}
-
 static std::vector<Variant> ClusterVariants() {
   return {{"cluster-1", With([](LaunchOptions& o) { o.cluster = 1; })},
           {"cluster-2", With([](LaunchOptions& o) { o.cluster = 2; })}};
@@ -796,7 +785,6 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "partials") append(PartialsVariants());
   else if (which == "fp8-kernels") append(Fp8KernelVariants());
   else if (which == "l2") append(L2PromotionVariants());
-  else if (which == "fp8-rows-map") append(Fp8RowsMapVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -836,7 +824,6 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
-    if (opt.fp8_rows_map_l2_promotion >= 0 && !s.fp8) continue;  // the bf16 cache ignores it
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
@@ -1053,7 +1040,6 @@ int main(int argc, char** argv) {
     else if (a == "--cluster1") g_cluster = 1;
     else if (a == "--plain-scores") g_transposed = 0;
     else if (a == "--fp8-transposed") g_fp8_registers = 0;
-    else if (a == "--fp8-rows-map" && i + 1 < argc) g_fp8_rows_l2_promotion = atoi(argv[++i]);
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
     else if (a == "--split-release") g_split_release = 1;
@@ -1196,7 +1182,6 @@ int main(int argc, char** argv) {
          "time-fp8 [iters] | clusters | one --B .. --L .. --H .. "
          "[--variants NAME]\n"
          "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
-         "--fp8-rows-map BYTES "
          "--fixed-cost N "
          "--min-blocks N\n",
          argv[0]);

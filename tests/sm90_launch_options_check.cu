@@ -76,10 +76,6 @@ int main() {
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
   Run("kv_l2_promotion=64", [](DecodeParams&, LaunchOptions& o) { o.kv_l2_promotion = 64; });
-  Run("fp8_rows_map_l2_promotion=64",
-      [](DecodeParams&, LaunchOptions& o) { o.fp8_rows_map_l2_promotion = 64; });
-  Run("fp8_rows_map_l2_promotion=-2",
-      [](DecodeParams&, LaunchOptions& o) { o.fp8_rows_map_l2_promotion = -2; });
   Run("fp8_registers=2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = 2; });
   Run("fp8_registers=-2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = -2; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });

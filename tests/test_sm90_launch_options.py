@@ -18,9 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_combine=-2",
          "split_release=2", "split_release=-2", "bf16_partials=2", "bf16_partials=-2",
          "bf16_partials=1,transposed", "combine_rows_in_flight=16", "combine_rows_in_flight=0",
-         "kv_l2_promotion=64", "fp8_rows_map_l2_promotion=64", "fp8_rows_map_l2_promotion=-2",
-         "fp8_registers=2", "fp8_registers=-2", "cluster=3", "cluster=0", "cluster=-2",
-         "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
+         "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "cluster=3", "cluster=0",
+         "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0",
          "softmax_scale=0", "query_misaligned", "no_schedule", "min_blocks_per_part=0",
          "fp8,experiment=1", "fp8,late_release", "fp8,cluster=2"]

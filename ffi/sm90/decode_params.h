@@ -99,8 +99,6 @@ struct DecodeKernelArgs {
   uint64_t kv_cache_hint;
   float scale_log2;     // softmax_scale * log2(e)
   bool bf16_partials;   // split requests' partial outputs in bf16 (the combines' kBf16Partials)
-  bool fp8_rows_by_map; // the fp8 cache's rows staged through kv_map (EncodeFp8RowMap), not by
-                        // plain bulk copies
 };
 
 __host__ __device__ inline int CeilDivInt(int a, int b) { return (a + b - 1) / b; }

@@ -52,10 +52,6 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
-  int fp8_rows_map_l2_promotion = -1;  // the fp8 cache's rows staged by plain bulk copies (-1,
-                                       // default) or by bulk-tensor copies through a map over the
-                                       // cache rows with this L2 promotion in bytes: 0, 128 or
-                                       // 256; the bf16 cache ignores it
   int fp8_registers = -1;     // the fp8 cache up to 32 query rows in the register-operand
                               // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
                               // 17-32) instead of DecodeKernel's transposed path: -1 (default)
@@ -94,26 +90,6 @@ inline bool EncodeRowMap(CUtensorMap* map, const void* base, uint64_t rows, uint
                       strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                       CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
-}
-
-// 2-D map over the fp8 cache's rows, [rows, kFp8RowBytes / 4] of 32-bit words (a row of bytes would
-// exceed a box's 256 elements), box of whole rows x kHalfN rows (one half block, laid out in shared
-// memory as a plain bulk copy of it would be), no swizzle.
-static_assert(kFp8RowBytes % 16 == 0 && kFp8RowBytes / 4 <= 256 &&
-                  kHalfN * kFp8RowBytes == kFp8HalfStageBytes,
-              "one box of the fp8 row map is one half stage");
-inline bool EncodeFp8RowMap(CUtensorMap* map, const void* base, uint64_t rows,
-                            CUtensorMapL2promotion promotion) {
-  auto encode = TensorMapEncoder();
-  if (encode == nullptr) return false;
-  cuuint64_t dims[2] = {static_cast<cuuint64_t>(kFp8RowBytes / 4), static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[1] = {static_cast<cuuint64_t>(kFp8RowBytes)};
-  cuuint32_t box[2] = {static_cast<cuuint32_t>(kFp8RowBytes / 4), static_cast<cuuint32_t>(kHalfN)};
-  cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT32, 2, const_cast<void*>(base), dims,
-                      strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                      CU_TENSOR_MAP_SWIZZLE_NONE, promotion, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
 
@@ -392,8 +368,6 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
-      (options.fp8_rows_map_l2_promotion != -1 &&
-       !detail::ValidL2PromotionBytes(options.fp8_rows_map_l2_promotion)) ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
        options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
@@ -428,25 +402,18 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   args.kv_cache_hint = static_cast<uint64_t>(evict_first ? cute::TMA::CacheHintSm90::EVICT_FIRST
                                                          : cute::TMA::CacheHintSm90::EVICT_NORMAL);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
-  args.fp8_rows_by_map = p.kv_fp8 && options.fp8_rows_map_l2_promotion >= 0;
 
-  // The fp8 cache's rows are staged by plain bulk copies unless fp8_rows_map_l2_promotion asks
-  // for a map over them.
-  const uint64_t cache_rows = static_cast<uint64_t>(p.num_pages) * p.page_size;
+  // The fp8 cache's rows are staged by plain bulk copies: its kernels read no cache tensor map.
   CUtensorMap q_map, kv_map = {};
-  bool maps_ok = detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
-                                      args.q_box_rows);
-  if (!p.kv_fp8) {
-    maps_ok = maps_ok && detail::EncodeRowMap(
-                             &kv_map, p.kv_cache, cache_rows,
-                             p.page_size == kBlockN ? kBlockN : kHalfN,
-                             detail::KvL2Promotion(options, score_n, p.batch, parts));
-  } else if (args.fp8_rows_by_map) {
-    maps_ok = maps_ok && detail::EncodeFp8RowMap(
-                             &kv_map, p.kv_cache, cache_rows,
-                             detail::L2PromotionOfBytes(options.fp8_rows_map_l2_promotion));
+  if (!detail::EncodeRowMap(&q_map, p.query, static_cast<uint64_t>(p.batch) * rows,
+                            args.q_box_rows) ||
+      (!p.kv_fp8 && !detail::EncodeRowMap(&kv_map, p.kv_cache,
+                                          static_cast<uint64_t>(p.num_pages) * p.page_size,
+                                          p.page_size == kBlockN ? kBlockN : kHalfN,
+                                          detail::KvL2Promotion(options, score_n, p.batch,
+                                                                parts)))) {
+    return cudaErrorInvalidValue;
   }
-  if (!maps_ok) return cudaErrorInvalidValue;
   void* decode_args[] = {&q_map, &kv_map, &args};
   // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
   // same KV tiles, start side by side (and a cluster of two is a pair of them).

@@ -33,16 +33,10 @@ __device__ __forceinline__ void BulkCopyG2S(void* dst, const void* src, uint32_t
       : "memory");
 }
 
-// Stages kHalfN contiguous fp8 cache rows from `row` on into `dst` (128-byte aligned), completing
-// on `full`: by a bulk-tensor copy through kv_map where args asks for it, else by a plain bulk
-// copy.
-__device__ __forceinline__ void StageFp8Rows(const CUtensorMap& kv_map,
-                                             const DecodeKernelArgs& args, uint8_t* dst, int row,
+// Stages kHalfN contiguous fp8 cache rows from `row` on into `dst`, completing on `full`, by one
+// plain bulk copy.
+__device__ __forceinline__ void StageFp8Rows(const DecodeKernelArgs& args, uint8_t* dst, int row,
                                              uint64_t* full) {
-  if (args.fp8_rows_by_map) {
-    cute::SM90_TMA_LOAD_2D::copy(&kv_map, full, args.kv_cache_hint, dst, 0, row);
-    return;
-  }
   BulkCopyG2S(dst, static_cast<const uint8_t*>(args.p.kv_cache) +
                        static_cast<size_t>(row) * kFp8RowBytes,
               kFp8HalfStageBytes, full, args.kv_cache_hint);
@@ -124,7 +118,7 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
           uint64_t* half_full = pipe.Full(slot.index);
           TxBarrier::arrive_and_expect_tx(half_full, kv_rows[h] >= 0 ? kFp8HalfStageBytes : 0);
           if (kv_rows[h] < 0) continue;
-          StageFp8Rows(kv_map, args, smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes,
+          StageFp8Rows(args, smem + Layout::kFp8Stages + slot.index * kFp8HalfStageBytes,
                        kv_rows[h], half_full);
         }
         continue;
@@ -137,7 +131,7 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (kv_rows[h] < 0) continue;
-          StageFp8Rows(kv_map, args, stage_base + h * kFp8HalfStageBytes, kv_rows[h], full);
+          StageFp8Rows(args, stage_base + h * kFp8HalfStageBytes, kv_rows[h], full);
         }
         continue;
       }

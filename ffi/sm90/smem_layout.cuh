@@ -31,8 +31,6 @@ constexpr int kMaxSmemBytes = 232448;  // per block on SM90 (227 KB)
 // partial S^T, then one slot for the rows' statistics: ScoreExchangeSlot, RowStats).
 constexpr int kFp8StageBytes = kBlockN * kFp8RowBytes;  // 41984
 constexpr int kFp8HalfStageBytes = kFp8StageBytes / 2;  // 32 tokens, one bulk copy
-static_assert(kFp8HalfStageBytes % 128 == 0,
-              "half stages start 128-byte aligned (bulk-tensor copy destinations)");
 constexpr int kFp8ExchangeBytes =
     (kConsumerWarpgroups * (kFp8TransposedRows / 16) + 1) * 128 * 16;
 constexpr int kFp8ScaleGroups = kLatentDim / kFp8GroupSize;  // 4
@@ -81,8 +79,8 @@ struct SmemLayout {
   static constexpr int kUsed = kBarriers + kNumBarriers * 8;
   static constexpr int kBytes = kUsed + kSmemAlign;  // slack to align the base to 1024
   static_assert(kBytes <= kMaxSmemBytes, "exceeds the 227 KB per-block shared memory of SM90");
-  static_assert(kKv % 1024 == 0 && kP % 1024 == 0 && kFp8Stages % 128 == 0,
-                "swizzled tiles need 1024-byte alignment, bulk-tensor copies 128");
+  static_assert(kKv % 1024 == 0 && kP % 1024 == 0 && kFp8Stages % 16 == 0,
+                "swizzled tiles need 1024-byte alignment, bulk copies 16");
 };
 
 // The layout of DecodeKernel<..., kScoreN, kFp8>: the fp8 cache's transposed scores have their own
