@@ -81,6 +81,11 @@ static std::string Check(int n) {
             TransposedScores::OwnedIndex(i, rows_per_thread) != k) {
           return "Owns / OwnedIndex not OwnedRow's inverse";
         }
+        // RowValue reads the other warpgroup's row i from the slot its owner published it at.
+        if (TransposedScores::OwnedRow(wg, 0, rows_per_thread) +
+                TransposedScores::OwnedIndex(i, rows_per_thread) != i) {
+          return "an owner's rows not consecutive from its first";
+        }
         for (int half = 0; half < 2; ++half) {
           if (TransposedScores::Element(i, half) !=
               wg * rows_per_thread + TransposedScores::Element(k, half)) {
