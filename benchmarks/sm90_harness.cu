@@ -128,10 +128,10 @@ __device__ void WriteFp8Row(uint8_t* row_bytes, size_t row, uint64_t seed, float
 }
 
 // Writes random values into the cache rows of every token < the clamped length (valid pages),
-// token t's times 1 + growth * t: bf16 rows of 576, or fp8 rows of kFp8RowBytes.
+// token t's times gain (1 + growth * t): bf16 rows of 576, or fp8 rows of kFp8RowBytes.
 __global__ void FillTokens(void* cache, bool fp8, const int* block_tables, const int* seq_lens,
                            int max_pages, int page_size, int num_pages, uint64_t seed,
-                           float growth) {
+                           float growth, float gain0) {
   const int b = blockIdx.y;
   const long long cap = (long long)max_pages * page_size;
   const int len = (int)std::min<long long>(std::max(seq_lens[b], 0), cap);
@@ -139,7 +139,7 @@ __global__ void FillTokens(void* cache, bool fp8, const int* block_tables, const
     const int page = block_tables[(size_t)b * max_pages + t / page_size];
     if (page < 0 || page >= num_pages) continue;
     const size_t row = (size_t)page * page_size + t % page_size;
-    const float gain = 1.f + growth * t;
+    const float gain = gain0 * (1.f + growth * t);
     if (fp8) {
       if (threadIdx.x < 32) {
         WriteFp8Row(static_cast<uint8_t*>(cache) + row * kFp8RowBytes, row, seed, gain);
@@ -253,6 +253,8 @@ struct CaseSpec {
   int ref_requests = -1;         // requests checked against the reference (-1: all)
   int min_blocks = -1;           // DecodeParams::min_blocks_per_part (-1: --min-blocks' value)
   float growth = 0.f;            // token t's cache values times 1 + growth * t (rising scores)
+  float cache_gain = 1.f;        // every cache value times this and softmax_scale over it (the
+                                 // same scores; fp8 group scales about cache_gain / 2^7 larger)
   uint64_t seed = 1;
 };
 
@@ -300,7 +302,7 @@ struct Problem {
     p.num_pages = num_pages;
     p.page_size = spec.page;
     p.max_pages = max_pages;
-    p.softmax_scale = 1.0f / sqrtf((float)kHeadDim);
+    p.softmax_scale = 1.0f / sqrtf((float)kHeadDim) / spec.cache_gain;
     p.output_scale = 1.0f;
     p.num_sms = num_sms;
     p.enable_pdl = true;
@@ -402,7 +404,7 @@ struct Problem {
     for (int c = 0; c < copies; ++c) {
       FillTokens<<<dim3(std::min(max_len + 1, 4096), s.batch), 128>>>(
           cache, s.fp8, d_tables[c], d_lens, max_pages, s.page, num_pages, s.seed * 13 + c,
-          s.growth);
+          s.growth, s.cache_gain);
       CHECK_CUDA(cudaGetLastError());
     }
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -581,6 +583,13 @@ struct Suite {
     add(name, B, q, H, 64, 4096, "fixed");
     cases.back().growth = 1.f / 256;
   }
+  // Cache values 2^14 times larger, softmax_scale over it: the same scores, and on the fp8 cache
+  // group scales of 2^5 to 2^8 (write_kv's reach 2^119), either side of 2^7, the largest that
+  // e4m3's bit-field conversion takes.
+  void add_large(const char* name, int B, int q, int H) {
+    add(name, B, q, H, 64, 3000, "uniform");
+    cases.back().cache_gain = 16384.f;
+  }
 };
 
 static std::vector<CaseSpec> CheckSuite() {
@@ -658,6 +667,9 @@ static std::vector<CaseSpec> CheckSuiteFp8() {
   v.add_rising("rising-h16", 64, 1, 16);
   v.add_rising("rising-h16-q2", 64, 2, 16);
   v.add_rising("rising-h128", 16, 1, 128);
+  v.add_large("large-h16", 6, 1, 16);
+  v.add_large("large-h16-q2", 6, 2, 16);
+  v.add_large("large-h128", 6, 1, 128);
   return v.cases;
 }
 

@@ -95,6 +95,15 @@ def make_problem(seed, *, batch, q_len, num_heads, page_size, seq_lens=None, max
 POISON_BYTES = (0x7F, 0xFF)
 
 
+def scaled_up(problem: Problem, factor: float = 2.0**14) -> Problem:
+    """``problem`` with every cache value times ``factor`` (a power of two) and ``softmax_scale``
+    over it: the same scores and LSE, outputs ``factor`` times larger. On the fp8 cache 2^14 gives
+    N(0, 1) rows group scales of 2^7 and 2^8, either side of the largest that e4m3's bit-field
+    conversion takes (docs/fp8-cache.md)."""
+    return dataclasses.replace(problem, kv_cache=problem.kv_cache * factor,
+                               softmax_scale=problem.softmax_scale / factor)
+
+
 def fp8_problem(problem: Problem, seed: int) -> tuple[Problem, Problem]:
     """(the problem with an fp8 cache, the problem with the bf16 cache it was quantised from).
 

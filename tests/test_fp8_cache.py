@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (check_accuracy, fp8_problem, lse_error, make_problem, record_accuracy,
-                      request_head_error)
+                      request_head_error, scaled_up)
 from test_sharding import assert_near, collectives, cpu_mesh, decode_fn, put
 
 import jax_mla
@@ -223,6 +223,12 @@ def test_decode_on_the_fp8_cache(q_len, num_heads, page_size, dtype):
     problem = make_problem(seed, batch=3, q_len=q_len, num_heads=num_heads, page_size=page_size,
                            dtype=dtype)
     check_fp8_decode(problem, seed)
+
+
+def test_decode_on_the_fp8_cache_with_large_group_scales():
+    """Rows 2^14 times larger (scaled_up): group scales of 2^7 and 2^8 instead of about 2^-7."""
+    problem = scaled_up(make_problem(4, batch=3, q_len=2, num_heads=16, page_size=64))
+    check_fp8_decode(problem, 4)
 
 
 def test_decode_on_the_fp8_cache_small_latent_rank_and_output_scale():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (Problem, check_accuracy, fp8_problem, lse_error, make_problem,
-                      record_accuracy, request_head_error)
+                      record_accuracy, request_head_error, scaled_up)
 from test_fp8_cache import AGAINST_BF16
 from test_sm90 import (SM90, assert_identical, defined_reference, make_step, on_gpu, reference, sm90,
                        sm90_gpu)  # noqa: F401  (sm90_gpu: the fixture on_gpu names)
@@ -78,6 +78,19 @@ def test_values_growing_along_each_request_on_the_fp8_cache(num_heads, q_len):
     # Against the reference on the same cache only: scores this large magnify the quantisation's
     # error beyond AGAINST_BF16, whose bounds are those of N(0, 1) rows.
     check_accuracy(*first, *reference(problem), backend="sm90-fp8")
+    assert_identical(first, sm90(problem))
+
+
+@pytest.mark.parametrize("num_heads,q_len", [(16, 1), (16, 2), (128, 1)])
+@on_gpu
+def test_large_group_scales_on_the_fp8_cache(num_heads, q_len):
+    """Rows 2^14 times larger, softmax_scale over it (scaled_up): the same scores, group scales of
+    2^7 and 2^8 (write_kv's reach 2^119) through each kernel kind's conversion."""
+    base = make_problem(10, batch=3, q_len=q_len, num_heads=num_heads, page_size=64,
+                        dtype=jnp.bfloat16, seq_lens=[700, 65, 1300])
+    problem, source = fp8_problem(scaled_up(base), 10)
+    first = sm90(problem)
+    check_both(problem, source, *first)
     assert_identical(first, sm90(problem))
 
 
