@@ -29,7 +29,6 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
                                                 const float (&l)[kScoreN / 4],
                                                 const float (&m)[kScoreN / 4], float scale_log2) {
   constexpr int kRowsT = kScoreN / 4;
-  constexpr float kLn2 = 0.6931471805599453f;
   const int lane = wg_tid % 32;
   const int col_base = wg * (kLatentDim / kConsumerWarpgroups);
   // Lanes 0-3 of the warpgroup's first warp hold every query row once.
@@ -44,8 +43,8 @@ __device__ __forceinline__ void StoreTransposed(const DecodeParams& p, const Seg
   for (int i = 0; i < kRowsT; ++i) {
     const int row = TransposedScores::QueryRow(lane, i);
     if (row >= rows) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const float lse = l[i] > 0.f ? (m[i] * scale_log2 + __log2f(l[i])) * kLn2 : kNegInf;
+    const float inv = RowInverse(l[i]);
+    const float lse = RowLse(m[i], l[i], scale_log2);
     if (seg.whole) {
       __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (out_row0 + row) * kLatentDim;
       const float f = inv * p.output_scale;
@@ -123,11 +122,10 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   ConsumerSync();
   const float sum0 = row_sum[r0] + row_sum[kBlockM + r0];
   const float sum1 = row_sum[r1] + row_sum[kBlockM + r1];
-  constexpr float kLn2 = 0.6931471805599453f;
-  const float inv0 = sum0 > 0.f ? 1.f / sum0 : 0.f;
-  const float inv1 = sum1 > 0.f ? 1.f / sum1 : 0.f;
-  const float lse0 = sum0 > 0.f ? (m0 * scale_log2 + __log2f(sum0)) * kLn2 : kNegInf;
-  const float lse1 = sum1 > 0.f ? (m1 * scale_log2 + __log2f(sum1)) * kLn2 : kNegInf;
+  const float inv0 = RowInverse(sum0);
+  const float inv1 = RowInverse(sum1);
+  const float lse0 = RowLse(m0, sum0, scale_log2);
+  const float lse1 = RowLse(m1, sum1, scale_log2);
   const int col0 = wg * (kLatentDim / 2);
   // Query row of piece row r of the warp's rows half h (rows r0 - lane / 4 + 8 h + r).
   const int warp_row0 = gr0 - lane / 4;

@@ -110,10 +110,8 @@ __device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
                                                int wg_tid, int lane,
                                                const float (&keep)[4][2 * kRowsT],
                                                const float (&l)[kRowsT], const float (&m)[kRowsT]) {
-  constexpr float kLn2 = 0.6931471805599453f;
   const DecodeParams& p = args.p;
   const int rows = p.q_len * p.num_heads;
-  const float sl2 = args.scale_log2;
   const WorkspaceLayout ws = MakeWorkspaceLayout(p.batch, p.q_len, p.num_heads, args.num_parts);
   uint8_t* const wsb = static_cast<uint8_t*>(p.workspace);
   float* const part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
@@ -125,8 +123,8 @@ __device__ __forceinline__ void StoreRegsTiles(const DecodeKernelArgs& args,
   for (int i = 0; i < kRowsT; ++i) {
     const int row = TransposedScores::QueryRow(lane, i);
     if (row >= rows) continue;
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
-    const float lse = l[i] > 0.f ? (m[i] * sl2 + __log2f(l[i])) * kLn2 : kNegInf;
+    const float inv = RowInverse(l[i]);
+    const float lse = RowLse(m[i], l[i], args.scale_log2);
     const int ea = RegsElement(i, 0), eb = RegsElement(i, 1);
 #pragma unroll
     for (int tt = 0; tt < 4; ++tt) {

@@ -55,6 +55,16 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
 
 constexpr float kNegInf = -__builtin_huge_valf();
 
+// A finished row's LSE in nats from its running maximum m (raw scores; scale_log2 = softmax_scale
+// log2(e)) and its sum l of exp2 terms; -inf for a row that saw no token.
+__device__ __forceinline__ float RowLse(float m, float l, float scale_log2) {
+  constexpr float kLn2 = 0.6931471805599453f;
+  return l > 0.f ? (m * scale_log2 + __log2f(l)) * kLn2 : kNegInf;
+}
+
+// 1 / l, the output's normaliser; 0 for a row that saw no token.
+__device__ __forceinline__ float RowInverse(float l) { return l > 0.f ? 1.f / l : 0.f; }
+
 // 64-row tiles: masks this thread's scores of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e) in
 // kGroups groups of eight tokens (element (j, e) is token tok0 + 8 j + e; half_ok(j): its page was
 // loaded) to -inf past each row's causal limit, and returns the rows' maxima over the quad's lanes.
