@@ -97,8 +97,9 @@ __device__ __forceinline__ void SoftmaxStandIn(const float (&s)[kN], float (&row
     row_sum[r] += p0 + p1;
     const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
     const int col = (i / 4) * 8 + (lane % 4) * 2;
-    const uint32_t offset = (row + 8 * r) * p_row_bytes +
-                            (((col * 2 / 16) ^ ((row + 8 * r) % 8)) * 16) % p_row_bytes +
+    const int p_row = row + 8 * r;  // the swizzle's XOR: bits 7-9 of the row's byte offset
+    const uint32_t offset = p_row * p_row_bytes +
+                            (((col * 2 / 16) ^ (p_row * p_row_bytes / 128 % 8)) * 16) % p_row_bytes +
                             (col * 2) % 16;
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_addr + offset),
                  "r"(*reinterpret_cast<const uint32_t*>(&pair))
@@ -177,35 +178,37 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
       Scores<32>(s, q_addr, own_stage);
       cute::warpgroup_wait<0>();  // the scores, and the PVs of the pair before
       FenceRegisters(s);
-      if (own > 0) NamedSync(kHandoverBarrier + wg);  // the other's block own - 1 is done
+      // The other's block own - 1 is done (warpgroup 0's first block has none before it).
+      if (wg == 1) {
+        NamedSync(kHandoverBarrier + 1);
+      } else if (j > 0) {
+        NamedSync(kHandoverBarrier);
+      }
       if (kSoftmax) SoftmaxStandIn(s, row_max, row_sum, own_p, 64);
       FenceProxyAsync();
-      NamedArrive(kHandoverBarrier + 1 - wg);  // this block's P and maxima for the other
+      // This block's P and maxima for the other.
+      if (wg == 0) {
+        NamedArrive(kHandoverBarrier + 1);
+      } else {
+        NamedArrive(kHandoverBarrier);
+      }
+      // PV of the other's block own - 1 and of this one; for warpgroup 0's first block "own - 1"
+      // is the last stage (zeros), which leaves the PVs unbranched and their count that of the
+      // blocks: warpgroup 0 does not multiply warpgroup 1's last block.
+      const int other = (own + kSeesawStages - 1) % kSeesawStages;
+      const uint32_t other_stage = kv_base + other * kSeesawStageBytes;
       FenceRegisters(o);
       cute::warpgroup_arrive();
-      if (own > 0) {
-        const int other = own - 1;
-        const uint32_t other_stage = kv_base + (other % kSeesawStages) * kSeesawStageBytes;
-        SeesawPv(o, other_stage, other_stage + (kNumChunks - 1) * kSeesawChunkBytes, wg);
-      }
+      SeesawPv(o, other_stage, other_stage + (kNumChunks - 1) * kSeesawChunkBytes, wg);
       SeesawPv(o, own_stage, own_p, wg);
       cute::warpgroup_commit_batch();
     }
-    // Warpgroup 0's share of warpgroup 1's last block, posted after warpgroup 0's last softmax.
-    if (wg == 0) {
-      NamedSync(kHandoverBarrier);
-      const int last = 2 * pairs - 1;
-      const uint32_t last_stage = kv_base + (last % kSeesawStages) * kSeesawStageBytes;
-      FenceRegisters(o);
-      cute::warpgroup_arrive();
-      SeesawPv(o, last_stage, last_stage + (kNumChunks - 1) * kSeesawChunkBytes, wg);
-      cute::warpgroup_commit_batch();
-    }
+    if (wg == 0) NamedSync(kHandoverBarrier);  // warpgroup 1's last arrival
   }
   cute::warpgroup_wait<0>();
   FenceRegisters(o);
-  const long long end = clock64();
   __syncthreads();
+  const long long end = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
   float acc = row_sum[0] + row_sum[1];
 #pragma unroll
