@@ -1,8 +1,12 @@
-// The compute side of one M tile at 128 heads, two schedules side by side, every SM busy: a design
-// probe for the seesaw on 32-token blocks (docs/sm90-kernel.md, next steps 1). No loads: the query
-// tile and the KV stages sit in shared memory as zeros, so what is timed is the two consumer
+// One M tile at 128 heads under two schedules, every SM busy: a design probe for the seesaw on
+// 32-token blocks (docs/sm90-kernel.md, next steps 1). What is timed is the two consumer
 // warpgroups' MMAs (CuTe's WGMMA wrappers of ffi/sm90/mma.cuh), a softmax stand-in and their
-// hand-overs. The values are not checked; the schedules are.
+// hand-overs, without loads (the stages keep what was written at the start) or with them: a producer
+// thread streams each stage's rows from global memory by plain bulk copies (the bytes of the
+// kernels' tensor-map boxes, unswizzled) through full and empty mbarriers, the two CTAs of an
+// M-tile pair (blockIdx.x / 2) reading the same rows as the kernels' pairs do (here each its own
+// copy, the second mostly from L2, where the kernels multicast one). The values are not checked;
+// the schedules are. Operands are pseudo-random bf16 in [-1, 1) (zeros would draw less power).
 //
 //   lockstep  as DecodeKernel's 64-row tiles: per 64-token block (two 72 KB stages) warpgroup 0
 //             scores all 64 tokens (36 m64n64k16), runs the softmax and writes P over the
@@ -13,18 +17,24 @@
 //             its row maxima and P), runs its own softmax, writes P (64 rows x 32 tokens, 64-byte
 //             swizzle) over its stage's rope chunk, signals the other, then PV on its 256 columns
 //             for the other's block and its own (2 m64n256k16 each).
-// Each with the softmax stand-in or without it (`mma`: the MMAs' own time and the hand-overs).
+// Each with the softmax stand-in or without it (`mma`: the MMAs' own time and the hand-overs), with
+// the loads or without them. Stages are released to the producer by one thread of each consumer
+// warpgroup once its PVs of the stage have completed (lockstep: warpgroup 0 after the next block's
+// scores, as its PV stays in flight; seesaw: each after its next scores). Warpgroup 0's first
+// seesaw PV of "the other's block before" reads stage 3 (the start's values, or rows being loaded): it keeps
+// the PVs unbranched and is not counted as a use of that stage.
 // The softmax stand-in is what the kernels' is in the common case: the row maxima over a
 // thread's values and its quad, the running maximum, exp2 of each score, the row sums, bf16 pairs
 // stored to P; the output's rescale is skipped (the kernels skip it unless a maximum grows by
 // 2^8).
 //
-// Reported: clocks per 64 tokens (each CTA's clock64 span over its blocks, median over CTAs) and
-// the wall time of the launch (events, after a warm-up launch, median of 5), for each mode.
+// Reported: clocks per 64 tokens (each CTA's clock64 span over its blocks, the median CTA, the
+// median of 5 launches after a warm-up launch) and the launch's wall time (events, median of the
+// 5), for each mode; the schedules alternate, and the whole table runs twice.
 //
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. -I$CUTLASS_INCLUDE \
 //        --expt-relaxed-constexpr benchmarks/seesaw_probe.cu -o .gpu/seesaw_probe
-//   .gpu/seesaw_probe [TOKENS_PER_CTA]   # default 8192 (128 blocks of 64 tokens)
+//   .gpu/seesaw_probe [TOKENS_PER_CTA]   # default 8192 (128 blocks; B=128 L=4k gives a CTA 124)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,6 +44,9 @@
 #include <vector>
 
 #include <cuda_bf16.h>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "benchmarks/check_cuda.h"
 #include "ffi/sm90/mma.cuh"
@@ -41,14 +54,17 @@
 using namespace jax_mla::sm90;
 using namespace jax_mla::sm90::detail;
 
-constexpr int kProbeThreads = 256;  // the two consumer warpgroups
+constexpr int kProbeThreads = 256;  // the two consumer warpgroups (the named barriers' count)
+constexpr int kCtaThreads = kProbeThreads + 128;  // and the producer warpgroup
 constexpr int kQBytes = kTileBytes;                    // 64 rows x 576, 73,728 B
 constexpr int kSeesawStageTokens = 32;
 constexpr int kSeesawChunkBytes = kSeesawStageTokens * kRowBytes;  // 4,096
 constexpr int kSeesawStageBytes = kNumChunks * kSeesawChunkBytes;  // 36,864
 constexpr int kSeesawStages = 4;
 constexpr int kKvBytes = kSeesawStages * kSeesawStageBytes;        // = 2 x kTileBytes
-constexpr int kProbeSmemBytes = kQBytes + kKvBytes + 1024;          // slack to align to 1024
+constexpr int kBarrierBytes = 2 * kSeesawStages * 8;                // full and empty per stage
+constexpr int kProbeSmemBytes = kQBytes + kKvBytes + kBarrierBytes + 1024;  // + alignment slack
+constexpr int kTokenBytes = kHeadDim * 2;                           // 1,152
 static_assert(kKvBytes == kStages * kTileBytes, "both schedules fill the same KV bytes");
 static_assert(kProbeSmemBytes <= kMaxSmemBytes, "fits the 227 KB of an SM90 block");
 
@@ -135,18 +151,96 @@ __device__ __forceinline__ void SeesawPv(float (&o)[kLatentDim / kConsumerWarpgr
   }
 }
 
-template <bool kSeesaw, bool kSoftmax>
-__global__ void __launch_bounds__(kProbeThreads, 1)
-    ProbeKernel(int blocks64, long long* cycles, float* sink) {
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+// Two bf16 values in [-1, 1) from a hash of i: operands that toggle like real data (the tensor
+// pipe's power depends on them).
+__host__ __device__ inline uint32_t RandomBf16Pair(uint32_t i) {
+  uint32_t h = i * 0x9E3779B1u;
+  h ^= h >> 15;
+  h *= 0x85EBCA77u;
+  h ^= h >> 13;
+  // sign, exponent 120-126 (2^-7 .. 2^-1), 7 random mantissa bits, for each half
+  const uint32_t lo = ((h & 1u) << 15) | ((120u + (h >> 1) % 7u) << 7) | ((h >> 4) & 0x7Fu);
+  const uint32_t hi = ((h >> 11 & 1u) << 15) | ((120u + (h >> 12) % 7u) << 7) | ((h >> 16) & 0x7Fu);
+  return lo | (hi << 16);
+}
+
+__global__ void FillRandom(uint32_t* words, size_t count) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    words[i] = RandomBf16Pair(static_cast<uint32_t>(i));
+  }
+}
+
+// The stages of a schedule: kStageCount of kStageTokens tokens each, and their barriers.
+template <bool kSeesaw>
+struct Stages {
+  static constexpr int kStageCount = kSeesaw ? kSeesawStages : kStages;
+  static constexpr int kStageTokens = kSeesaw ? kSeesawStageTokens : kBlockN;
+  static constexpr int kBytes = kStageTokens * kTokenBytes;
+  uint64_t* barriers;
+  __device__ uint64_t* Full(int i) const { return barriers + 2 * (i % kStageCount); }
+  __device__ uint64_t* Empty(int i) const { return barriers + 2 * (i % kStageCount) + 1; }
+  __device__ static uint32_t Phase(int i) { return (i / kStageCount) & 1; }
+};
+
+// Stage i of the CTA's walk is loaded: wait for it (kLoads), else nothing.
+template <bool kLoads, bool kSeesaw>
+__device__ __forceinline__ void WaitLoaded(const Stages<kSeesaw>& stages, int i) {
+  if (kLoads) Barrier::wait(stages.Full(i), Stages<kSeesaw>::Phase(i));
+}
+
+// This warpgroup is done with stage i (its PVs of it completed): one thread arrives.
+template <bool kLoads, bool kSeesaw>
+__device__ __forceinline__ void Release(const Stages<kSeesaw>& stages, int i) {
+  if (kLoads && i >= 0 && threadIdx.x % 128 == 0) Barrier::arrive(stages.Empty(i));
+}
+
+// The producer's thread: stage i of `count` from the pair's rows, once both warpgroups released
+// stage i - kStageCount.
+template <bool kSeesaw>
+__device__ void Produce(const Stages<kSeesaw>& stages, uint32_t kv_base, const uint8_t* rows,
+                        int count) {
+  using S = Stages<kSeesaw>;
+  for (int i = 0; i < count; ++i) {
+    if (i >= S::kStageCount) Barrier::wait(stages.Empty(i), S::Phase(i) ^ 1);
+    Barrier::arrive_and_expect_tx(stages.Full(i), S::kBytes);
+    uint8_t* dst = reinterpret_cast<uint8_t*>(__cvta_shared_to_generic(
+        kv_base + (i % S::kStageCount) * S::kBytes));
+    cute::SM90_BULK_COPY_G2S::copy(rows + static_cast<size_t>(i) * S::kBytes, stages.Full(i), dst,
+                                   S::kBytes);
+  }
+}
+
+template <bool kSeesaw, bool kSoftmax, bool kLoads>
+__global__ void __launch_bounds__(kCtaThreads, 1)
+    ProbeKernel(int blocks64, const uint8_t* rows, long long* cycles, float* sink) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) / 1024 * 1024);
-  for (int i = threadIdx.x; i < (kQBytes + kKvBytes) / 16; i += blockDim.x) {
-    reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < (kQBytes + kKvBytes) / 4; i += blockDim.x) {
+    reinterpret_cast<uint32_t*>(smem)[i] = RandomBf16Pair(blockIdx.x * 65536u + i);
   }
+  const Stages<kSeesaw> stages{reinterpret_cast<uint64_t*>(smem + kQBytes + kKvBytes)};
+  if (threadIdx.x < Stages<kSeesaw>::kStageCount) {
+    Barrier::init(stages.Full(threadIdx.x), 1);
+    Barrier::init(stages.Empty(threadIdx.x), kConsumerWarpgroups);
+  }
+  cutlass::arch::fence_barrier_init();
   FenceProxyAsync();
   __syncthreads();
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+  const int stage_count = blocks64 * kBlockN / Stages<kSeesaw>::kStageTokens;
+  if (wg == kConsumerWarpgroups) {
+    cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
+    if (kLoads && threadIdx.x == kProbeThreads) {
+      const size_t pair_bytes = static_cast<size_t>(blocks64) * kBlockN * kTokenBytes;
+      Produce(stages, SmemAddr(smem) + kQBytes, rows + (blockIdx.x / 2) * pair_bytes, stage_count);
+    }
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   const uint32_t q_addr = SmemAddr(smem), kv_base = q_addr + kQBytes;
   float o[kLatentDim / kConsumerWarpgroups / 2] = {};
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -156,9 +250,12 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
     for (int b = 0; b < blocks64; ++b) {
       const uint32_t stage = kv_base + (b % kStages) * kTileBytes;
       const uint32_t p_addr = stage + (kNumChunks - 1) * kChunkBytes;  // the rope chunk
+      WaitLoaded<kLoads>(stages, b);
       if (wg == 0) {
         Scores<64>(s, q_addr, stage);
-        cute::warpgroup_wait<0>();  // the scores, and the PV of the block before
+        cute::warpgroup_wait<1>();  // the PV of the block before
+        Release<kLoads>(stages, b - 1);
+        cute::warpgroup_wait<0>();  // the scores
         FenceRegisters(s);
         if (kSoftmax) SoftmaxStandIn(s, row_max, row_sum, p_addr, kRowBytes);
         FenceProxyAsync();
@@ -166,7 +263,10 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
       NamedSync(kHandoverBarrier);
       IssuePv<false>(o, stage, p_addr, wg);
       cute::warpgroup_commit_batch();
-      if (wg == 1) cute::warpgroup_wait<0>();
+      if (wg == 1) {
+        cute::warpgroup_wait<0>();
+        Release<kLoads>(stages, b);
+      }
     }
   } else {
     float s[16];
@@ -175,8 +275,12 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
       const int own = 2 * j + wg;
       const uint32_t own_stage = kv_base + (own % kSeesawStages) * kSeesawStageBytes;
       const uint32_t own_p = own_stage + (kNumChunks - 1) * kSeesawChunkBytes;
+      WaitLoaded<kLoads>(stages, own);
       Scores<32>(s, q_addr, own_stage);
-      cute::warpgroup_wait<0>();  // the scores, and the PVs of the pair before
+      cute::warpgroup_wait<1>();  // the PVs of the pair before
+      Release<kLoads>(stages, own - 3);
+      Release<kLoads>(stages, own - 2);
+      cute::warpgroup_wait<0>();  // the scores
       FenceRegisters(s);
       // The other's block own - 1 is done (warpgroup 0's first block has none before it).
       if (wg == 1) {
@@ -193,7 +297,7 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
         NamedArrive(kHandoverBarrier);
       }
       // PV of the other's block own - 1 and of this one; for warpgroup 0's first block "own - 1"
-      // is the last stage (zeros), which leaves the PVs unbranched and their count that of the
+      // is the last stage (not yet a block of this walk), which leaves the PVs unbranched and their count that of the
       // blocks: warpgroup 0 does not multiply warpgroup 1's last block.
       const int other = (own + kSeesawStages - 1) % kSeesawStages;
       const uint32_t other_stage = kv_base + other * kSeesawStageBytes;
@@ -207,7 +311,7 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
   }
   cute::warpgroup_wait<0>();
   FenceRegisters(o);
-  __syncthreads();
+  NamedSync(kHandoverBarrier + 2);
   const long long end = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
   float acc = row_sum[0] + row_sum[1];
@@ -216,55 +320,76 @@ __global__ void __launch_bounds__(kProbeThreads, 1)
   if (acc == 1.2345f) sink[threadIdx.x] = acc;  // keeps the work
 }
 
-template <bool kSeesaw, bool kSoftmax>
-void Run(const char* name, int sms, int blocks64, long long* d_cycles, float* d_sink) {
-  auto kernel = ProbeKernel<kSeesaw, kSoftmax>;
+template <bool kSeesaw, bool kSoftmax, bool kLoads>
+void Run(int sms, int blocks64, const uint8_t* d_rows, long long* d_cycles, float* d_sink) {
+  auto kernel = ProbeKernel<kSeesaw, kSoftmax, kLoads>;
   CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   kProbeSmemBytes));
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  kernel<<<sms, kProbeThreads, kProbeSmemBytes>>>(blocks64, d_cycles, d_sink);
+  kernel<<<sms, kCtaThreads, kProbeSmemBytes>>>(blocks64, d_rows, d_cycles, d_sink);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> times;
+  std::vector<long long> cycles(sms), median_cycles;
   for (int rep = 0; rep < 5; ++rep) {
     CHECK_CUDA(cudaEventRecord(start));
-    kernel<<<sms, kProbeThreads, kProbeSmemBytes>>>(blocks64, d_cycles, d_sink);
+    kernel<<<sms, kCtaThreads, kProbeSmemBytes>>>(blocks64, d_rows, d_cycles, d_sink);
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float ms = 0.f;
     CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
     times.push_back(ms);
+    CHECK_CUDA(cudaMemcpy(cycles.data(), d_cycles, sms * sizeof(long long),
+                          cudaMemcpyDeviceToHost));
+    std::sort(cycles.begin(), cycles.end());
+    median_cycles.push_back(cycles[sms / 2]);
   }
-  std::vector<long long> cycles(sms);
-  CHECK_CUDA(cudaMemcpy(cycles.data(), d_cycles, sms * sizeof(long long), cudaMemcpyDeviceToHost));
-  std::sort(cycles.begin(), cycles.end());
   std::sort(times.begin(), times.end());
-  printf("| %s | %s | %.0f | %.0f | %.1f | %.3f |\n", kSeesaw ? "seesaw, 32-token blocks" : "lockstep",
-         kSoftmax ? "softmax" : "mma", static_cast<double>(cycles[sms / 2]) / blocks64,
-         static_cast<double>(cycles.back()) / blocks64, 1e3 * times[2], 1e6 * times[2] / blocks64);
+  std::sort(median_cycles.begin(), median_cycles.end());
+  const double pairs_bytes = static_cast<double>(sms / 2) * blocks64 * kBlockN * kTokenBytes;
+  printf("| %s | %s | %s | %.0f | %.1f | %.1f | %.0f |\n",
+         kSeesaw ? "seesaw, 32-token blocks" : "lockstep", kSoftmax ? "softmax" : "mma only",
+         kLoads ? "yes" : "no", static_cast<double>(median_cycles[2]) / blocks64, 1e3 * times[2],
+         1e6 * times[2] / blocks64, kLoads ? pairs_bytes / (1e6 * times[2]) : 0.0);
   CHECK_CUDA(cudaEventDestroy(start));
   CHECK_CUDA(cudaEventDestroy(stop));
 }
 
+// Both schedules, one after the other, at one setting: the comparison this probe is for.
+template <bool kSoftmax, bool kLoads>
+void RunBoth(int sms, int blocks64, const uint8_t* d_rows, long long* d_cycles, float* d_sink) {
+  Run<false, kSoftmax, kLoads>(sms, blocks64, d_rows, d_cycles, d_sink);
+  Run<true, kSoftmax, kLoads>(sms, blocks64, d_rows, d_cycles, d_sink);
+}
+
 int main(int argc, char** argv) {
   const int tokens = argc > 1 ? atoi(argv[1]) : 8192;
-  const int blocks64 = std::max(1, tokens / 64);
+  const int blocks64 = std::max(1, tokens / kBlockN);
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const size_t pair_bytes = static_cast<size_t>(blocks64) * kBlockN * kTokenBytes;
+  uint8_t* d_rows;
   long long* d_cycles;
   float* d_sink;
+  CHECK_CUDA(cudaMalloc(&d_rows, (sms / 2 + 1) * pair_bytes));
+  FillRandom<<<4 * sms, 256>>>(reinterpret_cast<uint32_t*>(d_rows), (sms / 2 + 1) * pair_bytes / 4);
+  CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaMalloc(&d_cycles, sms * sizeof(long long)));
   CHECK_CUDA(cudaMalloc(&d_sink, kProbeThreads * sizeof(float)));
-  printf("%d CTAs of %d threads, %d B of shared memory each, %d tokens (%d blocks of 64) each\n",
-         sms, kProbeThreads, kProbeSmemBytes, blocks64 * 64, blocks64);
-  printf("| schedule | work | clocks / 64 tokens (median CTA) | (slowest CTA) | launch µs | ns / 64 tokens |\n");
-  printf("|---|---|---|---|---|---|\n");
-  Run<false, true>("lockstep", sms, blocks64, d_cycles, d_sink);
-  Run<true, true>("seesaw", sms, blocks64, d_cycles, d_sink);
-  Run<false, false>("lockstep", sms, blocks64, d_cycles, d_sink);
-  Run<true, false>("seesaw", sms, blocks64, d_cycles, d_sink);
+  printf("%d CTAs of %d threads, %d B of shared memory each, %d tokens (%d blocks of 64) each; "
+         "pairs of CTAs read the same %.1f MB\n",
+         sms, kCtaThreads, kProbeSmemBytes, blocks64 * kBlockN, blocks64, pair_bytes / 1e6);
+  printf("| schedule | work | loads | clocks / 64 tokens (median CTA, median launch) | launch µs | "
+         "ns / 64 tokens | pairs' rows GB/s |\n|---|---|---|---|---|---|---|\n");
+  for (int round = 0; round < 2; ++round) {
+    RunBoth<true, true>(sms, blocks64, d_rows, d_cycles, d_sink);
+    RunBoth<true, false>(sms, blocks64, d_rows, d_cycles, d_sink);
+    RunBoth<false, true>(sms, blocks64, d_rows, d_cycles, d_sink);
+    RunBoth<false, false>(sms, blocks64, d_rows, d_cycles, d_sink);
+  }
+  CHECK_CUDA(cudaFree(d_rows));
   CHECK_CUDA(cudaFree(d_cycles));
   CHECK_CUDA(cudaFree(d_sink));
   return 0;
