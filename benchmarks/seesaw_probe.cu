@@ -19,10 +19,10 @@
 //             for the other's block and its own (2 m64n256k16 each).
 //   seesaw, 64-token blocks  the same on two 72 KB stages (m64n64k16 scores, P in 128-byte
 //             rows): the arrangement measured before and not kept (docs/sm90-kernel.md,
-//             "Seesaw": 1,502 µs against the lockstep kernel's 1,451 then, both without the
-//             multicast this probe lacks too). A pair holds both stages, so its PVs are waited for
-//             and the stages released before the next pair's blocks can load. It calibrates the
-//             probe: with loads it should come out near lockstep, not far ahead of it.
+//             "Seesaw", without the multicast this probe lacks too). A pair holds both stages, so
+//             its PVs are waited for and the stages released before the next pair's blocks can
+//             load. It calibrates the probe: with loads it should come out near lockstep, not far
+//             ahead of it.
 // Each with the softmax stand-in or without it (`mma only`: the MMAs and the hand-overs), with the
 // loads or without them. Stages are released to the producer by one thread of each consumer
 // warpgroup once its PVs of the stage have completed (lockstep: warpgroup 0 once its next scores
@@ -57,12 +57,11 @@
 
 #include "benchmarks/check_cuda.h"
 #include "ffi/sm90/mma.cuh"
+#include "ffi/sm90/pipeline.cuh"
 
 using namespace jax_mla::sm90;
 using namespace jax_mla::sm90::detail;
 
-constexpr int kProbeThreads = 256;  // the two consumer warpgroups (the named barriers' count)
-constexpr int kCtaThreads = kProbeThreads + 128;  // and the producer warpgroup
 constexpr int kQBytes = kTileBytes;                    // 64 rows x 576, 73,728 B
 constexpr int kKvBytes = kStages * kTileBytes;      // both schedules' stages fill the same bytes
 constexpr int kMaxStages = 4;                       // the seesaw's 32-token stages
@@ -74,14 +73,13 @@ static_assert(kProbeSmemBytes <= kMaxSmemBytes, "fits the 227 KB of an SM90 bloc
 // Named barriers 1 and 2: "warpgroup 1 - w may read block b's P and row maxima", posted by w.
 constexpr int kHandoverBarrier = 1;
 
-__device__ __forceinline__ void NamedSync(int id) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(kProbeThreads) : "memory");
-}
-__device__ __forceinline__ void NamedArrive(int id) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(kProbeThreads) : "memory");
-}
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+// Both consumer warpgroups meet at named barrier id (pipeline.cuh's NamedSync), or this one only
+// arrives there; either is a compiler barrier for memory.
+__device__ __forceinline__ void ConsumersSync(int id) { NamedSync(kConsumerThreads, id); }
+__device__ __forceinline__ void ConsumersArrive(int id) {
+  asm volatile("" ::: "memory");
+  cutlass::arch::NamedBarrier::arrive(kConsumerThreads, id);
+  asm volatile("" ::: "memory");
 }
 
 // K-major P of 64 rows x 32 tokens: 64-byte rows, 64-byte swizzle, 8-row groups 512 B apart.
@@ -222,7 +220,7 @@ __device__ void Produce(const Stages<kSeesaw>& stages, uint32_t kv_base, const u
 }
 
 template <int kSeesaw, bool kSoftmax, bool kLoads>
-__global__ void __launch_bounds__(kCtaThreads, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     ProbeKernel(int blocks64, const uint8_t* rows, long long* cycles, float* sink) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>(
@@ -236,13 +234,13 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
     Barrier::init(stages.Empty(threadIdx.x), kConsumerWarpgroups);
   }
   cutlass::arch::fence_barrier_init();
-  FenceProxyAsync();
+  cutlass::arch::fence_view_async_shared();
   __syncthreads();
   const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   const int stage_count = blocks64 * kBlockN / Stages<kSeesaw>::kStageTokens;  // main: whole pairs
   if (wg == kConsumerWarpgroups) {
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
-    if (kLoads && threadIdx.x == kProbeThreads) {
+    if (kLoads && threadIdx.x == kConsumerThreads) {
       const size_t pair_bytes = static_cast<size_t>(blocks64) * kBlockN * kTokenBytes;
       Produce(stages, SmemAddr(smem) + kQBytes, rows + (blockIdx.x / 2) * pair_bytes, stage_count);
     }
@@ -266,9 +264,9 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
         cute::warpgroup_wait<0>();  // the scores
         FenceRegisters(s);
         if (kSoftmax) SoftmaxStandIn(s, row_max, row_sum, p_addr, kRowBytes);
-        FenceProxyAsync();
+        cutlass::arch::fence_view_async_shared();
       }
-      NamedSync(kHandoverBarrier);
+      ConsumersSync(kHandoverBarrier);
       IssuePv<false>(o, stage, p_addr, wg);
       cute::warpgroup_commit_batch();
       if (wg == 1) {
@@ -305,17 +303,17 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
       FenceRegisters(s);
       // The other's block own - 1 is done (warpgroup 0's first block has none before it).
       if (wg == 1) {
-        NamedSync(kHandoverBarrier + 1);
+        ConsumersSync(kHandoverBarrier + 1);
       } else if (j > 0) {
-        NamedSync(kHandoverBarrier);
+        ConsumersSync(kHandoverBarrier);
       }
       if (kSoftmax) SoftmaxStandIn(s, row_max, row_sum, own_p, kPRowBytes);
-      FenceProxyAsync();
+      cutlass::arch::fence_view_async_shared();
       // This block's P and maxima for the other.
       if (wg == 0) {
-        NamedArrive(kHandoverBarrier + 1);
+        ConsumersArrive(kHandoverBarrier + 1);
       } else {
-        NamedArrive(kHandoverBarrier);
+        ConsumersArrive(kHandoverBarrier);
       }
       // PV of the other's block own - 1 and of this one; for warpgroup 0's first block "own - 1"
       // is the last stage (not yet a block of this walk), which leaves the PVs unbranched and
@@ -335,12 +333,12 @@ __global__ void __launch_bounds__(kCtaThreads, 1)
         Release<kLoads>(stages, 2 * pairs - 3);
         Release<kLoads>(stages, 2 * pairs - 2);
       }
-      NamedSync(kHandoverBarrier);  // warpgroup 1's last arrival
+      ConsumersSync(kHandoverBarrier);  // warpgroup 1's last arrival
     }
   }
   cute::warpgroup_wait<0>();
   FenceRegisters(o);
-  NamedSync(kHandoverBarrier + 2);
+  ConsumersSync(kHandoverBarrier + 2);
   const long long end = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
   float acc = row_sum[0] + row_sum[1];
@@ -357,14 +355,14 @@ void Run(int sms, int blocks64, const uint8_t* d_rows, long long* d_cycles, floa
   cudaEvent_t start, stop;
   CHECK_CUDA(cudaEventCreate(&start));
   CHECK_CUDA(cudaEventCreate(&stop));
-  kernel<<<sms, kCtaThreads, kProbeSmemBytes>>>(blocks64, d_rows, d_cycles, d_sink);
+  kernel<<<sms, kThreads, kProbeSmemBytes>>>(blocks64, d_rows, d_cycles, d_sink);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
   std::vector<float> times;
   std::vector<long long> cycles(sms), median_cycles;
   for (int rep = 0; rep < 5; ++rep) {
     CHECK_CUDA(cudaEventRecord(start));
-    kernel<<<sms, kCtaThreads, kProbeSmemBytes>>>(blocks64, d_rows, d_cycles, d_sink);
+    kernel<<<sms, kThreads, kProbeSmemBytes>>>(blocks64, d_rows, d_cycles, d_sink);
     CHECK_CUDA(cudaEventRecord(stop));
     CHECK_CUDA(cudaEventSynchronize(stop));
     float ms = 0.f;
@@ -412,10 +410,10 @@ int main(int argc, char** argv) {
   FillRandom<<<4 * sms, 256>>>(reinterpret_cast<uint32_t*>(d_rows), (sms / 2 + 1) * pair_bytes / 4);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaMalloc(&d_cycles, sms * sizeof(long long)));
-  CHECK_CUDA(cudaMalloc(&d_sink, kProbeThreads * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&d_sink, kConsumerThreads * sizeof(float)));
   printf("%d CTAs of %d threads, %d B of shared memory each, %d tokens (%d blocks of 64) each; "
          "pairs of CTAs read the same %.1f MB\n",
-         sms, kCtaThreads, kProbeSmemBytes, blocks64 * kBlockN, blocks64, pair_bytes / 1e6);
+         sms, kThreads, kProbeSmemBytes, blocks64 * kBlockN, blocks64, pair_bytes / 1e6);
   printf("| schedule | work | loads | clocks / 64 tokens (median CTA, median launch) | "
          "launch µs | ns / 64 tokens | pairs' rows GB/s |\n|---|---|---|---|---|---|---|\n");
   for (int round = 0; round < 2; ++round) {
