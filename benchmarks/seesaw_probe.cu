@@ -70,25 +70,6 @@ constexpr int kProbeSmemBytes = kQBytes + kKvBytes + kBarrierBytes + 1024;  // +
 constexpr int kTokenBytes = kHeadDim * 2;                           // 1,152
 static_assert(kProbeSmemBytes <= kMaxSmemBytes, "fits the 227 KB of an SM90 block");
 
-// Named barriers 1 and 2: "warpgroup 1 - w may read block b's P and row maxima", posted by w.
-constexpr int kHandoverBarrier = 1;
-
-// Both consumer warpgroups meet at named barrier id (pipeline.cuh's NamedSync), or this one only
-// arrives there; either is a compiler barrier for memory.
-__device__ __forceinline__ void ConsumersSync(int id) { NamedSync(kConsumerThreads, id); }
-__device__ __forceinline__ void ConsumersArrive(int id) {
-  asm volatile("" ::: "memory");
-  cutlass::arch::NamedBarrier::arrive(kConsumerThreads, id);
-  asm volatile("" ::: "memory");
-}
-
-// K-major P of 64 rows x 32 tokens: 64-byte rows, 64-byte swizzle, 8-row groups 512 B apart.
-__device__ __forceinline__ uint64_t KMajorDesc64B(uint32_t smem_addr) {
-  uint64_t desc = MakeSmemDesc(smem_addr, 16, 8 * 64);
-  desc &= ~(3ull << 62);
-  return desc | (2ull << 62);  // SWIZZLE_64B
-}
-
 // The softmax stand-in over a thread's kN scores (rows r and r + 8 of its warp's 16, alternating
 // pairs as WGMMA's accumulator holds them); P's bf16 pairs go to shared memory at p_addr, one
 // 32-bit store each, rows `p_row_bytes` apart.
@@ -114,9 +95,9 @@ __device__ __forceinline__ void SoftmaxStandIn(const float (&s)[kN], float (&row
     row_sum[r] += p0 + p1;
     const __nv_bfloat162 pair = __floats2bfloat162_rn(p0, p1);
     const int col = (i / 4) * 8 + (lane % 4) * 2;
-    const int p_row = row + 8 * r;  // the swizzle's XOR: bits 7-9 of the row's byte offset
-    const int unit = (col * 2 / 16) ^ (p_row * p_row_bytes / 128 % 8);
-    const uint32_t offset = p_row * p_row_bytes + unit * 16 % p_row_bytes + (col * 2) % 16;
+    const int p_row = row + 8 * r;
+    const uint32_t offset =
+        p_row_bytes == kRowBytes64B ? SwizzledOffset64B(p_row, col) : SwizzledOffset(p_row, col);
     asm volatile("st.shared.b32 [%0], %1;" ::"r"(p_addr + offset),
                  "r"(*reinterpret_cast<const uint32_t*>(&pair))
                  : "memory");
@@ -137,21 +118,6 @@ __device__ __forceinline__ void Scores(float (&s)[kN / 2], uint32_t q_addr, uint
              g > 0);
   }
   cute::warpgroup_commit_batch();
-}
-
-// O[:, 256 wg ...] += P V over a stage of kT tokens (V MN-major, chunks of kT rows; P K-major,
-// 2 kT-byte rows: the 64-byte swizzle at 32 tokens, the 128-byte one at 64).
-template <int kT>
-__device__ __forceinline__ void SeesawPv(float (&o)[kLatentDim / kConsumerWarpgroups / 2],
-                                         uint32_t kv_addr, uint32_t p_addr, int wg) {
-  constexpr int kChunk = kT * kRowBytes;
-  const uint64_t p_desc = kT == 32 ? KMajorDesc64B(p_addr) : KMajorDesc(p_addr);
-  const uint64_t v_desc =
-      MakeSmemDesc(kv_addr + wg * (kNumVChunks / 2) * kChunk, kChunk, 8 * kRowBytes);
-#pragma unroll
-  for (int kk = 0; kk < kT / 16; ++kk) {
-    Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
-  }
 }
 
 using Barrier = cutlass::arch::ClusterTransactionBarrier;
@@ -266,7 +232,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kSoftmax) SoftmaxStandIn(s, row_max, row_sum, p_addr, kRowBytes);
         cutlass::arch::fence_view_async_shared();
       }
-      ConsumersSync(kHandoverBarrier);
+      ConsumerSync();
       IssuePv<false>(o, stage, p_addr, wg);
       cute::warpgroup_commit_batch();
       if (wg == 1) {
@@ -302,19 +268,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       FenceRegisters(s);
       // The other's block own - 1 is done (warpgroup 0's first block has none before it).
-      if (wg == 1) {
-        ConsumersSync(kHandoverBarrier + 1);
-      } else if (j > 0) {
-        ConsumersSync(kHandoverBarrier);
-      }
+      if (wg == 1 || j > 0) WaitHandover(wg);
       if (kSoftmax) SoftmaxStandIn(s, row_max, row_sum, own_p, kPRowBytes);
       cutlass::arch::fence_view_async_shared();
-      // This block's P and maxima for the other.
-      if (wg == 0) {
-        ConsumersArrive(kHandoverBarrier + 1);
-      } else {
-        ConsumersArrive(kHandoverBarrier);
-      }
+      PostHandover(wg);  // this block's P and maxima for the other
       // PV of the other's block own - 1 and of this one; for warpgroup 0's first block "own - 1"
       // is the last stage (not yet a block of this walk), which leaves the PVs unbranched and
       // their count that of the blocks: warpgroup 0 does not multiply warpgroup 1's last block.
@@ -322,8 +279,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t other_stage = kv_base + other * S::kBytes;
       FenceRegisters(o);
       cute::warpgroup_arrive();
-      SeesawPv<kSeesaw>(o, other_stage, other_stage + (kNumChunks - 1) * S::kChunkBytes, wg);
-      SeesawPv<kSeesaw>(o, own_stage, own_p, wg);
+      PvMmas<false, kSeesaw>(o, other_stage, other_stage + (kNumChunks - 1) * S::kChunkBytes, wg);
+      PvMmas<false, kSeesaw>(o, own_stage, own_p, wg);
       cute::warpgroup_commit_batch();
     }
     if (wg == 0) {
@@ -333,12 +290,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         Release<kLoads>(stages, 2 * pairs - 3);
         Release<kLoads>(stages, 2 * pairs - 2);
       }
-      ConsumersSync(kHandoverBarrier);  // warpgroup 1's last arrival
+      WaitHandover(wg);  // warpgroup 1's last post
     }
   }
   cute::warpgroup_wait<0>();
   FenceRegisters(o);
-  ConsumersSync(kHandoverBarrier + 2);
+  ConsumerSync();
   const long long end = clock64();
   if (threadIdx.x == 0) cycles[blockIdx.x] = end - start;
   float acc = row_sum[0] + row_sum[1];

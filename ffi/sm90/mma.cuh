@@ -109,20 +109,33 @@ __device__ __forceinline__ void IssueTransposedPv(float (&o_tiles)[kOTiles][kOPe
   }
 }
 
-// DecodeKernel's 64-row tiles: issues O[:, 256 wg : 256 wg + 256] += P V over the block's 64
-// tokens (V read MN-major from the KV tile at kv_addr, P at p_addr): fences the accumulator and
-// arrives; the caller commits and waits. kSkipPv (a timing experiment) issues no MMA.
-template <bool kSkipPv>
+// The 64-row tiles: the WGMMAs of O[:, 256 wg : 256 wg + 256] += P V over a block's kTokens tokens
+// (V read MN-major from the KV tile at kv_addr, whose chunks hold kTokens rows; P at p_addr,
+// K-major: 128-byte rows for 64 tokens, 64-byte rows for the seesaw's 32), inside the
+// caller's arrive and commit (chained on an accumulator whose WGMMAs may still be in flight).
+// kSkipPv (a timing experiment) issues none.
+template <bool kSkipPv, int kTokens = kBlockN>
+__device__ __forceinline__ void PvMmas(float (&o)[kLatentDim / kConsumerWarpgroups / 2],
+                                       uint32_t kv_addr, uint32_t p_addr, int wg) {
+  static_assert(kTokens == kBlockN || kTokens == kBlockN / 2, "64- or 32-token blocks");
+  constexpr int kTileChunkBytes = kTokens * kRowBytes;
+  const uint64_t p_desc = kTokens == kBlockN ? KMajorDesc(p_addr) : KMajorDesc64B(p_addr);
+  const uint64_t v_desc =
+      MNMajorDesc<kTileChunkBytes>(kv_addr + wg * (kNumVChunks / 2) * kTileChunkBytes);
+#pragma unroll
+  for (int kk = 0; kk < (kSkipPv ? 0 : kTokens / 16); ++kk) {
+    Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
+  }
+}
+
+// PvMmas after fencing the accumulator and arriving (no WGMMA of it in flight); the caller commits
+// and waits.
+template <bool kSkipPv, int kTokens = kBlockN>
 __device__ __forceinline__ void IssuePv(float (&o)[kLatentDim / kConsumerWarpgroups / 2],
                                         uint32_t kv_addr, uint32_t p_addr, int wg) {
   FenceRegisters(o);
   cute::warpgroup_arrive();
-  const uint64_t p_desc = KMajorDesc(p_addr);
-  const uint64_t v_desc = MNMajorDesc(kv_addr + wg * (kNumVChunks / 2) * kChunkBytes);
-#pragma unroll
-  for (int kk = 0; kk < (kSkipPv ? 0 : kBlockN / 16); ++kk) {
-    Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
-  }
+  PvMmas<kSkipPv, kTokens>(o, kv_addr, p_addr, wg);
 }
 
 }  // namespace detail

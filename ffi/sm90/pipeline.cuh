@@ -15,6 +15,9 @@ namespace sm90 {
 namespace detail {
 
 constexpr int kConsumerBarrier = 1;  // named barrier id shared by the two consumer warpgroups
+// + the posting warpgroup (2, 3): the seesaw's hand-over of a block (PostHandover;
+// benchmarks/seesaw_probe.cu)
+constexpr int kHandoverBarrier = 2;
 constexpr int kWarpgroupBarrier = 4;  // + warpgroup: its own four warps
 
 __device__ __forceinline__ uint32_t ClusterCtaRank() {
@@ -37,9 +40,38 @@ __device__ __forceinline__ void NamedSync(int threads, int id) {
   asm volatile("" ::: "memory");
 }
 
+// Arrives at named barrier id without waiting (NamedSync's compiler barriers around it).
+__device__ __forceinline__ void NamedArrive(int threads, int id) {
+  asm volatile("" ::: "memory");
+  cutlass::arch::NamedBarrier::arrive(threads, id);
+  asm volatile("" ::: "memory");
+}
+
 __device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kConsumerBarrier); }
 
+// "Warpgroup wg's latest block is done": wg's 128 threads arrive, the other warpgroup's wait
+// (WaitHandover). Each post is waited for once before the next.
+__device__ __forceinline__ void PostHandover(int wg) {
+  NamedArrive(kConsumerThreads, kHandoverBarrier + wg);
+}
+
+__device__ __forceinline__ void WaitHandover(int wg) {
+  NamedSync(kConsumerThreads, kHandoverBarrier + (wg ^ 1));
+}
+
 __device__ __forceinline__ void WarpgroupSync(int wg) { NamedSync(128, kWarpgroupBarrier + wg); }
+
+// Whether x holds for any thread of warpgroup wg (all its threads call it: a warpgroup barrier).
+__device__ __forceinline__ bool WarpgroupAny(int wg, bool x) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
+      " bar.red.or.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(x)), "r"(kWarpgroupBarrier + wg)
+      : "memory");
+  return any != 0;
+}
 
 // The pipeline's barriers in shared memory: the query tile's pair, then for each slot (a KV stage,
 // or with half stages a 32-token stage) "full" (the producer's pieces landed) and "empty" (its

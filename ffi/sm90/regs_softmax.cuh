@@ -113,18 +113,6 @@ __device__ __forceinline__ bool KeepsSoftmaxState(const float (&st)[2 * kRowsT],
   return keeps;
 }
 
-// Whether x holds for any thread of warpgroup wg (all its threads call it: a warpgroup barrier).
-__device__ __forceinline__ bool WarpgroupAny(int wg, bool x) {
-  uint32_t any;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
-      " bar.red.or.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(x)), "r"(kWarpgroupBarrier + wg)
-      : "memory");
-  return any != 0;
-}
-
 // A block's online softmax over warpgroup wg's Layout::kQChunkRows query rows: the rows' block
 // maxima over the thread's tokens, the eight lanes sharing its rows and the warpgroup's warps
 // (through reduce, with each group's largest |scale|), then the rows' running maxima and sums

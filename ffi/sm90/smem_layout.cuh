@@ -108,9 +108,11 @@ __device__ __forceinline__ uint64_t KMajorDesc(uint32_t smem_addr) {
   return MakeSmemDesc(smem_addr, 16, 8 * kRowBytes);
 }
 
-// MN-major operand (V): 64-column chunks kChunkBytes apart, 8-token groups 1024 B apart.
+// MN-major operand (V): 64-column chunks kTileChunkBytes apart (a 64-token tile's by default, 4 KB
+// in the seesaw's 32-token stages), 8-token groups 1024 B apart.
+template <int kTileChunkBytes = kChunkBytes>
 __device__ __forceinline__ uint64_t MNMajorDesc(uint32_t smem_addr) {
-  return MakeSmemDesc(smem_addr, kChunkBytes, 8 * kRowBytes);
+  return MakeSmemDesc(smem_addr, kTileChunkBytes, 8 * kRowBytes);
 }
 
 // desc with its start address `bytes` further (a multiple of 16). Only the low word changes: the
@@ -124,6 +126,20 @@ __device__ __forceinline__ uint64_t DescAdd(uint64_t desc, uint32_t bytes) {
 // Byte offset of element (row, col) inside a 128-byte-swizzled chunk of bf16 (col < 64).
 __device__ __forceinline__ uint32_t SwizzledOffset(int row, int col) {
   return row * kRowBytes + ((((col >> 3) ^ (row & 7))) << 4) + ((col & 7) << 1);
+}
+
+// The same in a tile of 64-byte rows (32 bf16 columns) with the 64-byte swizzle: 16-byte unit u
+// of row r sits at unit u ^ ((r / 2) % 4), 8-row groups 512 bytes apart (the seesaw's P).
+constexpr int kRowBytes64B = 64;
+
+__device__ __forceinline__ uint32_t SwizzledOffset64B(int row, int col) {
+  return row * kRowBytes64B + ((((col >> 3) ^ ((row >> 1) & 3))) << 4) + ((col & 7) << 1);
+}
+
+// K-major operand in 64-byte-swizzled rows of 32 bf16 columns: 8-row groups 512 B apart.
+__device__ __forceinline__ uint64_t KMajorDesc64B(uint32_t smem_addr) {
+  const uint64_t desc = MakeSmemDesc(smem_addr, 16, 8 * kRowBytes64B);
+  return (desc & ~(3ull << 62)) | (2ull << 62);  // SWIZZLE_64B
 }
 
 }  // namespace sm90
