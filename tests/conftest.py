@@ -240,6 +240,28 @@ def assert_custom_calls_in_command_buffers(dump_dir) -> None:
     assert not any("kCustomCall" in line for line in top_level), thunks[:3000]
 
 
+def custom_calls_in_loops(hlo: str) -> list[str]:
+    """The custom-call targets a compiled program (``compiled.as_text()``) runs inside a while
+    loop: in a loop's body or condition, or in any computation those reach, once per target."""
+    computations, name, lines = {}, None, []
+    for line in hlo.splitlines():
+        header = re.match(r"(?:ENTRY )?%([\w.\-]+) \(", line)
+        if header:
+            name, lines = header.group(1), []
+        elif line == "}" and name is not None:
+            computations[name], name = "\n".join(lines), None
+        elif name is not None:
+            lines.append(line)
+    inside = set(re.findall(r"\b(?:body|condition)=%([\w.\-]+)", hlo)) & computations.keys()
+    frontier = list(inside)
+    while frontier:
+        called = set(re.findall(r"%([\w.\-]+)", computations[frontier.pop()])) & computations.keys()
+        frontier += sorted(called - inside)
+        inside |= called
+    return sorted({target for name in inside
+                   for target in re.findall(r'custom_call_target="([^"]+)"', computations[name])})
+
+
 def pytest_terminal_summary(terminalreporter):
     """The worst accuracy each backend reached in this run (the GPU logs keep it)."""
     if not ACCURACY:

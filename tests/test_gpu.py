@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_custom_calls_in_command_buffers, check_accuracy, gpu_backends_here,
-                      gpu_blocker, make_problem, record_accuracy, request_head_error, skip_or_fail,
-                      tolerances)
+from conftest import (assert_custom_calls_in_command_buffers, check_accuracy, custom_calls_in_loops,
+                      gpu_backends_here, gpu_blocker, make_problem, record_accuracy,
+                      request_head_error, skip_or_fail, tolerances)
 
 import jax_mla
 from jax_mla import backends, gpu
@@ -153,6 +153,26 @@ def test_per_call_device_plans_and_guards_are_built_once_per_step():
                                                  backend=FA_BACKENDS[0], plan="device"))(
             problem.query, cache, problem.block_tables, problem.seq_lens)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(lone, np.float32))
+
+
+def test_a_scan_over_layers_builds_the_device_plan_once_before_the_loop():
+    """With plan="device" the planner call's operands are the same in every layer of a lax.scan,
+    so XLA runs it once, outside the loop, and only the decode call once a layer."""
+    problem = make_problem(19, batch=3, q_len=1, num_heads=16, page_size=64, max_len=2000,
+                           dtype=jnp.bfloat16)
+    caches = jnp.stack([problem.kv_cache * (1 + 0.05 * i) for i in range(4)])
+
+    def step(query, caches, tables, lengths):
+        def layer(q, cache):
+            out = jax_mla.decode(q, cache, tables, lengths, softmax_scale=problem.softmax_scale,
+                                 backend=FA_BACKENDS[0], plan="device")
+            return q.at[..., :512].add(out * 0.1), out
+        return jax.lax.scan(layer, query, caches)[1]
+
+    arrays = (problem.query, caches, problem.block_tables, problem.seq_lens)
+    hlo = jax.jit(step).lower(*arrays).compile().as_text()
+    assert hlo.count('custom_call_target="jax_mla_device_plan"') == 1
+    assert custom_calls_in_loops(hlo) == ["jax_mla_fa_decode"]
 
 
 def test_plan_mismatch_is_rejected():

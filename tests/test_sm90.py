@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import (HAS_TVM_FFI, assert_custom_calls_in_command_buffers, check_accuracy,
-                      fp8_problem, lse_error, make_problem, record_kernel_runs, request_head_error,
-                      tolerances)
+                      custom_calls_in_loops, fp8_problem, lse_error, make_problem,
+                      record_kernel_runs, request_head_error, tolerances)
 
 import jax_mla
 from jax_mla import api, backends, gpu, xla_backend
@@ -476,6 +476,35 @@ def custom_call_counts(hlo: str) -> dict[str, int]:
     """How many custom calls of each jax_mla sm90 target a compiled program holds."""
     return {target: len(re.findall(rf'custom_call_target="{target}"', hlo))
             for target in ("jax_mla_sm90_schedule", "jax_mla_sm90_decode")}
+
+
+def test_custom_calls_in_loops_are_told_from_those_before_them():
+    """The helper below on a CPU program: LAPACK's custom call inside a scan's body, and before it."""
+    def program(matrix, xs):
+        def layer(carry, x):
+            values, _ = jnp.linalg.eigh(matrix + carry[0])
+            return carry + x * values.sum(), carry
+        return jax.lax.scan(layer, jnp.linalg.eigh(matrix)[0], xs)
+
+    hlo = jax.jit(program).lower(jnp.eye(4), jnp.ones((3, 4))).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    assert len(targets) == 2 and targets[0] == targets[1]
+    assert custom_calls_in_loops(hlo) == [targets[0]]
+    hlo = jax.jit(lambda m: jnp.linalg.eigh(m)[0]).lower(jnp.eye(4)).compile().as_text()
+    assert custom_calls_in_loops(hlo) == []
+
+
+@on_gpu
+def test_a_scan_over_layers_builds_the_schedule_once_before_the_loop():
+    """The schedule call's operands are the same in every layer of a lax.scan, so XLA runs it once,
+    outside the loop, and only the decode call once a layer."""
+    problem = make_problem(24, batch=3, q_len=1, num_heads=16, page_size=64, max_len=2000,
+                           dtype=jnp.bfloat16)
+    caches = jnp.stack([problem.kv_cache * (1 + 0.05 * i) for i in range(4)])
+    hlo = make_step(problem.softmax_scale).lower(
+        problem.query, caches, problem.block_tables, problem.seq_lens).compile().as_text()
+    assert custom_call_counts(hlo)["jax_mla_sm90_schedule"] == 1
+    assert custom_calls_in_loops(hlo) == ["jax_mla_sm90_decode"]
 
 
 @on_gpu
