@@ -37,11 +37,12 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
         of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format
-        (sm90 aside); on Hopper, with ``plan=None``, each device takes sm90 instead of fa3 where
-        ``jax_mla.backends.prefers_sm90`` holds for its shard's shape (where the committed
-        benchmark has it faster; the README's Backends section tabulates it), and with the fp8
-        cache every device whose shard sm90 runs takes sm90 instead of xla. ``backend_for``
-        names the choice.
+        (sm90 aside), and with a plan the first of those that reads it. With ``plan=None``, on
+        Hopper each device takes sm90 instead of fa3 where ``jax_mla.backends.prefers_sm90``
+        holds for its shard's shape (the README's Backends section tabulates it), and with the
+        fp8 cache every device whose shard sm90 runs takes sm90 instead of xla; on Blackwell a
+        device whose shard trtllm-gen does not run (page size, head count) takes fa2.
+        ``backend_for`` names the choice.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
         ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
@@ -136,7 +137,8 @@ def choose_backend(backend: str, plan, query, kv_cache):
     or None: ``backends.auto_alternative``); the plan checked against the first."""
     platform = backends.platform_of(query, kv_cache)
     cache_format = backends.cache_format_of(kv_cache)
-    chosen = backends.BY_NAME[backends.resolve(backend, platform, query.dtype, cache_format)]
+    chosen = backends.BY_NAME[backends.resolve(backend, platform, query.dtype, cache_format,
+                                               plan_given=plan is not None)]
     check_plan_argument(plan, chosen)
     alternative = backends.auto_alternative(backend, chosen, plan, platform, query.dtype,
                                             cache_format)
@@ -157,17 +159,27 @@ def check_plan_argument(plan, backend: backends.Backend) -> None:
 
 def device_backend(backend: backends.Backend, alternative: backends.Backend | None, query,
                    kv_cache, block_tables, *, kv_lora_rank: int) -> backends.Backend:
-    """The backend one device runs on its shard (arrays or shape-dtype structs): ``alternative``
-    (sm90, from ``backends.auto_alternative``) where ``backends.prefers_sm90`` holds for the
-    shard's shape and sm90 runs it (its ``check_shapes``), else ``backend``."""
+    """The backend one device runs on its shard (arrays or shape-dtype structs), with
+    ``alternative`` from ``backends.auto_alternative``: sm90 where ``backends.prefers_sm90`` holds
+    for the shard's shape and sm90 runs it; another backend where ``backend`` does not run the
+    shard's shapes; else ``backend``."""
+    shard = (query, kv_cache, block_tables, kv_lora_rank)
+    if alternative is None:
+        return backend
+    if alternative.name != backends.SM90:
+        return backend if runs_shapes(backend, *shard) else alternative
     batch, q_len, num_heads, _ = query.shape
-    if alternative is None or not backends.prefers_sm90(batch, q_len, num_heads, backend.name):
-        return backend
+    prefers = backends.prefers_sm90(batch, q_len, num_heads, backend.name)
+    return alternative if prefers and runs_shapes(alternative, *shard) else backend
+
+
+def runs_shapes(backend: backends.Backend, query, kv_cache, block_tables, kv_lora_rank) -> bool:
+    """Whether ``backend``'s kernel runs one device's shapes (its ``check_shapes`` passes)."""
     try:
-        alternative.check_shapes(query, kv_cache, block_tables, kv_lora_rank)
+        backend.check_shapes(query, kv_cache, block_tables, kv_lora_rank)
     except ValueError:
-        return backend
-    return alternative
+        return False
+    return True
 
 
 def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,

@@ -9,10 +9,12 @@ Every backend's ``decode`` has one signature::
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
 ``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
 on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 cache; for the e4m3 cache fa3
-on Hopper and xla elsewhere (trtllm-gen takes it when named: not yet run on hardware). sm90 is never
+on Hopper and xla elsewhere (trtllm-gen takes it when named: not yet run on hardware). With a plan
+"auto" takes the first of those that reads one (fa3 on Hopper, fa2 on other GPUs). sm90 is never
 that first pick, because what it takes depends on the shape of each device's shard: on Hopper
 without a plan each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs
-and is faster at (``auto_alternative``, ``prefers_sm90``).
+and is faster at (``auto_alternative``, ``prefers_sm90``); on Blackwell a device whose shard
+trtllm-gen does not run (its page sizes and head counts) takes fa2.
 """
 
 from __future__ import annotations
@@ -192,23 +194,24 @@ def cache_format_of(kv_cache) -> str:
     return E4M3_CACHE if e4m3_cache.is_e4m3_cache(kv_cache) else FLOAT_CACHE
 
 
-def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str = FLOAT_CACHE) -> str:
+def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str = FLOAT_CACHE,
+            plan_given: bool = False) -> str:
     """The name of the backend to run for a ``backend=`` argument on ``platform`` with a query of
     ``dtype`` and a cache of ``cache_format``.
 
-    "auto" takes the first available backend that takes both (``auto_alternative`` says where a
-    device may take sm90 instead). A named backend must be available here and take both; otherwise
-    the error says why and what is available.
+    "auto" takes the first available backend that takes both, and with ``plan_given`` the first
+    of those that reads a plan if one does (``auto_alternative`` says what a device may take
+    instead). A named backend must be available here and take both; otherwise the error says why
+    and what is available.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
                         f"{type(backend).__name__}")
     available = available_backends(platform)
     if backend == AUTO:
-        return next(name for name in available
-                    if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
-                    and cache_format not in BY_NAME[name].named_only_formats
-                    and _runs_format_here(BY_NAME[name], cache_format, platform))
+        candidates = _auto_candidates(available, platform, dtype, cache_format)
+        readers = [name for name in candidates if BY_NAME[name].takes_plan]
+        return (readers if plan_given and readers else candidates)[0]
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")
@@ -231,6 +234,15 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
                         f"{' or '.join(str(d) for d in chosen.dtypes)}, got {jnp.dtype(dtype)}; "
                         "use backend='xla' for other dtypes")
     return backend
+
+
+def _auto_candidates(available: list[str], platform: str, dtype, cache_format: str) -> list[str]:
+    """The backends of ``available`` that "auto" may pick for a query of ``dtype`` and a cache of
+    ``cache_format`` before the arrays are split, best first (xla is always one)."""
+    return [name for name in available
+            if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
+            and cache_format not in BY_NAME[name].named_only_formats
+            and _runs_format_here(BY_NAME[name], cache_format, platform)]
 
 
 def _runs_format_here(backend: Backend, cache_format: str, platform: str) -> bool:
@@ -265,13 +277,20 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,
                      cache_format: str = FLOAT_CACHE) -> Backend | None:
-    """The backend each device may take instead of ``chosen`` for ``backend=requested``: sm90 when
-    "auto" resolved to fa3 or xla without a plan (a plan is fa3's) and sm90 runs here and takes the
-    query and cache; None otherwise. The choice is made per device, on its shard's shape
-    (``prefers_sm90``, then the shapes sm90 runs: ``gpu.check_sm90_shapes``), because
-    "auto" is resolved before the arrays are split."""
-    if requested != AUTO or plan is not None or chosen.name not in (FA3, XLA):
+    """The backend each device may take instead of ``chosen`` for ``backend=requested``, or None.
+
+    Only "auto" without a plan has one. Where it resolved to fa3 or xla: sm90, if sm90 runs here
+    and takes the query and cache (a device takes it where ``prefers_sm90`` holds for its shard's
+    shape and ``gpu.check_sm90_shapes`` passes). Elsewhere: the next backend "auto" may pick, which
+    a device takes where ``chosen`` does not run its shard's shapes (``Backend.check_shapes``:
+    trtllm-gen's page sizes and head counts). The choice is made per device because "auto" is
+    resolved before the arrays are split."""
+    if requested != AUTO or plan is not None:
         return None
+    if chosen.name not in (FA3, XLA):
+        candidates = _auto_candidates(available_backends(platform), platform, dtype, cache_format)
+        later = candidates[candidates.index(chosen.name) + 1:] if chosen.name in candidates else []
+        return BY_NAME[later[0]] if later else None
     sm90 = BY_NAME[SM90]
     if SM90 not in available_backends(platform) or not sm90.takes(dtype, cache_format):
         return None

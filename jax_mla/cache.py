@@ -30,8 +30,8 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
       num_pages: pages in the cache (every request's pages come from this one pool).
       page_size: tokens a page holds.
       kv_lora_rank, rope_dim: channels of a token's latent and of its rope key.
-      device: where ``jax.device_put`` puts it (a ``jax.Device``, a sharding); None: JAX's default
-        device.
+      device: where it is made (a ``jax.Device`` or a sharding, each device zeroing only its own
+        shard); None: JAX's default device.
       dtype: a floating dtype (bf16, f16, f32) for a cache ``[num_pages, page_size, kv_lora_rank +
         rope_dim]`` of that dtype; ``jnp.float8_e4m3fn`` for the e4m3 cache of that shape, whose
         values are multiplied by one ``kv_scale``; or the string ``"fp8"`` for the fp8 cache: uint8
@@ -43,15 +43,14 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
     """
     num_pages, page_size, kv_lora_rank, rope_dim = validation.check_sizes(
         num_pages=num_pages, page_size=page_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
-    if isinstance(device, str):
-        raise TypeError(f"device must be None or what jax.device_put takes (a jax.Device, a "
-                        f"sharding), got the string {device!r}; e.g. jax.devices('gpu')[0]")
+    if device is not None and not isinstance(device, (jax.Device, jax.sharding.Sharding)):
+        raise TypeError(f"device must be None, a jax.Device or a jax.sharding.Sharding, got "
+                        f"{device!r}; e.g. jax.devices('gpu')[0]")
     if isinstance(dtype, str) and dtype == fp8_cache.FP8:
         row_bytes = fp8_cache.layout(kv_lora_rank, rope_dim).row_bytes
-        cache = jnp.zeros((num_pages, page_size, row_bytes), fp8_cache.STORAGE_DTYPE)
-    else:
-        cache = jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), _float_dtype(dtype))
-    return jax.device_put(cache, device) if device is not None else cache
+        return jnp.zeros((num_pages, page_size, row_bytes), fp8_cache.STORAGE_DTYPE, device=device)
+    return jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), _float_dtype(dtype),
+                     device=device)
 
 
 def _float_dtype(dtype) -> jnp.dtype:

@@ -329,10 +329,13 @@ __all__ = ["Problem", "backend_params", "check_accuracy", "jax_mla", "make_probl
            "request_head_error"]
 
 
-def record_kernel_runs(monkeypatch, names) -> list[str]:
-    """A Hopper with fa3, fa2, sm90 and xla (``backends.available_backends`` patched) whose
-    backends ``names`` run stand-in kernels (zeros) that append their name to the list returned,
-    at trace time: which kernel ``decode`` chose, without a GPU."""
+HOPPER_BACKENDS = ("fa3", "fa2", "sm90", "xla")
+
+
+def record_kernel_runs(monkeypatch, names, available=HOPPER_BACKENDS) -> list[str]:
+    """A GPU with the backends ``available`` (``backends.available_backends`` patched; default a
+    Hopper's) whose backends ``names`` run stand-in kernels (zeros) that append their name to the
+    list returned, at trace time: which kernel ``decode`` chose, without a GPU."""
     ran: list[str] = []
 
     def recording(name):
@@ -346,6 +349,5 @@ def record_kernel_runs(monkeypatch, names) -> list[str]:
 
     for name in names:
         monkeypatch.setitem(backends.BY_NAME, name, recording(name))
-    monkeypatch.setattr(backends, "available_backends",
-                        lambda platform=None: ["fa3", "fa2", "sm90", "xla"])
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: list(available))
     return ran

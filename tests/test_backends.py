@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
-from conftest import lse_error, make_problem, request_head_error, tolerances
+from conftest import lse_error, make_problem, record_kernel_runs, request_head_error, tolerances
 
 import jax_mla
 from jax_mla import api, backends, gpu, xla_backend
@@ -42,6 +42,37 @@ def test_auto_on_each_gpu(fake_gpu, capability, auto):
     assert backends.resolve("auto", "gpu", jnp.bfloat16) == auto
     assert backends.available_backends("gpu")[0] == auto
     assert backends.resolve("auto", "gpu", jnp.float32) == "xla"  # the GPU kernels take bf16 only
+
+
+@pytest.mark.parametrize("capability,auto", [
+    ((8, 0), "fa2"), ((9, 0), "fa3"), ((10, 0), "fa2"), ((10, 3), "fa2"), ((12, 0), "fa2"),
+])
+def test_auto_with_a_plan_takes_a_backend_that_reads_it(fake_gpu, capability, auto):
+    fake_gpu["capability"] = capability
+    assert backends.resolve("auto", "gpu", jnp.bfloat16, plan_given=True) == auto
+    assert backends.resolve("auto", "cpu", jnp.bfloat16, plan_given=True) == "xla"  # refused later
+
+
+BLACKWELL_BACKENDS = ("trtllm-gen", "fa2", "xla")
+
+
+@pytest.mark.parametrize("page_size,num_heads,expected", [
+    (64, 16, "trtllm-gen"), (32, 128, "trtllm-gen"), (16, 16, "fa2"), (64, 96, "fa2"),
+])
+def test_auto_on_blackwell_takes_fa2_where_trtllm_gen_does_not_run_the_shapes(
+        monkeypatch, page_size, num_heads, expected):
+    """trtllm-gen runs pages of 32 or 64 and up to 64 or exactly 128 heads; "auto" gives a device
+    whose shard it does not run to fa2, the next row, instead of refusing the call."""
+    ran = record_kernel_runs(monkeypatch, BLACKWELL_BACKENDS, available=BLACKWELL_BACKENDS)
+    problem = make_problem(4, batch=2, q_len=1, num_heads=num_heads, page_size=page_size,
+                           dtype=jnp.bfloat16)
+    monkeypatch.setattr(backends, "platform_of", lambda *arrays: "gpu")
+    assert jax_mla.backend_for(*problem.arrays[:3]) == expected
+    jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
+    assert ran == [expected]
+    if expected == "fa2":  # named, trtllm-gen still refuses the shapes
+        with pytest.raises(ValueError, match="trtllm-gen (needs|supports)"):
+            jax_mla.backend_for(*problem.arrays[:3], backend="trtllm-gen")
 
 
 def test_auto_on_cpu():

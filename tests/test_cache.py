@@ -68,6 +68,22 @@ def test_write_kv_donated_updates_in_place(dtype):
     np.testing.assert_array_equal(np.asarray(updated[77 // 16, 77 % 16]), np.asarray(row[1]))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, "fp8"])
+def test_allocate_cache_makes_each_shard_on_its_device(dtype):
+    """Given a sharding, the cache is made sharded (each device holds only its pages), zeroed."""
+    devices = jax.devices()
+    if len(devices) < 2:
+        pytest.skip("needs two devices (conftest forces four host devices on the CPU)")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("pool",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pool", None, None))
+    cache = jax_mla.allocate_cache(8, 16, dtype=dtype, device=sharding)
+    assert cache.sharding == sharding
+    assert [shard.data.shape[0] for shard in cache.addressable_shards] == [4, 4]
+    assert not np.asarray(cache, np.float32).any()
+    single = jax_mla.allocate_cache(2, 16, dtype=dtype, device=devices[1])
+    assert single.devices() == {devices[1]}
+
+
 def test_written_tokens_sit_at_their_positions_and_decode_like_dense_attention():
     """Prefill then three decode steps through write_kv (a padding slot in each): every token is
     found at page ``table[p // page_size]``, row ``p % page_size`` of its request, no other row

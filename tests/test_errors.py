@@ -146,8 +146,7 @@ def test_write_kv_rejects(overrides, error, message):
     (dict(num_pages=4, page_size=1.5), TypeError, r"page_size must be an int, got float"),
     (dict(num_pages=4, page_size=16, dtype=jnp.int8), TypeError, r"dtype must be a floating dtype"),
     (dict(num_pages=4, page_size=16, device="cpu"), TypeError,
-     r"device must be None or what jax.device_put takes \(a jax.Device, a sharding\), got the "
-     r"string 'cpu'"),
+     r"device must be None, a jax.Device or a jax.sharding.Sharding, got 'cpu'"),
 ])
 def test_allocate_cache_rejects(kwargs, error, message):
     with pytest.raises(error, match=message):

@@ -17,6 +17,7 @@ import pytest
 from conftest import (check_accuracy, gpu_blocker, make_problem, record_kernel_runs,
                       relative_error, request_head_error, tolerances)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from oracles import attend
 
 import jax_mla
 from jax_mla import guard, sharding
@@ -148,6 +149,40 @@ def test_per_shard_page_pools(mesh_shape):
         # Eager calls on sharded arrays go through the same partitioner (same page-id meaning).
         eager_out = jax_mla.decode(*args, softmax_scale=SCALE, backend="xla")
         np.testing.assert_array_equal(np.asarray(eager_out), np.asarray(out))
+
+
+def test_write_kv_into_per_shard_pools_addresses_the_whole_cache():
+    """Tokens written with write_kv into a pooled cache, a pool's page q at slot
+    (pool * pages_per_pool + q) * page_size + offset (docs/sharding.md), are what that pool's
+    requests read through their pool-local block tables."""
+    mesh = cpu_mesh((2, 2))
+    pools, pages_per_pool, page_size, max_pages = 2, 6, 16, 3
+    rng = np.random.default_rng(40)
+    lengths = np.array([40, 7, 33, 48], np.int32)  # requests 0-1 in pool 0, 2-3 in pool 1
+    tables = np.concatenate([rng.permutation(pages_per_pool).reshape(2, max_pages)
+                             for _ in range(pools)]).astype(np.int32)  # a pool's own pages
+    request = np.repeat(np.arange(4), lengths)
+    position = np.concatenate([np.arange(n) for n in lengths])
+    pool = request // 2
+    slots = (pool * pages_per_pool + tables[request, position // page_size]) * page_size \
+        + position % page_size
+    latent = jnp.asarray(rng.standard_normal((len(slots), 512)), jnp.float32)
+    k_rope = jnp.asarray(rng.standard_normal((len(slots), 64)), jnp.float32)
+    pooled = NamedSharding(mesh, P("data", None, None))
+    cache = jax_mla.allocate_cache(pools * pages_per_pool, page_size, dtype=jnp.float32,
+                                   device=pooled)
+    cache = jax.jit(jax_mla.write_kv, donate_argnums=0)(cache, latent, k_rope,
+                                                        jnp.asarray(slots, jnp.int32))
+    assert cache.sharding == pooled
+    query = jnp.asarray(rng.standard_normal((4, 1, NUM_HEADS, 576)), jnp.float32)
+    args = (put(mesh, query, "data", None, "tp", None), cache,
+            put(mesh, jnp.asarray(tables), "data"), put(mesh, jnp.asarray(lengths), "data"))
+    out, _ = decode_fn("xla")(*args)
+    rows = np.concatenate([np.asarray(latent), np.asarray(k_rope)], axis=-1)
+    for r in range(4):
+        keys = rows[request == r]  # the request's tokens in order
+        ref, _ = attend(np.asarray(query[r, 0], np.float64), keys, keys[:, :512], SCALE)
+        np.testing.assert_allclose(np.asarray(out[r, 0]), ref, rtol=2e-4, atol=2e-5)
 
 
 def test_gspmd_partitioner():
