@@ -20,6 +20,7 @@ trtllm-gen does not run (its page sizes and head counts) takes fa2.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Callable
 
 import jax
@@ -211,7 +212,13 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     if backend == AUTO:
         candidates = _auto_candidates(available, platform, dtype, cache_format)
         readers = [name for name in candidates if BY_NAME[name].takes_plan]
-        return (readers if plan_given and readers else candidates)[0]
+        picked = (readers if plan_given and readers else candidates)[0]
+        missing = gpu.runtime_missing() if picked == XLA and _is_cuda(platform) else None
+        if missing is not None:
+            warnings.warn(f"jax_mla: backend='auto' runs the xla backend on this GPU, many times "
+                          f"slower than its kernels, because {missing}", RuntimeWarning,
+                          stacklevel=3)
+        return picked
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
                          f"(available here: {available})")

@@ -350,4 +350,5 @@ def record_kernel_runs(monkeypatch, names, available=HOPPER_BACKENDS) -> list[st
     for name in names:
         monkeypatch.setitem(backends.BY_NAME, name, recording(name))
     monkeypatch.setattr(backends, "available_backends", lambda platform=None: list(available))
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
     return ran

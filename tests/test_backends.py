@@ -83,6 +83,9 @@ def test_auto_on_cpu():
 def test_gpu_without_the_runtime_offers_only_xla(monkeypatch):
     monkeypatch.setattr(gpu, "runtime_missing", lambda: "flashinfer-python is not installed")
     assert backends.available_backends("gpu") == ["xla"]
+    with pytest.warns(RuntimeWarning, match=r"'auto' runs the xla backend on this GPU, many times "
+                                            r"slower .* because flashinfer-python is not installed"):
+        assert backends.resolve("auto", "gpu") == "xla"
     with pytest.raises(ValueError, match=r"backend 'fa3' is unavailable: flashinfer-python is not "
                                          r"installed; available here: \['xla'\]"):
         backends.resolve("fa3", "gpu")

@@ -356,6 +356,7 @@ def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
 
     monkeypatch.setattr(backends, "available_backends",
                         lambda platform=None: ["fa3", "fa2", "sm90", "xla"])
+    monkeypatch.setattr(backends.gpu, "runtime_missing", lambda: None)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     cfg = model.CONFIGS["tiny"]  # 16 heads
 

@@ -232,6 +232,7 @@ def test_trtllm_rejects_unsupported_shapes(shapes, message):
 
 def test_gpu_backends_need_bfloat16(monkeypatch):
     monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["fa3", "fa2", "xla"])
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
     with pytest.raises(TypeError, match="backend 'fa3' needs query and kv_cache of dtype bfloat16, "
                                         "got float32"):
         backends.resolve("fa3", "gpu", jnp.float32)
