@@ -1,7 +1,7 @@
 // Standalone check and timing harness of the SM90 MLA decode kernel (ffi/sm90), no Python.
 //
 //   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -I. \
-//        -I/work/fi/flashinfer/data/cutlass/include --expt-relaxed-constexpr \
+//        -I<CUTLASS include dir> --expt-relaxed-constexpr \
 //        benchmarks/sm90_harness.cu -o .gpu/sm90_harness
 //   .gpu/sm90_harness check            # correctness suite against a GPU fp32 reference (and the
 //                                      # combine's warp-wide request search against FindRequest)

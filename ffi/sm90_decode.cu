@@ -10,8 +10,7 @@
 //
 //   query        bf16 [B, q_len, H, 576]       (kv_lora_rank 512 + rope 64)
 //   kv_cache     bf16 [num_pages, page_size, 576], page_size 32 or 64; JaxMlaSm90DecodeFp8: the
-//                fp8 cache, u8 [num_pages, page_size, 656] (docs/fp8-cache.md), with
-//                q_len * num_heads <= 32
+//                fp8 cache, u8 [num_pages, page_size, 656] (docs/fp8-cache.md)
 //   block_tables int32 [B, max_pages]
 //   seq_lens     int32 [B]
 //   schedule     int32 [B + 1]                  (JaxMlaSm90Schedule's result)

@@ -36,8 +36,9 @@ TARGETS = {
     "jax_mla_sm90_decode": {"execute": "JaxMlaSm90Decode"},
     "jax_mla_sm90_decode_fp8": {"execute": "JaxMlaSm90DecodeFp8"},
 }
-# Targets a library may have been built without (ffi/CMakeLists.txt skips the sm90 handler when it
-# finds no CUTLASS headers): register_targets skips them, sm90_missing() says why.
+# Targets a library may have been built without (ffi/CMakeLists.txt skips the sm90 handler without
+# CUTLASS headers, with nvcc < 12.5 or JAX_MLA_BUILD_SM90=OFF): register_targets skips them,
+# sm90_missing() says why.
 OPTIONAL_TARGETS = ("jax_mla_sm90_schedule", "jax_mla_sm90_decode", "jax_mla_sm90_decode_fp8")
 # ffi::State types of the handlers: name -> symbols returning its type id and type info.
 STATE_TYPES = {
@@ -348,9 +349,10 @@ def sm90_missing() -> str | None:
     except (ImportError, OSError) as error:
         return f"jax_mla's FFI library {path} cannot be loaded: {error}"
     if not hasattr(library, SM90_SYMBOL):
-        return (f"jax_mla's FFI library {path} was built without the sm90 handler (no CUTLASS "
-                "headers at build time: pip install nvidia-cutlass or set CUTLASS_INCLUDE_DIR, then "
-                "reinstall jax_mla)")
+        return (f"jax_mla's FFI library {path} was built without the sm90 handler (the build "
+                "skips it without CUTLASS headers, with nvcc older than 12.5 or with "
+                "JAX_MLA_BUILD_SM90=OFF, and says which in its CMake warning: pip install "
+                "nvidia-cutlass or set CUTLASS_INCLUDE_DIR, then reinstall jax_mla)")
     return None
 
 

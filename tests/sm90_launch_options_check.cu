@@ -2,8 +2,9 @@
 // launch options outside their documented values, option combinations no kernel implements and
 // shapes the kernels do not take must come back as cudaErrorInvalidValue before any CUDA call, so
 // the buffers here are placeholders that nothing reads. stdout, a line a case: "NAME invalid" when
-// LaunchDecode returned cudaErrorInvalidValue, else "NAME returned CODE"; then the launcher's
-// per-kernel defaults (DEFAULTS in tests/test_sm90_launch_options.py).
+// LaunchDecode returned cudaErrorInvalidValue, else "NAME returned CODE"; then the same checks
+// passing on valid shapes and options ("NAME passes", from detail::CheckLaunch, which launches
+// nothing); then the launcher's per-kernel defaults (DEFAULTS in tests/test_sm90_launch_options.py).
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -49,6 +50,15 @@ void Run(const char* name, const std::function<void(DecodeParams&, LaunchOptions
   } else {
     std::printf("%s returned %d\n", name, static_cast<int>(status));
   }
+}
+
+// Valid shapes and options: "NAME passes" when LaunchDecode's checks let them through.
+void Pass(const char* name, const std::function<void(DecodeParams&, LaunchOptions&)>& change) {
+  DecodeParams p = ValidParams();
+  LaunchOptions options;
+  change(p, options);
+  const cudaError_t status = detail::CheckLaunch(p, options);
+  std::printf("%s %s\n", name, status == cudaSuccess ? "passes" : "fails");
 }
 
 // The same at 128 heads (two M tiles: the 64-row tiles, clusters of two).
@@ -113,6 +123,25 @@ int main() {
     p.kv_fp8 = true;
     p.num_heads = 128;
     o.cluster = 2;
+  });
+  Pass("valid", [](DecodeParams&, LaunchOptions&) {});
+  Pass("valid,h128", [](DecodeParams& p, LaunchOptions&) { p.num_heads = 128; });
+  Pass("valid,h128,cluster=1,late_release", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = 1;
+    o.early_release = false;
+  });
+  Pass("valid,page_size=32,q_len=4", [](DecodeParams& p, LaunchOptions&) {
+    p.page_size = 32;
+    p.q_len = 4;
+  });
+  Pass("valid,fp8,h128", [](DecodeParams& p, LaunchOptions&) {
+    p.kv_fp8 = true;
+    p.num_heads = 128;
+  });
+  Pass("valid,fp8,fp8_registers=0", [](DecodeParams& p, LaunchOptions& o) {
+    p.kv_fp8 = true;
+    o.fp8_registers = 0;
   });
   // The launcher's per-kernel defaults: the KV map's L2 promotion and the fp8 cache's kernel up to
   // 16 rows, "NAME VALUE" a line.

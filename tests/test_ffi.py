@@ -27,7 +27,7 @@ def test_library_exports_every_handler(ffi_library_path):
     symbols = [symbol for stages in gpu.TARGETS.values() for symbol in stages.values()]
     symbols += [symbol for pair in gpu.STATE_TYPES.values() for symbol in pair]
     for symbol in symbols:
-        assert getattr(library, symbol) is not None
+        assert hasattr(library, symbol), symbol
     with pytest.raises(AttributeError):
         library.JaxMlaDevicePlanOnHost  # the planner's host twin lives in the tests' own library
 
@@ -36,7 +36,7 @@ def test_schedule_layout_matches_flashinfer_mlaplan():
     """MLAPlanInfo for 132 SMs as FlashInfer 0.7.2.post1's MLAPlan lays it out.
 
     On a GPU, jax_mla.plan compares this layout with the one FlashInfer's planner returns and
-    raises on any difference (it matched on the H200 for H in {16, 128}, q_len in {1, 2}).
+    raises on any difference.
     """
     narrow = planning.schedule_layout(132, 1, 16, 512)
     assert narrow.plan_info[:2] == (1, 132)

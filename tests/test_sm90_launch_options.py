@@ -1,7 +1,7 @@
 """The sm90 launcher's argument checks, run on the host (``tests/sm90_launch_options_check.cu``
 calls ``LaunchDecode`` from ``ffi/sm90/launch.cuh``): launch options outside their documented
 values, combinations no kernel implements and shapes the kernels do not take return
-cudaErrorInvalidValue before any CUDA call. ``jax_mla.decode`` always passes the default options;
+cudaErrorInvalidValue before any CUDA call, and valid ones pass the same checks. ``jax_mla.decode`` always passes the default options;
 the harness (benchmarks/sm90_harness.cu) is what sets the others."""
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0",
          "softmax_scale=0", "query_misaligned", "no_schedule", "min_blocks_per_part=0",
          "fp8,experiment=1", "fp8,late_release", "fp8,cluster=2"]
+
+# The same checks let these through (the arguments of ValidParams, changed as each name says).
+PASSING = ["valid", "valid,h128", "valid,h128,cluster=1,late_release", "valid,page_size=32,q_len=4",
+           "valid,fp8,h128", "valid,fp8,fp8_registers=0"]
 
 # The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows, and up to 32 where
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
@@ -58,4 +62,5 @@ def test_out_of_range_options_and_shapes_are_rejected(tmp_path):
                     f"{ROOT}/tests/sm90_launch_options_check.cu", "-o", str(binary)], check=True,
                    capture_output=True)
     lines = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
-    assert lines == [f"{case} invalid" for case in CASES] + DEFAULTS, lines
+    assert lines == ([f"{case} invalid" for case in CASES] + [f"{case} passes" for case in PASSING]
+                     + DEFAULTS), lines

@@ -1,11 +1,12 @@
 // The SM90 (Hopper) MLA decode kernel: persistent split-KV over a GPU-built schedule.
 //
-// CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads), one CTA per SM; grid (parts, M
-// tiles). Each CTA walks the (request, KV block) range that the schedule gives its part:
+// CTA = 2 consumer warpgroups + 1 producer warpgroup (384 threads), one CTA per SM; a 1-D grid of
+// parts x M tiles. Each CTA walks the (request, KV block) range that the schedule gives its part:
 //  - one producer thread loads the 64-row query tile once per request segment and every 64-token
 //    KV tile (64 x 576 bf16) as 64-column bulk-tensor pieces of one page (64 rows) or of two
-//    pages of 32 into a 2-stage mbarrier pipeline; a stage goes back to the producer as soon as
-//    both warpgroups' PV on it is done;
+//    pages of 32 into a 2-stage mbarrier pipeline; a stage goes back to the producer once both
+//    warpgroups are done reading it (in two parts with kSplitRelease, below; on the fp8 cache once
+//    its rows are converted);
 //  - QK^T: consumer warpgroup 0 computes the scores of all 64 tokens for all 64 rows (WGMMA
 //    64x64x16, both operands in shared memory) and their online softmax, and writes the bf16
 //    probabilities P over the block's rope chunk (which only QK^T reads) and each row's rescale
@@ -17,9 +18,10 @@
 //    (bf16 in 64-row tiles, fp32 in the transposed kernels) and LSE to the workspace for the
 //    combine kernel.
 // Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
-// Up to 32 query rows the scores and PV are computed transposed (kScoreN). With the fp8 cache
-// (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile per
-// block.
+// Up to 32 query rows the scores and PV are computed transposed (kScoreN; on the fp8 cache the
+// register-operand kernels run those rows unless LaunchOptions asks for this one). With the fp8
+// cache (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile
+// per block.
 // The kernel is below; PrepareKvTile before it makes a landed block ready for the MMAs, and the
 // pieces both use live in one header per concern (producer, kv_blocks, pipeline, mma, softmax,
 // fp8_convert, epilogue).
@@ -147,8 +149,9 @@ __device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pip
 // convert them into the one bf16 KV tile, which QK^T and PV read.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
 // write_kv writes (docs/fp8-cache.md); the rest is the bf16 cache's path.
-//  - Transposed scores: each warpgroup converts the columns it reads in QK^T and PV (its two latent
-//    groups and half the rope, ScoresFp8*), and both hand the stage back. Up to 16 query rows
+//  - Transposed scores (LaunchOptions::fp8_registers = 0; by default the register-operand kernels
+//    run up to 32 rows): each warpgroup converts the columns it reads in QK^T and PV (its two
+//    latent groups and half the rope, ScoresFp8*), and both hand the stage back. Up to 16 query rows
 //    (kScoreN 16) each thread also keeps its tokens' converted values as QK^T A fragments in
 //    registers (LoadKFragments) and QK^T runs from them against the column-permuted query tile;
 //    with 32 rows QK^T reads the tile (DequantiseRow).

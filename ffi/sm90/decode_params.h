@@ -21,8 +21,9 @@ constexpr int kFp8GroupSize = 128;
 constexpr int kFp8ScalesOffset = kLatentDim;
 constexpr int kFp8RopeOffset = kFp8ScalesOffset + 4 * (kLatentDim / kFp8GroupSize);  // 528
 constexpr int kFp8RowBytes = kFp8RopeOffset + 2 * kRopeDim;                        // 656
-// Query rows (q_len * num_heads) up to which the fp8 cache runs the transposed-score kernel (its
-// query tile has this many rows); more rows run in 64-row tiles.
+// Query rows (q_len * num_heads) up to which the fp8 cache runs a kernel with a query tile of this
+// many rows (the register-operand kernels; DecodeKernel's transposed scores when asked for);
+// more rows run in 64-row tiles.
 constexpr int kFp8TransposedRows = 32;
 
 // Tiling.

@@ -1,7 +1,8 @@
 // The fp8 cache in DecodeKernel: e4m3 to bf16; staged rows converted into the bf16 tile
-// (DequantiseRow: 17-32-row transposed scores and 64-row tiles), up to 16 rows the keys into
-// registers too (LoadKFragments, the query tile's columns permuted to match), and the transposed
-// scores from them.
+// (DequantiseRow: the 64-row tiles, and the transposed scores that LaunchOptions::fp8_registers = 0
+// asks for in place of the register-operand kernels), up to 16 rows the keys into registers too
+// (LoadKFragments, the query tile's columns permuted to match), and the transposed scores from
+// them.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -227,7 +228,8 @@ __device__ __forceinline__ void ScoresFp8Registers(KFragments& frag, uint32_t q_
   FenceRegisters(st);
 }
 
-// fp8 cache, 17-32 query rows: this warpgroup's partial S^T (64 tokens x kScoreN rows, kStN values
+// fp8 cache, 17-32 query rows in DecodeKernel (LaunchOptions::fp8_registers = 0): this warpgroup's
+// partial S^T (64 tokens x kScoreN rows, kStN values
 // per thread) over the columns DequantiseRow wrote for it (latent groups 2 wg, 2 wg + 1 and half
 // the rope), both operands in shared memory.
 template <class QkT, int kQChunkBytes, int kStN>

@@ -355,12 +355,11 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   }
 }
 
-}  // namespace detail
-
-// Decode (and combine) one layer, reading the schedule LaunchSchedule wrote.
-inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
-                                const LaunchOptions& options = LaunchOptions()) {
-  if (!detail::ValidShape(p)) return cudaErrorInvalidValue;
+// LaunchDecode's argument checks, made before any CUDA call: cudaErrorInvalidValue for shapes the
+// kernels do not take, options outside their documented values and combinations no kernel
+// implements; cudaSuccess otherwise.
+inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& options) {
+  if (!ValidShape(p)) return cudaErrorInvalidValue;
   const int rows = p.q_len * p.num_heads;
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   if (options.cluster < -1 || options.cluster == 0 || options.transposed_scores < -1 ||
@@ -372,17 +371,31 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
        options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
-  const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
+  const int cluster = ClusterSize(options, p.kv_fp8, m_tiles);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
-  if (kernel == nullptr) return cudaErrorInvalidValue;
-  const int score_n = detail::TransposedScoreRows(options, cluster, rows);
-  if (options.bf16_partials == 1 && score_n != 0) {
+  if (SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles) == nullptr) {
     return cudaErrorInvalidValue;
   }
+  const bool partials_off_tiles =
+      options.bf16_partials == 1 && TransposedScoreRows(options, cluster, rows) != 0;
+  return partials_off_tiles ? cudaErrorInvalidValue : cudaSuccess;
+}
+
+}  // namespace detail
+
+// Decode (and combine) one layer, reading the schedule LaunchSchedule wrote.
+inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
+                                const LaunchOptions& options = LaunchOptions()) {
+  cudaError_t err = detail::CheckLaunch(p, options);
+  if (err != cudaSuccess) return err;
+  const int rows = p.q_len * p.num_heads;
+  const int m_tiles = NumMTiles(p.q_len, p.num_heads);
+  const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
+  const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
+  const int score_n = detail::TransposedScoreRows(options, cluster, rows);
   const int smem_bytes = detail::KernelSmemBytes(options, p.kv_fp8, score_n);
   detail::KernelInfo info;
-  cudaError_t err = detail::Prepare(kernel, cluster, smem_bytes, &info);
+  err = detail::Prepare(kernel, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;
 
   int parts = NumParts(p.num_sms, p.q_len, p.num_heads);
