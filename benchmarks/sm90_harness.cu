@@ -38,6 +38,8 @@
 // NaN pages). --bad adds out-of-range page ids inside the lengths and lengths of 0, < q_len and
 // over the table's capacity. The reference treats them as the kernel documents: lengths clamped
 // to [0, capacity], tokens of out-of-range pages masked, rows that see nothing give 0 and -inf.
+// The launcher's experiment kernels (LaunchOptions) are compiled in here.
+#define JAX_MLA_SM90_EXPERIMENTS
 #include <algorithm>
 #include <cinttypes>
 #include <cmath>

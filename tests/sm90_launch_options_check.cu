@@ -3,12 +3,14 @@
 // shapes the kernels do not take must come back as cudaErrorInvalidValue before any CUDA call, so
 // the buffers here are placeholders that nothing reads. stdout, a line a case: "NAME invalid" when
 // LaunchDecode returned cudaErrorInvalidValue, else "NAME returned CODE"; then the same checks
-// passing on valid shapes and options ("NAME passes", from detail::CheckLaunch, which launches
-// nothing); then the launcher's per-kernel defaults (DEFAULTS in tests/test_sm90_launch_options.py).
+// passing on valid shapes and options ("NAME passes" or "NAME fails", from detail::CheckLaunch,
+// which launches nothing); then the launcher's per-kernel defaults (DEFAULTS in tests/test_sm90_launch_options.py).
 #include <cstdint>
 #include <cstdio>
 #include <functional>
 
+// Built as the harness is (its experiment kernels in), or without them, as the FFI library is:
+// JAX_MLA_SM90_EXPERIMENTS given or not on the command line.
 #include "ffi/sm90/launch.cuh"
 
 using namespace jax_mla::sm90;
@@ -126,11 +128,6 @@ int main() {
   });
   Pass("valid", [](DecodeParams&, LaunchOptions&) {});
   Pass("valid,h128", [](DecodeParams& p, LaunchOptions&) { p.num_heads = 128; });
-  Pass("valid,h128,cluster=1,late_release", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
-    o.cluster = 1;
-    o.early_release = false;
-  });
   Pass("valid,page_size=32,q_len=4", [](DecodeParams& p, LaunchOptions&) {
     p.page_size = 32;
     p.q_len = 4;
@@ -139,10 +136,18 @@ int main() {
     p.kv_fp8 = true;
     p.num_heads = 128;
   });
+  // Options only the experiment kernels run: "fails" in a build without them.
+  Pass("valid,h128,cluster=1,late_release", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.cluster = 1;
+    o.early_release = false;
+  });
   Pass("valid,fp8,fp8_registers=0", [](DecodeParams& p, LaunchOptions& o) {
     p.kv_fp8 = true;
     o.fp8_registers = 0;
   });
+  Pass("valid,experiment=1", [](DecodeParams&, LaunchOptions& o) { o.experiment = 1; });
+  Pass("valid,no_combine", [](DecodeParams&, LaunchOptions& o) { o.combine = false; });
   // The launcher's per-kernel defaults: the KV map's L2 promotion and the fp8 cache's kernel up to
   // 16 rows, "NAME VALUE" a line.
   const LaunchOptions defaults;

@@ -119,6 +119,27 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
         assert gpu.sm90_workspace_bytes(*case) == kernel(*case), case
 
 
+# DecodeKernel<kEarlyRelease, kSkip, kCluster, kScoreN, kFp8, kSplitRelease> instantiations the
+# default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel): the transposed kernels up to 16
+# and 32 rows, the 64-row tiles of one M tile, of an odd number (split release) and of M-tile
+# pairs (clusters of two, split release), and the fp8 cache's 64-row tiles.
+DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0), (1, 0, 1, 32, 0, 0), (1, 0, 1, 0, 0, 0),
+                          (1, 0, 1, 0, 0, 1), (1, 0, 2, 0, 0, 1), (1, 0, 1, 0, 1, 0)}
+
+
+def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_path):
+    """The FFI library is built without the launcher's experiment kernels (no
+    JAX_MLA_SM90_EXPERIMENTS): the DecodeKernel instantiations it registers by name are those the
+    default options select, beside the fp8 cache's register-operand kernels."""
+    library = Path(ffi_library_path).read_bytes()
+    found = {tuple(int(v) for v in args) for args in re.findall(
+        rb"DecodeKernelILb(\d)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)E", library)}
+    if not found:
+        skip_or_fail(f"{ffi_library_path} was built without the sm90 handler")
+    assert found == DEFAULT_DECODE_KERNELS
+    assert b"DecodeFp8RegsKernel" in library and b"DecodeFp8SplitKernel" in library
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(page_size=16), r"sm90 needs kv_cache page_size in \(32, 64\), got 16"),
     (dict(page_size=128), r"sm90 needs kv_cache page_size in \(32, 64\), got 128"),

@@ -28,7 +28,10 @@ namespace jax_mla {
 namespace sm90 {
 
 // Knobs that benchmarks/sm90_harness.cu times against each other (docs/sm90-kernel.md has the
-// outcome). Production callers pass nothing and get the defaults.
+// outcome). Production callers pass nothing and get the defaults. The kernels that only other
+// options select (timing experiments, and the variants the defaults replaced) and the launch
+// without the combine are compiled only where JAX_MLA_SM90_EXPERIMENTS is defined (the harness,
+// the launch-option test); elsewhere, as in the FFI library, LaunchDecode refuses those options.
 struct LaunchOptions {
   bool early_release = true;  // see DecodeKernel's kEarlyRelease
   int kv_l2_promotion = -1;   // L2 promotion of the bf16 cache's tensor map, in bytes: 0, 128 or
@@ -303,8 +306,15 @@ inline bool UseSplitRelease(const LaunchOptions& options, int m_tiles) {
   return m_tiles >= 2;
 }
 
+#ifdef JAX_MLA_SM90_EXPERIMENTS
+#define JAX_MLA_SM90_EXPERIMENT_KERNEL(...) reinterpret_cast<const void*>(&__VA_ARGS__)
+#else
+#define JAX_MLA_SM90_EXPERIMENT_KERNEL(...) nullptr
+#endif
+
 // The decode kernel for these options, rows and cache format; nullptr for a combination that has
-// none (the fp8 cache has no experiments, clusters or late release).
+// none (the fp8 cache has no experiments, clusters or late release) or whose kernel this build
+// leaves out (JAX_MLA_SM90_EXPERIMENT_KERNEL).
 inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8,
                                 int m_tiles) {
   if (fp8) {
@@ -315,8 +325,8 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
                            : reinterpret_cast<const void*>(&DecodeFp8SplitKernel);
     }
     switch (score_n) {
-      case 16: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 16, true>);
-      case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 32, true>);
+      case 16: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 1, 16, true>);
+      case 32: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 1, 32, true>);
       default: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true>);
     }
   }
@@ -330,27 +340,27 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
     switch (options.experiment) {
       case 0: return UseSplitRelease(options, m_tiles)
                          ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, false, true>)
-                         : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
-      case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7, 2>);
+                         : JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 2>);
+      case 7: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 7, 2>);
       default: return nullptr;
     }
   }
   if (options.early_release && UseSplitRelease(options, m_tiles)) {
     switch (options.experiment) {
       case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, false, true>);
-      case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 32, 1, 0, false, true>);
+      case 32: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 32, 1, 0, false, true>);
       default: break;
     }
   }
   switch (options.experiment) {
     case 0: return options.early_release ? reinterpret_cast<const void*>(&DecodeKernel<true, 0>)
-                                         : reinterpret_cast<const void*>(&DecodeKernel<false, 0>);
-    case 1: return reinterpret_cast<const void*>(&DecodeKernel<true, 1>);
-    case 2: return reinterpret_cast<const void*>(&DecodeKernel<true, 2>);
-    case 3: return reinterpret_cast<const void*>(&DecodeKernel<true, 3>);
-    case 4: return reinterpret_cast<const void*>(&DecodeKernel<true, 4>);
-    case 7: return reinterpret_cast<const void*>(&DecodeKernel<true, 7>);
-    case 32: return reinterpret_cast<const void*>(&DecodeKernel<true, 32>);
+                                         : JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<false, 0>);
+    case 1: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 1>);
+    case 2: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 2>);
+    case 3: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 3>);
+    case 4: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 4>);
+    case 7: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 7>);
+    case 32: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 32>);
     default: return nullptr;
   }
 }
@@ -371,6 +381,9 @@ inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& optio
        options.combine_rows_in_flight != 32)) {
     return cudaErrorInvalidValue;
   }
+#ifndef JAX_MLA_SM90_EXPERIMENTS
+  if (!options.combine) return cudaErrorInvalidValue;
+#endif
   const int cluster = ClusterSize(options, p.kv_fp8, m_tiles);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   if (SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles) == nullptr) {
