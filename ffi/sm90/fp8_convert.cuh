@@ -229,9 +229,8 @@ __device__ __forceinline__ void ScoresFp8Registers(KFragments& frag, uint32_t q_
 }
 
 // fp8 cache, 17-32 query rows in DecodeKernel (LaunchOptions::fp8_registers = 0): this warpgroup's
-// partial S^T (64 tokens x kScoreN rows, kStN values
-// per thread) over the columns DequantiseRow wrote for it (latent groups 2 wg, 2 wg + 1 and half
-// the rope), both operands in shared memory.
+// partial S^T (64 tokens x kScoreN rows, kStN values per thread) over the columns DequantiseRow
+// wrote for it (latent groups 2 wg, 2 wg + 1 and half the rope), both operands in shared memory.
 template <class QkT, int kQChunkBytes, int kStN>
 __device__ __forceinline__ void ScoresFp8Smem(uint32_t kv_addr, uint32_t q_addr, int wg,
                                               float (&st)[kStN]) {
