@@ -128,14 +128,12 @@ __device__ __forceinline__ float OwnedValue(const float (&st)[kN], int wg, int x
 
 // Transposed scores: the value of the thread's query row i (< kRowsT) from its owned rows' own[k]
 // if warpgroup wg owns it, else from what the other warpgroup published for its lane group q
-// (published[q kRowsT + i], RowStats' layout).
+// (published[q kRowsT + i], RowStats' layout: the owner writes row OwnedRow(owner, k) there).
 template <int kRowsT>
 __device__ __forceinline__ float RowValue(int wg, int i, const float (&own)[kRowsT / 2],
                                           const float* published, int q) {
-  return TransposedScores::Owns(wg, i, kRowsT)
-             ? own[TransposedScores::OwnedIndex(i, kRowsT)]
-             : published[q * kRowsT + TransposedScores::OwnedRow(wg ^ 1, 0, kRowsT) +
-                         TransposedScores::OwnedIndex(i, kRowsT)];
+  return TransposedScores::Owns(wg, i, kRowsT) ? own[TransposedScores::OwnedIndex(i, kRowsT)]
+                                               : published[q * kRowsT + i];
 }
 
 // Transposed scores' online softmax of kRowsT of the thread's query rows (its rows first_row_t
