@@ -516,9 +516,12 @@ def test_custom_calls_in_loops_are_told_from_those_before_them():
 
 
 @on_gpu
+@pytest.mark.xfail(strict=True, reason="XLA 0.11.2 keeps the schedule call inside the scanned loop "
+                   "(H100, 2026-12-05; docs/sm90-kernel.md, 'How it is wired'): each layer "
+                   "rebuilds it. Passing when XLA hoists it, this test then fails: update the docs.")
 def test_a_scan_over_layers_builds_the_schedule_once_before_the_loop():
-    """The schedule call's operands are the same in every layer of a lax.scan, so XLA runs it once,
-    outside the loop, and only the decode call once a layer."""
+    """The schedule call's operands are the same in every layer of a lax.scan, so XLA could run it
+    once, outside the loop, and only the decode call once a layer."""
     problem = make_problem(24, batch=3, q_len=1, num_heads=16, page_size=64, max_len=2000,
                            dtype=jnp.bfloat16)
     caches = jnp.stack([problem.kv_cache * (1 + 0.05 * i) for i in range(4)])
