@@ -41,7 +41,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         Hopper each device takes sm90 instead of fa3 where ``jax_mla.backends.prefers_sm90``
         holds for its shard's shape (the README's Backends section tabulates it), and with the
         fp8 cache every device whose shard sm90 runs takes sm90 instead of xla; on Blackwell a
-        device whose shard trtllm-gen does not run (page size, head count) takes fa2.
+        device whose shard trtllm-gen does not run (dims, page size, head count) takes fa2,
+        which then plans on the host.
         ``backend_for`` names the choice.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from

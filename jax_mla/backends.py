@@ -14,7 +14,7 @@ on Hopper and xla elsewhere (trtllm-gen takes it when named: not yet run on hard
 that first pick, because what it takes depends on the shape of each device's shard: on Hopper
 without a plan each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs
 and is faster at (``auto_alternative``, ``prefers_sm90``); on Blackwell a device whose shard
-trtllm-gen does not run (its page sizes and head counts) takes fa2.
+trtllm-gen does not run (its dims, page sizes and head counts) takes fa2.
 """
 
 from __future__ import annotations
@@ -214,10 +214,10 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
         readers = [name for name in candidates if BY_NAME[name].takes_plan]
         picked = (readers if plan_given and readers else candidates)[0]
         missing = gpu.runtime_missing() if picked == XLA and _is_cuda(platform) else None
-        if missing is not None:
+        if missing is not None and _a_gpu_kernel_takes(platform, dtype, cache_format):
             warnings.warn(f"jax_mla: backend='auto' runs the xla backend on this GPU, many times "
                           f"slower than its kernels, because {missing}", RuntimeWarning,
-                          stacklevel=3)
+                          stacklevel=4)
         return picked
     if backend not in BY_NAME:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {list(ALL_BACKENDS)} "
@@ -250,6 +250,15 @@ def _auto_candidates(available: list[str], platform: str, dtype, cache_format: s
             if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
             and cache_format not in BY_NAME[name].named_only_formats
             and _runs_format_here(BY_NAME[name], cache_format, platform)]
+
+
+def _a_gpu_kernel_takes(platform: str, dtype, cache_format: str) -> bool:
+    """Whether a GPU backend that runs on this machine's GPU takes a query of ``dtype`` and a cache
+    of ``cache_format`` (as "auto" or per device), whatever the runtime installed."""
+    return any(name != XLA and BY_NAME[name].takes(dtype, cache_format)
+               and cache_format not in BY_NAME[name].named_only_formats
+               and _runs_format_here(BY_NAME[name], cache_format, platform)
+               for name in runnable_on(gpu.capability()))
 
 
 def _runs_format_here(backend: Backend, cache_format: str, platform: str) -> bool:

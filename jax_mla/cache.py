@@ -16,6 +16,8 @@ raises when used; take a new view of the cache the step returned.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -48,9 +50,16 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
                         f"{device!r}; e.g. jax.devices('gpu')[0]")
     if isinstance(dtype, str) and dtype == fp8_cache.FP8:
         row_bytes = fp8_cache.layout(kv_lora_rank, rope_dim).row_bytes
-        return jnp.zeros((num_pages, page_size, row_bytes), fp8_cache.STORAGE_DTYPE, device=device)
-    return jnp.zeros((num_pages, page_size, kv_lora_rank + rope_dim), _float_dtype(dtype),
-                     device=device)
+        shape, dtype = (num_pages, page_size, row_bytes), fp8_cache.STORAGE_DTYPE
+    else:
+        shape, dtype = (num_pages, page_size, kv_lora_rank + rope_dim), _float_dtype(dtype)
+    if device is None:
+        return jnp.zeros(shape, dtype)
+    if isinstance(device, jax.Device):
+        device = jax.sharding.SingleDeviceSharding(device)
+    # Zeroed by a compiled program whose output has this sharding: each device writes its own
+    # shard, with no whole copy on one device first.
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=device)()
 
 
 def _float_dtype(dtype) -> jnp.dtype:

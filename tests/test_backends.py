@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import jax.numpy as jnp
 import pytest
 from conftest import lse_error, make_problem, record_kernel_runs, request_head_error, tolerances
@@ -82,10 +84,18 @@ def test_auto_on_cpu():
 
 def test_gpu_without_the_runtime_offers_only_xla(monkeypatch):
     monkeypatch.setattr(gpu, "runtime_missing", lambda: "flashinfer-python is not installed")
+    monkeypatch.setattr(gpu, "capability", lambda device=None: (9, 0))
     assert backends.available_backends("gpu") == ["xla"]
     with pytest.warns(RuntimeWarning, match=r"'auto' runs the xla backend on this GPU, many times "
                                             r"slower .* because flashinfer-python is not installed"):
         assert backends.resolve("auto", "gpu") == "xla"
+    with pytest.warns(RuntimeWarning, match="because flashinfer-python"):  # sm90 takes it on Hopper
+        assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.FP8_CACHE) == "xla"
+    with warnings.catch_warnings():  # no GPU kernel takes float32: xla is the choice, not a fallback
+        warnings.simplefilter("error")
+        assert backends.resolve("auto", "gpu", jnp.float32) == "xla"
+        monkeypatch.setattr(gpu, "capability", lambda device=None: (8, 0))
+        assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.FP8_CACHE) == "xla"
     with pytest.raises(ValueError, match=r"backend 'fa3' is unavailable: flashinfer-python is not "
                                          r"installed; available here: \['xla'\]"):
         backends.resolve("fa3", "gpu")

@@ -70,16 +70,19 @@ def test_write_kv_donated_updates_in_place(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, "fp8"])
 def test_allocate_cache_makes_each_shard_on_its_device(dtype):
-    """Given a sharding, the cache is made sharded (each device holds only its pages), zeroed."""
+    """Given a sharding, the cache is made sharded (each device holds only its pages), zeroed,
+    eagerly and inside jax.jit; given a device, on that device."""
     devices = jax.devices()
-    if len(devices) < 2:
-        pytest.skip("needs two devices (conftest forces four host devices on the CPU)")
-    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("pool",))
+    if len(devices) < 4:
+        pytest.skip("needs four devices (conftest forces four host devices on the CPU)")
+    mesh = jax.sharding.Mesh(np.array(devices[2:4]), ("pool",))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("pool", None, None))
-    cache = jax_mla.allocate_cache(8, 16, dtype=dtype, device=sharding)
-    assert cache.sharding == sharding
-    assert [shard.data.shape[0] for shard in cache.addressable_shards] == [4, 4]
-    assert not np.asarray(cache, np.float32).any()
+    for cache in (jax_mla.allocate_cache(8, 16, dtype=dtype, device=sharding),
+                  jax.jit(lambda: jax_mla.allocate_cache(8, 16, dtype=dtype, device=sharding))()):
+        assert cache.sharding.is_equivalent_to(sharding, cache.ndim)
+        assert {shard.device: shard.data.shape[0] for shard in cache.addressable_shards} == {
+            devices[2]: 4, devices[3]: 4}
+        assert not np.asarray(cache, np.float32).any()
     single = jax_mla.allocate_cache(2, 16, dtype=dtype, device=devices[1])
     assert single.devices() == {devices[1]}
 
