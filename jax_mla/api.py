@@ -164,9 +164,9 @@ def device_backend(backend: backends.Backend, alternative: backends.Backend | No
     ``alternative`` from ``backends.auto_alternative``: sm90 where ``backends.prefers_sm90`` holds
     for the shard's shape and sm90 runs it; another backend where ``backend`` does not run the
     shard's shapes; else ``backend``."""
-    shard = (query, kv_cache, block_tables, kv_lora_rank)
     if alternative is None:
         return backend
+    shard = (query, kv_cache, block_tables, kv_lora_rank)
     if alternative.name != backends.SM90:
         return backend if runs_shapes(backend, *shard) else alternative
     batch, q_len, num_heads, _ = query.shape

@@ -243,21 +243,24 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     return backend
 
 
+def _auto_takes(backend: Backend, platform: str, dtype, cache_format: str) -> bool:
+    """Whether "auto" may run ``backend`` here on a query of ``dtype`` and a cache of
+    ``cache_format``, as its first pick or per device."""
+    return (backend.takes(dtype, cache_format) and cache_format not in backend.named_only_formats
+            and _runs_format_here(backend, cache_format, platform))
+
+
 def _auto_candidates(available: list[str], platform: str, dtype, cache_format: str) -> list[str]:
     """The backends of ``available`` that "auto" may pick for a query of ``dtype`` and a cache of
     ``cache_format`` before the arrays are split, best first (xla is always one)."""
-    return [name for name in available
-            if BY_NAME[name].first_pick and BY_NAME[name].takes(dtype, cache_format)
-            and cache_format not in BY_NAME[name].named_only_formats
-            and _runs_format_here(BY_NAME[name], cache_format, platform)]
+    return [name for name in available if BY_NAME[name].first_pick
+            and _auto_takes(BY_NAME[name], platform, dtype, cache_format)]
 
 
 def _a_gpu_kernel_takes(platform: str, dtype, cache_format: str) -> bool:
     """Whether a GPU backend that runs on this machine's GPU takes a query of ``dtype`` and a cache
     of ``cache_format`` (as "auto" or per device), whatever the runtime installed."""
-    return any(name != XLA and BY_NAME[name].takes(dtype, cache_format)
-               and cache_format not in BY_NAME[name].named_only_formats
-               and _runs_format_here(BY_NAME[name], cache_format, platform)
+    return any(name != XLA and _auto_takes(BY_NAME[name], platform, dtype, cache_format)
                for name in runnable_on(gpu.capability()))
 
 
