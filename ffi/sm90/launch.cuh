@@ -365,10 +365,20 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   }
 }
 
-// LaunchDecode's argument checks, made before any CUDA call: cudaErrorInvalidValue for shapes the
-// kernels do not take, options outside their documented values and combinations no kernel
-// implements; cudaSuccess otherwise.
-inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& options) {
+// What LaunchDecode launches for a problem and its options.
+struct KernelChoice {
+  int rows = 0;        // query rows, q_len * num_heads
+  int m_tiles = 0;     // 64-row tiles of those rows
+  int cluster = 1;     // CTAs a cluster
+  int score_n = 0;     // DecodeKernel's kScoreN (0: 64-row tiles)
+  const void* kernel = nullptr;
+};
+
+// LaunchDecode's argument checks, made before any CUDA call, and its kernel: cudaErrorInvalidValue
+// for shapes the kernels do not take, options outside their documented values and combinations
+// no kernel implements; cudaSuccess otherwise, with *choice filled in.
+inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& options,
+                                KernelChoice* choice) {
   if (!ValidShape(p)) return cudaErrorInvalidValue;
   const int rows = p.q_len * p.num_heads;
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
@@ -386,12 +396,19 @@ inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& optio
 #endif
   const int cluster = ClusterSize(options, p.kv_fp8, m_tiles);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  if (SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles) == nullptr) {
+  const void* kernel = SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
+  const int score_n = TransposedScoreRows(options, cluster, rows);
+  if (kernel == nullptr || (options.bf16_partials == 1 && score_n != 0)) {
     return cudaErrorInvalidValue;
   }
-  const bool partials_off_tiles =
-      options.bf16_partials == 1 && TransposedScoreRows(options, cluster, rows) != 0;
-  return partials_off_tiles ? cudaErrorInvalidValue : cudaSuccess;
+  *choice = {rows, m_tiles, cluster, score_n, kernel};
+  return cudaSuccess;
+}
+
+// ChooseKernel's checks alone.
+inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& options) {
+  KernelChoice choice;
+  return ChooseKernel(p, options, &choice);
 }
 
 }  // namespace detail
@@ -399,13 +416,14 @@ inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& optio
 // Decode (and combine) one layer, reading the schedule LaunchSchedule wrote.
 inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                                 const LaunchOptions& options = LaunchOptions()) {
-  cudaError_t err = detail::CheckLaunch(p, options);
+  detail::KernelChoice choice;
+  cudaError_t err = detail::ChooseKernel(p, options, &choice);
   if (err != cudaSuccess) return err;
-  const int rows = p.q_len * p.num_heads;
-  const int m_tiles = NumMTiles(p.q_len, p.num_heads);
-  const int cluster = detail::ClusterSize(options, p.kv_fp8, m_tiles);
-  const void* kernel = detail::SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
-  const int score_n = detail::TransposedScoreRows(options, cluster, rows);
+  const int rows = choice.rows;
+  const int m_tiles = choice.m_tiles;
+  const int cluster = choice.cluster;
+  const void* kernel = choice.kernel;
+  const int score_n = choice.score_n;
   const int smem_bytes = detail::KernelSmemBytes(options, p.kv_fp8, score_n);
   detail::KernelInfo info;
   err = detail::Prepare(kernel, cluster, smem_bytes, &info);
