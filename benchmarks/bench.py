@@ -262,7 +262,7 @@ class Bench:
         chosen = backends.resolve("auto", backends.platform_of(run.q))
         record["jax_mla_backend"] = chosen
         plan = None
-        if method != "jax_mla_noplan" and backends.BY_NAME[chosen].takes_plan:
+        if method != "jax_mla_noplan" and backends.BY_NAME[chosen].reads_plan == backends.FA_PLAN:
             lengths = np.asarray(run.layout.lengths, np.int32)
 
             def make_plan():

@@ -111,6 +111,23 @@ def layered(decode_one, layers: int, compiler_options: dict | None = None):
     return jax.jit(step, compiler_options=compiler_options)
 
 
+def scanned(decode_one, compiler_options: dict | None = None, make_plan=None):
+    """jit(f)(q, caches, tables, lens, plan) -> outputs [layers, ...] of a ``lax.scan`` over the
+    stacked caches [layers, ...], layer i reading caches[i]; with ``make_plan``, the plan
+    ``make_plan(caches, tables, lens)`` is built once, before the scan, in place of ``plan``."""
+    import jax
+
+    def step(query, caches, tables, lens, plan):
+        if make_plan is not None:
+            plan = make_plan(caches, tables, lens)
+
+        def layer(carry, cache):
+            return carry, decode_one(query, cache, tables, lens, plan)
+        return jax.lax.scan(layer, None, caches)[1]
+
+    return jax.jit(step, compiler_options=compiler_options)
+
+
 def device_planned(decode_one, layers: int, pt: Point, max_pages: int,
                    compiler_options: dict | None = None):
     """Like ``layered``, but the step builds its schedule on the GPU once and shares it."""

@@ -3,15 +3,20 @@
 A short step's wall time mixes the host's dispatch with the kernels' time. For sm90 and fa3
 (``backend="auto"`` with a plan from the host) at each point (by default B=1 L=4k, H=128 and 16;
 q_len 1, pages of 64, lengths as the benchmark draws them), this prints per layer of a 61-layer
-jitted step (the benchmark's ``--layers 61`` step):
+jitted step (the benchmark's ``--layers 61`` step), its layers unrolled in Python; and for sm90
+also as a ``lax.scan`` over the layers' stacked caches, with the schedule built in every layer
+(``plan=None``) and once before the loop (``jax_mla.sm90_plan``), where the stacked caches take
+at most ``--scan-gib`` GiB:
 
 - the wall time of back-to-back calls (``timing.time_jax``), with the caches rotated between
-  calls as the benchmark does (every call its own cache tuple) and with the same caches every call
-  (as a serving loop passes its one cache per layer);
+  calls as the benchmark does (every call its own cache tuple; not for the scans, whose caches
+  are one stacked array) and with the same caches every call (as a serving loop passes its one
+  cache per layer);
 - from a JAX profiler trace of back-to-back steps: the GPU's span per step (its first kernel's
   start to its last kernel's end), the time within it that some kernel runs (the union of the
   kernels' intervals: the span less the gaps where the GPU waited for the host, which the
   tracer's own dispatch cost can open at B = 1) and the summed kernel durations, by kernel name.
+  A trace's steps are told apart by count: every step launches the same kernels.
 
 Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``), or one of them.
 
@@ -29,7 +34,7 @@ import types
 import numpy as np
 
 from benchmarks.grid import Point
-from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered
+from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered, scanned
 from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
 from benchmarks.timing import busy_us, time_jax, traced_gpu_kernels
 
@@ -44,16 +49,17 @@ def wall_us_per_layer(step, arg_sets: list[tuple]) -> float:
     return time_jax(step, arg_sets, LAYERS, WALL_TIMER)[0] * 1e6
 
 
-def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -> dict:
-    """The steps in ``events`` ((name, start µs, duration µs) by start, as ``gpu_stream_kernels``
-    gives them), told apart by the kernel named like ``marker`` that starts each: the median
-    span (first kernel's start to last kernel's end), the median busy time (the union of the
-    kernels' intervals) and the mean summed kernel time per step, all per layer, and each kernel
-    name's launches per step and median duration. The last marked step is left out (its end is
-    unknown)."""
-    starts = [i for i, (name, _, _) in enumerate(events) if marker in name]
-    if len(starts) < 2:
-        raise RuntimeError(f"{len(starts)} kernels named like {marker!r} in the trace")
+def per_step(events: list[tuple[str, float, float]], steps: int, layers: int) -> dict:
+    """The ``steps`` steps in ``events`` ((name, start µs, duration µs) by start, as
+    ``gpu_stream_kernels`` gives them), each the same number of kernels: the median span (first
+    kernel's start to last kernel's end), the median busy time (the union of the kernels'
+    intervals) and the mean summed kernel time per step, all per layer, and each kernel name's
+    launches per step and median duration."""
+    if steps < 1 or len(events) % steps:
+        raise RuntimeError(f"{len(events)} kernels in the trace do not split into {steps} steps "
+                           "of the same kernels")
+    per = len(events) // steps
+    starts = list(range(0, len(events) + 1, per))
     spans, busy = [], []
     for a, b in zip(starts, starts[1:]):
         last = max(events[i][1] + events[i][2] for i in range(a, b))
@@ -62,20 +68,18 @@ def per_step(events: list[tuple[str, float, float]], marker: str, layers: int) -
     by_name = collections.defaultdict(list)
     for name, _, dur in events[starts[0]:starts[-1]]:
         by_name[name].append(dur)
-    steps = len(starts) - 1
     return {"span_us": statistics.median(spans) / layers,
             "busy_us": statistics.median(busy) / layers,
             "kernels_us": sum(sum(v) for v in by_name.values()) / steps / layers,
             "by_name": {name: (len(v) / steps, statistics.median(v)) for name, v in by_name.items()}}
 
 
-def traced(step, args, marker: str | None) -> dict:
-    """``per_step`` of a JAX profiler trace of TRACED_STEPS back-to-back calls of ``step``; with no
-    ``marker``, the steps are told apart by the trace's first kernel (the first step's first)."""
+def traced(step, args) -> dict:
+    """``per_step`` of a JAX profiler trace of TRACED_STEPS back-to-back calls of ``step``."""
     events = traced_gpu_kernels(step, [args], TRACED_STEPS)
     if not events:
         raise RuntimeError("no GPU kernel events in the profiler trace")
-    return per_step(events, marker or events[0][0], LAYERS)
+    return per_step(events, TRACED_STEPS, LAYERS)
 
 
 def parse_points(spec: str) -> list[Point]:
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", default=DEFAULT_POINTS, help="B,L,H;... (default %(default)s)")
     parser.add_argument("--command-buffers", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--scan-gib", type=float, default=8.0,
+                        help="largest stacked caches of the scans, GiB (default %(default)s)")
     args = parser.parse_args(argv)
     points = parse_points(args.points)
     graph_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.command_buffers]
@@ -120,22 +126,37 @@ def main(argv: list[str] | None = None):
                             max_pages=layout.max_pages)
 
         def sm90_layer(q, cache, t, n, plan_):
-            return jax_mla.decode(q, cache, t, n, softmax_scale=SOFTMAX_SCALE, backend="sm90")
+            return jax_mla.decode(q, cache, t, n, softmax_scale=SOFTMAX_SCALE, backend="sm90",
+                                  plan=plan_)
 
-        methods = (("sm90", sm90_layer, None, "ScheduleKernel"),
-                   ("fa3 (auto, host plan)", decode_with_plan, plan, None))
+        def sm90_plan(caches, t, n):
+            return jax_mla.sm90_plan(n, max_pages=t.shape[1], page_size=caches.shape[2])
+
         sets = [tuple(pool[(k * LAYERS + i) % CACHES] for i in range(LAYERS))
                 for k in range(CACHES)]
-        for name, one, step_plan, marker in methods:
+        methods = [("sm90", lambda o: layered(sm90_layer, LAYERS, o), None, sets),
+                   ("fa3 (auto, host plan)", lambda o: layered(decode_with_plan, LAYERS, o), plan,
+                    sets)]
+        stacked_gib = LAYERS * pool[0].nbytes / 2**30
+        if stacked_gib <= args.scan_gib:
+            stacked = [jnp.stack(sets[0])]
+            methods += [("sm90, scan", lambda o: scanned(sm90_layer, o), None, stacked),
+                        ("sm90, scan, sm90_plan", lambda o: scanned(sm90_layer, o, sm90_plan),
+                         None, stacked)]
+        else:
+            print(f"scans at B={point.B} L={point.L} left out: the stacked caches take "
+                  f"{stacked_gib:.1f} GiB (--scan-gib {args.scan_gib})", flush=True)
+        for name, build, step_plan, cache_sets in methods:
             for graphs in graph_modes:
-                step = layered(one, LAYERS, GRAPH_COMPILER_OPTIONS if graphs else None)
-                rotated = [(query, s, tables, lens, step_plan) for s in sets]
-                jax.block_until_ready(step(*rotated[0]))
-                wall_rot = wall_us_per_layer(step, rotated)
-                wall_fixed = wall_us_per_layer(step, rotated[:1])
-                stats = traced(step, rotated[0], marker)
+                step = build(GRAPH_COMPILER_OPTIONS if graphs else None)
+                arg_sets = [(query, s, tables, lens, step_plan) for s in cache_sets]
+                jax.block_until_ready(step(*arg_sets[0]))
+                wall_rot = wall_us_per_layer(step, arg_sets) if len(arg_sets) > 1 else None
+                wall_fixed = wall_us_per_layer(step, arg_sets[:1])
+                stats = traced(step, arg_sets[0])
+                rotated_text = "-" if wall_rot is None else f"{wall_rot:.1f}"
                 print(f"| {point.B} | {point.L} | {num_heads} | {name} | "
-                      f"{'on' if graphs else 'off'} | {wall_rot:.1f} | "
+                      f"{'on' if graphs else 'off'} | {rotated_text} | "
                       f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
                       f"{stats['kernels_us']:.1f} |",
                       flush=True)

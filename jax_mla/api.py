@@ -7,7 +7,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import backends, e4m3_cache, guard, planning, sharding, validation, value_checks
+from jax_mla import (backends, e4m3_cache, guard, planning, sharding, sm90_planning, validation,
+                     value_checks)
 
 DEVICE_PLAN = "device"  # decode(..., plan="device"): each device builds its schedule on the GPU
 
@@ -45,11 +46,14 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         which then plans on the host.
         ``backend_for`` names the choice.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
-      plan: for backends that read a work schedule (fa3, fa2): a ``jax_mla.Plan`` from
-        ``jax_mla.plan`` (host, once per step) or ``jax_mla.device_plan`` (GPU, inside jit), shared
-        by every layer; ``"device"`` to build one on the GPU inside this call; None to plan inside
-        the call on the host, which reads ``seq_lens`` back (a device sync) and cannot be captured
-        in a CUDA graph. Other backends take only None.
+      plan: for backends that read a work schedule, built once per step and shared by every
+        layer. fa3, fa2: a ``jax_mla.Plan`` from ``jax_mla.plan`` (host) or
+        ``jax_mla.device_plan`` (GPU, inside jit); ``"device"`` to build one on the GPU inside
+        this call; None to plan inside the call on the host, which reads ``seq_lens`` back (a
+        device sync) and cannot be captured in a CUDA graph. sm90: a ``jax_mla.Sm90Plan`` from
+        ``jax_mla.sm90_plan`` (GPU, inside jit), for layers under ``lax.scan``; None to build
+        the schedule on the GPU inside the call (XLA keeps one per step of unrolled layers).
+        Other backends take only None.
       checks: check the values before any backend runs (``jax_mla.value_checks``): page ids that a
         request reads lie in [0, num_pages), q_len <= seq_lens <= max_pages * page_size, and query
         is finite. Eagerly a failed check raises; inside ``jax.jit`` wrap the jitted function in
@@ -59,7 +63,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         nothing to read, so its out is 0 and its lse -inf on xla, sm90, fa3 and fa2 (trtllm-gen:
         not run on hardware) (``jax_mla.guard``; inside ``jax.jit`` XLA computes this once per
         step for all layers; docs/bad-values.md). False skips it for callers that guarantee their
-        values: fa3, fa2 and trtllm-gen then read whatever the values point at.
+        values: fa3, fa2 and trtllm-gen then read whatever the values point at (sm90 still
+        gives a request whose length is not its ``Sm90Plan``'s nothing to read).
       kv_scale: for the e4m3 cache only, and required there: the finite float > 0 its values are
         multiplied by (``write_kv``'s). It is folded into the scales: the logits are scaled by
         ``softmax_scale * kv_scale`` and the output by ``output_scale * kv_scale``.
@@ -87,7 +92,7 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     chosen, alternative = choose_backend(backend, plan, query, kv_cache)
     if checks:
         value_checks.check_values(query, kv_cache, block_tables, seq_lens,
-                                  plan if isinstance(plan, planning.Plan) else None)
+                                  None if isinstance(plan, str) else plan)
     kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
                                device_plan=isinstance(plan, str), fail_closed=fail_closed,
@@ -108,10 +113,11 @@ def backend_for(query, kv_cache, block_tables, *, backend: str = "auto",
         the device's problem, as in the layouts of docs/sharding.md where ``decode`` runs the
         arrays as they are sharded; inside ``jax.jit`` a traced array counts with the sharding
         JAX gives it at trace time (none: its whole shape).
-      backend, kv_lora_rank, plan: as ``decode`` takes them; only whether a plan is given matters.
+      backend, kv_lora_rank, plan: as ``decode`` takes them; of the plan only its kind matters.
     Returns:
       One of ``jax_mla.backends.ALL_BACKENDS``: ``backend`` itself, or what "auto" picks here for
-      the shard's shape (on Hopper, sm90 where ``backends.prefers_sm90`` holds and sm90 runs it).
+      the shard's shape (on Hopper, sm90 where ``backends.prefers_sm90`` holds and sm90 runs it)
+      and the plan's kind.
     Raises what ``decode`` raises at trace time for these arguments: their shapes and dtypes, a
     backend that cannot run here or does not take the cache, a plan it does not read, and the
     shapes the chosen kernel does not run (sm90's and trtllm-gen's limits).
@@ -139,23 +145,37 @@ def choose_backend(backend: str, plan, query, kv_cache):
     platform = backends.platform_of(query, kv_cache)
     cache_format = backends.cache_format_of(kv_cache)
     chosen = backends.BY_NAME[backends.resolve(backend, platform, query.dtype, cache_format,
-                                               plan_given=plan is not None)]
+                                               plan_kind=plan_kind(plan))]
     check_plan_argument(plan, chosen)
     alternative = backends.auto_alternative(backend, chosen, plan, platform, query.dtype,
                                             cache_format)
     return chosen, alternative
 
 
+def plan_kind(plan) -> str | None:
+    """The kind of ``plan`` (``backends.FA_PLAN`` for a ``Plan`` or "device",
+    ``backends.SM90_PLAN`` for an ``Sm90Plan``), None for None; TypeError for anything else."""
+    if plan is None:
+        return None
+    if isinstance(plan, planning.Plan) or (isinstance(plan, str) and plan == DEVICE_PLAN):
+        return backends.FA_PLAN
+    if isinstance(plan, sm90_planning.Sm90Plan):
+        return backends.SM90_PLAN
+    raise TypeError("plan must be None, 'device' or a jax_mla.Plan from jax_mla.plan(...) or "
+                    "jax_mla.device_plan(...), or a jax_mla.Sm90Plan from jax_mla.sm90_plan(...), "
+                    f"got {plan!r}")
+
+
 def check_plan_argument(plan, backend: backends.Backend) -> None:
-    """Raise unless ``plan`` is None, "device" or a ``Plan``, and ``backend`` reads one if given."""
-    if not (plan is None or isinstance(plan, planning.Plan)
-            or (isinstance(plan, str) and plan == DEVICE_PLAN)):
-        raise TypeError("plan must be None, 'device' or a jax_mla.Plan from jax_mla.plan(...) or "
-                        f"jax_mla.device_plan(...), got {plan!r}")
-    if plan is not None and not backend.takes_plan:
-        readers = [b.name for b in backends.TABLE if b.takes_plan]
-        raise ValueError(f"plan is only read by the {'/'.join(readers)} backends; backend "
-                         f"{backend.name!r} takes plan=None, got {type(plan).__name__}")
+    """Raise unless ``plan`` is None or a plan (``plan_kind``) that ``backend`` reads."""
+    kind = plan_kind(plan)
+    if kind is not None and backend.reads_plan != kind:
+        readers = [b.name for b in backends.TABLE if b.reads_plan == kind]
+        what = "plan" if kind == backends.FA_PLAN else f"a {kind}"
+        takes = "plan=None" + (f" or a {backend.reads_plan}" if backend.reads_plan else "")
+        raise ValueError(f"{what} is only read by the {'/'.join(readers)} "
+                         f"backend{'s' * (len(readers) > 1)}; backend {backend.name!r} takes "
+                         f"{takes}, got {type(plan).__name__}")
 
 
 def device_backend(backend: backends.Backend, alternative: backends.Backend | None, query,
@@ -185,7 +205,7 @@ def runs_shapes(backend: backends.Backend, query, kv_cache, block_tables, kv_lor
 
 def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,
                 softmax_scale: float, output_scale: float, kv_lora_rank: int, device_plan: bool,
-                fail_closed: bool = True, plan: planning.Plan | None = None,
+                fail_closed: bool = True, plan: planning.Plan | sm90_planning.Sm90Plan | None = None,
                 alternative: backends.Backend | None = None):
     """One device's decode: (out, lse) for its shard of the arrays; ``alternative`` as in
     ``device_backend``."""
@@ -195,7 +215,8 @@ def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_le
     if fail_closed:
         seq_lens, plan = guard.guard(
             block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
-            q_len=q_len, max_len=planning.MAX_KV_LEN if backend.takes_plan else None)
+            q_len=q_len,
+            max_len=planning.MAX_KV_LEN if backend.reads_plan == backends.FA_PLAN else None)
     if device_plan:
         plan = planning.device_plan(seq_lens, num_heads=num_heads, max_pages=block_tables.shape[1],
                                     q_len=q_len, kv_lora_rank=kv_lora_rank)

@@ -10,10 +10,11 @@ there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8
 ``E4M3_CACHE``). That order gives trtllm-gen on Blackwell (SM100/SM103), fa3 on Hopper (SM90), fa2
 on other CUDA GPUs from SM80, and xla everywhere else and for the fp8 cache; for the e4m3 cache fa3
 on Hopper and xla elsewhere (trtllm-gen takes it when named: not yet run on hardware). With a plan
-"auto" takes the first of those that reads one (fa3 on Hopper, fa2 on other GPUs). sm90 is never
-that first pick, because what it takes depends on the shape of each device's shard: on Hopper
-without a plan each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90 runs
-and is faster at (``auto_alternative``, ``prefers_sm90``); on Blackwell a device whose shard
+"auto" takes the first available backend that reads that kind of plan (``Backend.reads_plan``): for
+a ``jax_mla.Plan`` fa3 on Hopper and fa2 on other GPUs, for a ``jax_mla.Sm90Plan`` sm90. Without
+one sm90 is never the first pick, because what it takes depends on the shape of each device's
+shard: on Hopper each device takes sm90 instead of fa3 or xla where its shard's shape is one sm90
+runs and is faster at (``auto_alternative``, ``prefers_sm90``); on Blackwell a device whose shard
 trtllm-gen does not run (its dims, page sizes and head counts) takes fa2.
 """
 
@@ -37,6 +38,12 @@ AUTO = "auto"
 
 Capability = tuple[int, int]
 
+# The kinds of plan (``decode``'s ``plan=``) a backend may read: FlashInfer's fa3/fa2 work schedule
+# (``jax_mla.Plan`` from ``jax_mla.plan`` or ``jax_mla.device_plan``, or "device" to build one in
+# the call), and the sm90 kernel's schedule (``jax_mla.Sm90Plan`` from ``jax_mla.sm90_plan``).
+FA_PLAN = "jax_mla.Plan"
+SM90_PLAN = "jax_mla.Sm90Plan"
+
 # Cache formats: a cache of the query's floating dtype, the fp8 cache (e4m3 with a scale per 128
 # latent channels) or the e4m3 cache (one scale) (docs/fp8-cache.md).
 FLOAT_CACHE = "float"
@@ -58,7 +65,7 @@ class Backend:
       dtypes: the query dtypes it takes (a float cache has the query's dtype); empty for any
         floating dtype.
       cache_formats: the cache formats it takes (``FLOAT_CACHE``, ``FP8_CACHE``, ``E4M3_CACHE``).
-      takes_plan: whether it reads a work schedule (``plan=`` a ``jax_mla.Plan`` or "device").
+      reads_plan: the kind of plan it reads (``FA_PLAN`` or ``SM90_PLAN``), None for none.
       applies_output_scale: whether its kernel multiplies by ``output_scale`` itself.
       decode: the implementation, with the signature in the module docstring.
       missing: for a backend that needs more than its GPU and jax_mla's GPU runtime, a function
@@ -78,7 +85,7 @@ class Backend:
     runs_on_capability: Callable[[Capability], bool] | None
     dtypes: tuple
     cache_formats: tuple[str, ...]
-    takes_plan: bool
+    reads_plan: str | None
     applies_output_scale: bool
     decode: Callable
     missing: Callable[[], str | None] = lambda: None
@@ -125,9 +132,12 @@ def _trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, ou
 
 def _sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
                  kv_lora_rank, plan):
-    del plan
+    schedule = None
+    if plan is not None:  # a jax_mla.Sm90Plan: its schedule, and lengths that agree with it
+        plan.check_for(seq_lens, block_tables, kv_cache.shape[1])
+        seq_lens, schedule = plan.lengths_for(seq_lens), plan.schedule
     return gpu.sm90_decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
-                           output_scale=output_scale, kv_lora_rank=kv_lora_rank)
+                           output_scale=output_scale, kv_lora_rank=kv_lora_rank, schedule=schedule)
 
 
 BF16 = (jnp.dtype(jnp.bfloat16),)
@@ -135,26 +145,27 @@ FLOAT_OR_E4M3 = (FLOAT_CACHE, E4M3_CACHE)
 
 TABLE: tuple[Backend, ...] = (
     Backend(TRTLLM_GEN, "SM100/SM103 (B200, GB200, B300)", lambda cc: cc in ((10, 0), (10, 3)),
-            BF16, FLOAT_OR_E4M3, takes_plan=False, applies_output_scale=True,
+            BF16, FLOAT_OR_E4M3, reads_plan=None, applies_output_scale=True,
             decode=_trtllm_decode, named_only_formats=(E4M3_CACHE,),
             check_shapes=lambda query, kv_cache, block_tables, kv_lora_rank:
                 gpu.check_trtllm_shapes(query, kv_cache, kv_lora_rank)),
     Backend(FA3, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
+            BF16, FLOAT_OR_E4M3, reads_plan=FA_PLAN, applies_output_scale=False,
             decode=_fa_decode(FA3)),
     Backend(FA2, "SM80 and newer", lambda cc: cc >= (8, 0),
-            BF16, FLOAT_OR_E4M3, takes_plan=True, applies_output_scale=False,
+            BF16, FLOAT_OR_E4M3, reads_plan=FA_PLAN, applies_output_scale=False,
             decode=_fa_decode(FA2),
             format_capability={E4M3_CACHE: (lambda cc: cc == (9, 0),
                                             "SM90 (FlashInfer's fp8 MLA)")}),
-    # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative).
+    # jax_mla's own Hopper kernel (ffi/sm90); "auto" takes it per device (auto_alternative), or
+    # for its plan.
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
-            BF16, (FLOAT_CACHE, FP8_CACHE), takes_plan=False, applies_output_scale=True,
+            BF16, (FLOAT_CACHE, FP8_CACHE), reads_plan=SM90_PLAN, applies_output_scale=True,
             decode=_sm90_decode, missing=lambda: gpu.sm90_missing(), first_pick=False,
             check_shapes=lambda query, kv_cache, block_tables, kv_lora_rank:
                 gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank)),
     Backend(XLA, "any JAX platform", None,
-            (), (FLOAT_CACHE, FP8_CACHE, E4M3_CACHE), takes_plan=False, applies_output_scale=True,
+            (), (FLOAT_CACHE, FP8_CACHE, E4M3_CACHE), reads_plan=None, applies_output_scale=True,
             decode=_xla_decode),
 )
 BY_NAME = {backend.name: backend for backend in TABLE}
@@ -196,14 +207,14 @@ def cache_format_of(kv_cache) -> str:
 
 
 def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str = FLOAT_CACHE,
-            plan_given: bool = False) -> str:
+            plan_kind: str | None = None) -> str:
     """The name of the backend to run for a ``backend=`` argument on ``platform`` with a query of
     ``dtype`` and a cache of ``cache_format``.
 
-    "auto" takes the first available backend that takes both, and with ``plan_given`` the first
-    of those that reads a plan if one does (``auto_alternative`` says what a device may take
-    instead). A named backend must be available here and take both; otherwise the error says why
-    and what is available.
+    "auto" takes the first available backend that takes both, and given a ``plan_kind``
+    (``FA_PLAN``, ``SM90_PLAN``) the first available backend that takes both and reads that kind,
+    if one does (``auto_alternative`` says what a device may take instead). A named backend must
+    be available here and take both; otherwise the error says why and what is available.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
@@ -211,8 +222,10 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     available = available_backends(platform)
     if backend == AUTO:
         candidates = _auto_candidates(available, platform, dtype, cache_format)
-        readers = [name for name in candidates if BY_NAME[name].takes_plan]
-        picked = (readers if plan_given and readers else candidates)[0]
+        readers = [name for name in available if plan_kind is not None
+                   and BY_NAME[name].reads_plan == plan_kind
+                   and _auto_takes(BY_NAME[name], platform, dtype, cache_format)]
+        picked = (readers or candidates)[0]
         missing = gpu.runtime_missing() if picked == XLA and _is_cuda(platform) else None
         if missing is not None and _a_gpu_kernel_takes(platform, dtype, cache_format):
             warnings.warn(f"jax_mla: backend='auto' runs the xla backend on this GPU, many times "

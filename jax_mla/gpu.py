@@ -384,8 +384,7 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
     if (kv_lora_rank, head_dim - kv_lora_rank) != SM90_DIMS:
         raise ValueError(f"sm90 supports (kv_lora_rank, rope_dim) = {SM90_DIMS}, got "
                          f"({kv_lora_rank}, {head_dim - kv_lora_rank})")
-    if page_size not in SM90_PAGE_SIZES:
-        raise ValueError(f"sm90 needs kv_cache page_size in {SM90_PAGE_SIZES}, got {page_size}")
+    check_sm90_table(batch, max_pages, page_size)
     if not 1 <= q_len <= SM90_MAX_Q_LEN:
         raise ValueError(f"sm90 supports query q_len (dim 1) in [1, {SM90_MAX_Q_LEN}], got {q_len}")
     if not 1 <= num_heads <= SM90_MAX_HEADS:
@@ -396,14 +395,21 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
     if num_pages * page_size >= 2**31:
         raise ValueError(f"sm90 supports kv_cache num_pages * page_size < 2**31 tokens, got "
                          f"{num_pages} * {page_size}")
+    if softmax_scale is not None and not np.float32(softmax_scale) > 0:
+        raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
+
+
+def check_sm90_table(batch: int, max_pages: int, page_size: int) -> None:
+    """Raise ``ValueError`` for a page size or block-table capacity that the sm90 kernel and its
+    int32 schedule do not take (``CheckTableCapacity`` in ffi/sm90_decode.cu)."""
+    if page_size not in SM90_PAGE_SIZES:
+        raise ValueError(f"sm90 needs kv_cache page_size in {SM90_PAGE_SIZES}, got {page_size}")
     if max_pages * page_size >= 2**30:
         raise ValueError(f"sm90 supports block_tables max_pages * page_size < 2**30 tokens, got "
                          f"{max_pages} * {page_size}")
     if batch * (max_pages * page_size // 64 + 3) >= 2**31:
         raise ValueError(f"sm90 supports batch * (max_pages * page_size / 64 + 3) < 2**31, got "
                          f"batch {batch}, max_pages {max_pages}, page_size {page_size}")
-    if softmax_scale is not None and not np.float32(softmax_scale) > 0:
-        raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
 
 
 def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):
@@ -417,12 +423,13 @@ def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):
 
 
 def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
-                output_scale: float, kv_lora_rank: int):
+                output_scale: float, kv_lora_rank: int, schedule=None):
     """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``, or the fp8 cache (uint8
     [num_pages, page_size, 656], docs/fp8-cache.md).
 
-    Builds its split-KV schedule from ``seq_lens`` on the GPU (``sm90_schedule``, once per step
-    after XLA merges the layers' identical calls), then decodes; no host work.
+    Decodes over ``schedule`` (int32 [B + 1], ``sm90_schedule``'s result for exactly these
+    ``seq_lens``, table width and page size), or without one builds it from ``seq_lens`` on the
+    GPU first (once per step after XLA merges the layers' identical calls); no host work.
     Needs B >= 1 (``jax_mla.decode`` refuses an empty batch).
     Returns out bf16 [B, q_len, H, 512] (scaled by ``output_scale``) and lse float32 [B, q_len, H].
     """
@@ -430,7 +437,9 @@ def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float
     batch, q_len, num_heads, _ = query.shape
     register_targets()
     num_sms = sm_count()
-    schedule = sm90_schedule(seq_lens, max_pages=block_tables.shape[1], page_size=kv_cache.shape[1])
+    if schedule is None:
+        schedule = sm90_schedule(seq_lens, max_pages=block_tables.shape[1],
+                                 page_size=kv_cache.shape[1])
     results = (
         jax.ShapeDtypeStruct((batch, q_len, num_heads, kv_lora_rank), query.dtype),
         jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),

@@ -128,9 +128,12 @@ class Plan:
                 f"got {self.seq_lens.dtype} {list(self.seq_lens.shape)}; build plans with "
                 "jax_mla.plan or jax_mla.device_plan")
 
-    def check_for(self, seq_lens, block_tables) -> None:
+    def check_for(self, seq_lens, block_tables, page_size: int) -> None:
         """Raise ``PlanMismatchError`` unless the arrays pass ``check_arrays`` and the plan is for
-        a call's int32 ``seq_lens`` [B] over ``block_tables`` [B, max_pages]."""
+        a call's int32 ``seq_lens`` [B] over ``block_tables`` [B, max_pages]. Any ``page_size``
+        fits: the schedule counts tokens, and the kernels find their pages (``Sm90Plan``'s
+        signature)."""
+        del page_size
         self.check_arrays()
         batch, max_pages = seq_lens.shape[0], block_tables.shape[1]
         if (self.batch, self.max_pages) != (batch, max_pages):
@@ -179,7 +182,8 @@ def plan(seq_lens, *, num_heads: int, max_pages: int, q_len: int = 1, kv_lora_ra
         raise ValueError(f"every seq_lens entry must be <= {MAX_KV_LEN}, the longest request the "
                          f"fa3/fa2 schedule takes, got max {int(lengths.max())}")
     num_sms = gpu_sm_count("jax_mla.plan", device)
-    fa_backends = [b for b in backends.available_backends("gpu") if backends.BY_NAME[b].takes_plan]
+    fa_backends = [b for b in backends.available_backends("gpu")
+                   if backends.BY_NAME[b].reads_plan == backends.FA_PLAN]
     if not fa_backends:
         raise ValueError(f"jax_mla.plan needs a GPU that runs fa3 or fa2; available here: "
                          f"{backends.available_backends()}")

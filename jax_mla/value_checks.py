@@ -23,7 +23,8 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
     Args:
       query: [B, q_len, H, D], B >= 1; kv_cache: [num_pages, page_size, D]; block_tables: int32
         [B, max_pages]; seq_lens: int32 [B] (already shape-checked); plan: None or the
-        ``jax_mla.Plan`` passed to ``decode``, whose lengths must be ``seq_lens``.
+        ``jax_mla.Plan`` or ``jax_mla.Sm90Plan`` passed to ``decode``, whose lengths must be
+        ``seq_lens``.
     Raises:
       checkify.JaxRuntimeError (a ValueError) when called eagerly and a check fails. Staged by
       ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
@@ -33,7 +34,7 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
     _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
     _check_finite_query(query)
     if plan is not None:
-        plan.check_for(seq_lens, block_tables)
+        plan.check_for(seq_lens, block_tables, kv_cache.shape[1])
         _check_none(plan.seq_lens != seq_lens, seq_lens,
                     "seq_lens[{0}] = {1} but the plan was built for length {2}: build the plan "
                     "from this step's seq_lens", plan.seq_lens)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import jax.numpy as jnp
@@ -49,10 +50,17 @@ def test_auto_on_each_gpu(fake_gpu, capability, auto):
 @pytest.mark.parametrize("capability,auto", [
     ((8, 0), "fa2"), ((9, 0), "fa3"), ((10, 0), "fa2"), ((10, 3), "fa2"), ((12, 0), "fa2"),
 ])
-def test_auto_with_a_plan_takes_a_backend_that_reads_it(fake_gpu, capability, auto):
+def test_auto_with_a_plan_takes_a_backend_that_reads_it(monkeypatch, fake_gpu, capability, auto):
     fake_gpu["capability"] = capability
-    assert backends.resolve("auto", "gpu", jnp.bfloat16, plan_given=True) == auto
-    assert backends.resolve("auto", "cpu", jnp.bfloat16, plan_given=True) == "xla"  # refused later
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    assert backends.resolve("auto", "gpu", jnp.bfloat16, plan_kind=backends.FA_PLAN) == auto
+    assert backends.resolve("auto", "cpu", jnp.bfloat16, plan_kind=backends.FA_PLAN) == "xla"
+    # An Sm90Plan: sm90 on Hopper, even where "auto" without a plan would not take it; elsewhere
+    # the first pick, which refuses the plan later (check_plan_argument).
+    expected = "sm90" if capability == (9, 0) else backends.resolve("auto", "gpu", jnp.bfloat16)
+    assert backends.resolve("auto", "gpu", jnp.bfloat16, plan_kind=backends.SM90_PLAN) == expected
+    assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.FP8_CACHE,
+                            plan_kind=backends.SM90_PLAN) == ("sm90" if capability == (9, 0) else "xla")
 
 
 BLACKWELL_BACKENDS = ("trtllm-gen", "fa2", "xla")
@@ -117,14 +125,25 @@ def test_backend_must_be_a_string(backend):
 
 
 def test_every_backend_shares_one_plan_rule():
-    readers = sorted(b.name for b in backends.TABLE if b.takes_plan)
-    assert readers == ["fa2", "fa3"]
+    """fa3 and fa2 read the fa3/fa2 schedule ("device" or a Plan), sm90 its own (an Sm90Plan), the
+    others none; every other pairing is refused, naming what the backend takes."""
+    readers = {kind: sorted(b.name for b in backends.TABLE if b.reads_plan == kind)
+               for kind in (backends.FA_PLAN, backends.SM90_PLAN)}
+    assert readers == {backends.FA_PLAN: ["fa2", "fa3"], backends.SM90_PLAN: ["sm90"]}
+    sm90_plan = jax_mla.Sm90Plan(jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32), 2, 4, 64)
     for backend in backends.TABLE:
-        if backend.takes_plan:
-            api.check_plan_argument("device", backend)
-        else:
-            with pytest.raises(ValueError, match=rf"backend '{backend.name}' takes plan=None"):
-                api.check_plan_argument("device", backend)
+        for plan, kind in (("device", backends.FA_PLAN), (sm90_plan, backends.SM90_PLAN)):
+            if backend.reads_plan == kind:
+                api.check_plan_argument(plan, backend)
+                continue
+            other = f" or a {backend.reads_plan}" if backend.reads_plan else ""
+            with pytest.raises(ValueError, match=rf"backend '{backend.name}' takes plan=None"
+                                                 rf"{re.escape(other)}, got {type(plan).__name__}"):
+                api.check_plan_argument(plan, backend)
+    with pytest.raises(ValueError, match=r"^a jax_mla.Sm90Plan is only read by the sm90 backend; "
+                                         r"backend 'fa3' takes plan=None or a jax_mla.Plan, got "
+                                         r"Sm90Plan$"):
+        api.check_plan_argument(sm90_plan, backends.BY_NAME["fa3"])
 
 
 @pytest.fixture

@@ -2,10 +2,11 @@
 
 By default (``fail_closed=True``) a request with a bad page id or length, or a length other than its
 plan's, gets out 0 and lse -inf on every backend and the others their exact results; that is
-checked on every backend and plan mode this machine runs. Beneath it, with ``fail_closed=False``,
-the xla backend's own handling is checked against a float64 oracle in which a token is present only
-if its position is below the clamped length and its page id is in range. The checked mode
-(``checks=True``) is checked eagerly, under ``checkify.checkify`` and jit.
+checked on every backend and plan mode this machine runs (sm90 also with ``fail_closed=False`` for
+a length other than its plan's). Beneath it, with ``fail_closed=False``, the xla backend's own
+handling is checked against a float64 oracle in which a token is present only if its position is
+below the clamped length and its page id is in range. The checked mode (``checks=True``) is
+checked eagerly, under ``checkify.checkify`` and jit.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ from jax_mla.reference import reference_from_jax
 # ---- failing closed: bad requests read nothing, the others are unaffected ---------------------------
 
 BACKENDS = backend_params()
-# (backend, plan) pairs: fa3 and fa2 read their schedule from a plan built three ways.
+# (backend, plan) pairs: fa3 and fa2 read their schedule from a plan built three ways, sm90 from
+# its own plan or from its call.
 PLANNED = [pytest.param(p.values[0], plan, id=f"{p.id}-{plan or 'self'}", marks=p.marks)
            for p in BACKENDS if p.values[0] in (backends.FA3, backends.FA2)
            for plan in (None, "device", "host")]
+SM90_PLANNED = [pytest.param(p.values[0], "sm90", id=f"{p.id}-plan", marks=p.marks)
+                for p in BACKENDS if p.values[0] == backends.SM90]
 UNPLANNED = [pytest.param(p.values[0], None, id=p.id, marks=p.marks)
              for p in BACKENDS if p.values[0] not in (backends.FA3, backends.FA2)]
 
@@ -57,10 +61,13 @@ def bad_requests_problem(q_len: int, dtype):
     return problem, tables, lengths, [1, 2, 3, 4, 5, 6]
 
 
-def decode_all(backend, plan_mode, problem, tables, lengths, *, plan_lengths=None):
+def decode_all(backend, plan_mode, problem, tables, lengths, *, plan_lengths=None,
+               fail_closed=True):
     """(out, lse) of ``decode`` inside jit with the plan built as ``plan_mode`` says: None (fa3/fa2
-    plan in the call), "device" (in the call, on the GPU), "host" (``jax_mla.plan`` from
-    ``plan_lengths``), "step" (``jax_mla.device_plan`` from ``plan_lengths`` in the step)."""
+    plan in the call, sm90 schedule in the call), "device" (in the call, on the GPU), "host"
+    (``jax_mla.plan`` from ``plan_lengths``), "step" (``jax_mla.device_plan`` from
+    ``plan_lengths`` in the step), "sm90" (``jax_mla.sm90_plan`` from ``plan_lengths`` in the
+    step)."""
     _, q_len, num_heads, _ = problem.query.shape
     shape = dict(num_heads=num_heads, max_pages=tables.shape[1], q_len=q_len)
     plan = jax_mla.plan(plan_lengths, **shape) if plan_mode == "host" else plan_mode
@@ -68,8 +75,10 @@ def decode_all(backend, plan_mode, problem, tables, lengths, *, plan_lengths=Non
     def step(q, kv, bt, sl, plan, planned_lengths):
         if plan == "step":
             plan = jax_mla.device_plan(planned_lengths, **shape)
+        elif plan == "sm90":
+            plan = jax_mla.sm90_plan(planned_lengths, max_pages=bt.shape[1], page_size=kv.shape[1])
         return jax_mla.decode(q, kv, bt, sl, softmax_scale=problem.softmax_scale, return_lse=True,
-                              backend=backend, plan=plan)
+                              backend=backend, plan=plan, fail_closed=fail_closed)
 
     fn = jax.jit(step, static_argnums=4) if isinstance(plan, str) or plan is None else jax.jit(step)
     planned = jnp.asarray(lengths if plan_lengths is None else plan_lengths, jnp.int32)
@@ -88,7 +97,8 @@ def check_failed_closed(out, lse, problem, tables, lengths, bad, backend):
     check_accuracy(out[good], lse[good], ref_out.numpy(), ref_lse.numpy(), backend=backend)
 
 
-@pytest.mark.parametrize("backend,plan_mode", UNPLANNED + [p for p in PLANNED if p.values[1] != "host"])
+@pytest.mark.parametrize("backend,plan_mode",
+                         UNPLANNED + SM90_PLANNED + [p for p in PLANNED if p.values[1] != "host"])
 @pytest.mark.parametrize("q_len", [1, 2])
 def test_requests_with_bad_ids_or_lengths_get_zero_and_minus_inf(backend, plan_mode, q_len):
     dtype = jnp.float32 if backend == backends.XLA else jnp.bfloat16
@@ -100,10 +110,39 @@ def test_requests_with_bad_ids_or_lengths_get_zero_and_minus_inf(backend, plan_m
 @pytest.mark.parametrize("backend,plan_mode", [
     *[p for p in PLANNED if p.values[1] == "host"],
     *[pytest.param(p.values[0], "step", id=f"{p.id}-step", marks=p.marks)
-      for p in BACKENDS if p.values[0] in (backends.FA3, backends.FA2)]])
+      for p in BACKENDS if p.values[0] in (backends.FA3, backends.FA2)],
+    *SM90_PLANNED])
 def test_a_plan_used_with_other_lengths_gives_those_requests_nothing(backend, plan_mode):
     """A plan is tied to the lengths it was built from: the requests whose length changed get 0
     and -inf (not a result over the plan's ranges); bad values count as before."""
+    problem, tables, lengths, planned = other_lengths_problem()
+    out, lse = decode_all(backend, plan_mode, problem, tables, lengths, plan_lengths=planned)
+    check_failed_closed(out, lse, problem, tables, lengths, [1, 2, 3, 4, 5, 6], backend)
+
+
+@pytest.mark.parametrize("backend,plan_mode", SM90_PLANNED)
+def test_sm90_reads_nothing_of_a_length_other_than_its_plans_without_the_guard(backend, plan_mode):
+    """The sm90 kernel finds a request's blocks from its length and their parts from the schedule,
+    so with fail_closed=False too a request whose length is not its plan's reads nothing; the
+    bad ids of requests 1 and 2 (lengths as planned) are then the kernel's to mask."""
+    problem, tables, lengths, planned = other_lengths_problem()
+    out, lse = decode_all(backend, plan_mode, problem, tables, lengths, plan_lengths=planned,
+                          fail_closed=False)
+    changed = [3, 4, 5, 6]
+    assert np.all(np.asarray(out.astype(jnp.float32))[changed] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[changed]))
+    as_planned = [0, 7]
+    arrays = (problem.query[as_planned], problem.kv_cache, jnp.asarray(tables[as_planned]),
+              jnp.asarray(lengths[as_planned]))
+    ref_out, ref_lse = reference_from_jax(*arrays, softmax_scale=problem.softmax_scale)
+    check_accuracy(out[as_planned], lse[as_planned], ref_out.numpy(), ref_lse.numpy(),
+                   backend=backend)
+
+
+def other_lengths_problem():
+    """``bad_requests_problem`` at q_len 2 with lengths that differ from the planned ones for
+    requests 3-6, bad ids at lengths as planned for 1 and 2, and 0 and 7 clean and as planned.
+    Returns (problem, tables, lengths, the planned lengths)."""
     problem, tables, lengths, _ = bad_requests_problem(2, jnp.bfloat16)
     planned = np.asarray(problem.seq_lens)  # the lengths the tables were built for
     lengths[[0, 7]] = planned[[0, 7]]  # clean and as planned
@@ -112,8 +151,7 @@ def test_a_plan_used_with_other_lengths_gives_those_requests_nothing(backend, pl
     lengths[1:3] = planned[1:3]        # as planned, with bad ids
     lengths[4:7] = planned[4:7] - 1    # clean ids, lengths not as planned
     tables[4:7] = np.asarray(problem.block_tables)[4:7]
-    out, lse = decode_all(backend, plan_mode, problem, tables, lengths, plan_lengths=planned)
-    check_failed_closed(out, lse, problem, tables, lengths, [1, 2, 3, 4, 5, 6], backend)
+    return problem, tables, lengths, planned
 
 
 def sanitize_program() -> None:
@@ -121,15 +159,19 @@ def sanitize_program() -> None:
     (.ci/gpu-memcheck.sh): no kernel may touch memory outside the cache, the tables, its workspace
     or its outputs."""
     for name in [b for b in backends.available_backends("gpu") if b != backends.XLA]:
+        reads = backends.BY_NAME[name].reads_plan
+        plans = {backends.FA_PLAN: ("device", ("host", "step")),
+                 backends.SM90_PLAN: ("sm90", ("sm90",))}.get(reads)
         for q_len in (1, 2):
-            modes = (None, "device") if backends.BY_NAME[name].takes_plan else (None,)
-            for mode in modes:
+            for mode in (None,) + plans[:1] if plans else (None,):
                 test_requests_with_bad_ids_or_lengths_get_zero_and_minus_inf(name, mode, q_len)
                 print(f"ok {name} plan={mode} q_len={q_len}", flush=True)
-        if backends.BY_NAME[name].takes_plan:
-            for mode in ("host", "step"):
-                test_a_plan_used_with_other_lengths_gives_those_requests_nothing(name, mode)
-                print(f"ok {name} plan={mode} other lengths", flush=True)
+        for mode in plans[1] if plans else ():
+            test_a_plan_used_with_other_lengths_gives_those_requests_nothing(name, mode)
+            print(f"ok {name} plan={mode} other lengths", flush=True)
+        if reads == backends.SM90_PLAN:
+            test_sm90_reads_nothing_of_a_length_other_than_its_plans_without_the_guard(name, "sm90")
+            print(f"ok {name} plan=sm90 other lengths, fail_closed=False", flush=True)
 
 
 def test_the_guard_changes_nothing_for_clean_values():
@@ -240,6 +282,29 @@ def test_checked_mode_names_a_plan_used_with_other_lengths():
     with pytest.raises(planning.PlanMismatchError, match=r"plan was built for batch 1 and max_pages "
                                                          r"8 but decode got batch 4"):
         value_checks.check_values(query, cache, tables, lengths, single)
+
+
+def test_an_sm90_plan_is_guarded_and_checked_like_a_plan():
+    """A request whose length is not its Sm90Plan's is unusable (the plan itself is left as it is:
+    the kernel reads nothing of a length-0 request); the checked mode names it; a plan for
+    another table width or page size is refused."""
+    lengths = jnp.asarray([40, 17, 3, 9], jnp.int32)
+    plan = jax_mla.Sm90Plan(jnp.zeros((5,), jnp.int32), lengths.at[1].set(18), 4, 8, 16)
+    tables = jnp.zeros((4, 8), jnp.int32)
+    safe, same = guard.guard(tables, lengths, plan, num_pages=40, page_size=16, q_len=1)
+    assert same is plan and safe.tolist() == [40, 0, 3, 9]
+    assert plan.lengths_for(lengths).tolist() == [40, 0, 3, 9]
+    query, cache = jnp.zeros((4, 1, 16, 576), jnp.float32), jnp.zeros((40, 16, 576), jnp.float32)
+    with pytest.raises(checkify.JaxRuntimeError,
+                       match=r"seq_lens\[1\] = 17 but the plan was built for length 18"):
+        value_checks.check_values(query, cache, tables, lengths, plan)
+    value_checks.check_values(query, cache, tables, plan.seq_lens, plan)
+    for change, got in ((dict(page_size=32), "'page_size': 32"), (dict(max_pages=9), "'max_pages': 9")):
+        with pytest.raises(planning.PlanMismatchError,
+                           match=rf"the sm90 plan was built for \{{.*{got}.*\}} but decode got "
+                                 r"\{'batch': 4, 'max_pages': 8, 'page_size': 16\}"):
+            guard.guard(tables, lengths, dataclasses.replace(plan, **change), num_pages=40,
+                        page_size=16, q_len=1)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -215,22 +215,22 @@ def test_gpu_stream_kernels_leave_out_host_and_annotation_lines(tmp_path):
                                                         ("DecodeKernel", 20.0, 5.0)]
 
 
-def test_step_profile_splits_steps_at_their_marker_kernel():
-    """Steps start at the marker; a step's span runs to its last kernel's end, idle gaps between
-    steps excluded; its busy time also leaves out the gaps inside it; the last marked step (whose
-    end is unknown) is left out."""
+def test_step_profile_splits_steps_by_count():
+    """Each step is the same number of kernels; a step's span runs to its last kernel's end, idle
+    gaps between steps excluded; its busy time also leaves out the gaps inside it; a trace that
+    does not split evenly is an error."""
     from benchmarks import step_profile
 
     events = [("Schedule", 0.0, 1.0), ("Decode", 1.0, 10.0), ("Combine", 5.0, 8.0),
-              ("Schedule", 50.0, 1.0), ("Decode", 53.0, 12.0), ("Combine", 55.0, 8.0),
-              ("Decode", 70.0, 2.0), ("Schedule", 90.0, 1.0)]
-    stats = step_profile.per_step(events, "Schedule", layers=1)
-    assert stats["span_us"] == (13.0 + 22.0) / 2
-    assert stats["busy_us"] == (13.0 + 15.0) / 2
-    assert stats["kernels_us"] == (19.0 + 23.0) / 2
-    assert stats["by_name"] == {"Schedule": (1.0, 1.0), "Decode": (1.5, 10.0), "Combine": (1.0, 8.0)}
-    with pytest.raises(RuntimeError, match="1 kernels named like 'Decode2'"):
-        step_profile.per_step(events + [("Decode2", 95.0, 1.0)], "Decode2", layers=1)
+              ("Schedule", 50.0, 1.0), ("Decode", 53.0, 12.0), ("Combine", 55.0, 8.0)]
+    stats = step_profile.per_step(events, 2, layers=1)
+    assert stats["span_us"] == (13.0 + 15.0) / 2
+    assert stats["busy_us"] == (13.0 + 13.0) / 2
+    assert stats["kernels_us"] == (19.0 + 21.0) / 2
+    assert stats["by_name"] == {"Schedule": (1.0, 1.0), "Decode": (1.0, 11.0), "Combine": (1.0, 8.0)}
+    assert step_profile.per_step(events, 1, layers=2)["span_us"] == 65.0 / 2
+    with pytest.raises(RuntimeError, match="7 kernels in the trace do not split into 2 steps"):
+        step_profile.per_step(events + [("Decode", 95.0, 1.0)], 2, layers=1)
 
 
 def test_step_profile_points_are_batch_length_heads_at_q_len_1_and_pages_of_64():
@@ -252,7 +252,7 @@ def test_step_profile_says_so_when_the_trace_has_no_gpu_kernels():
 
     on_cpu = jax.device_put(np.ones(3, np.float32), jax.devices("cpu")[0])
     with pytest.raises(RuntimeError, match="no GPU kernel events in the profiler trace"):
-        step_profile.traced(jax.jit(lambda x: x + 1), (on_cpu,), None)
+        step_profile.traced(jax.jit(lambda x: x + 1), (on_cpu,))
 
 
 def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():

@@ -448,3 +448,30 @@ def test_two_gpus(backend, mesh_shape, pooled):
     refs = [reference_from_jax(*jax.device_put(s.arrays, single), softmax_scale=SCALE) for s in shards]
     ref_out, ref_lse = (np.concatenate([r[i].cpu().numpy() for r in refs]) for i in (0, 1))
     check_accuracy(out, lse, ref_out, ref_lse, backend=backend)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() < 2, reason=f"needs 2 GPUs, JAX sees {gpu_count()}")
+def test_an_sm90_plan_on_two_gpus_with_heads_sharded():
+    """One Sm90Plan, built in the step and replicated, serves both GPUs' head shards (the schedule
+    depends on the lengths, not the heads); the step all-gathers nothing."""
+    if "sm90" not in jax_mla.available_backends("gpu"):
+        pytest.skip(f"sm90: {gpu_blocker(2) or 'this GPU does not run it'}")
+    mesh = Mesh(np.array(jax.devices("gpu")[:2]).reshape(1, 2), ("data", "tp"))
+    problem = make_problem(72, batch=4, q_len=1, num_heads=32, page_size=32, max_len=500,
+                           dtype=jnp.bfloat16)
+    spec = (None, None, "tp", None)
+    args = (put(mesh, problem.query, *spec), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables), put(mesh, problem.seq_lens))
+
+    @jax.jit
+    def fn(q, kv, bt, sl):
+        plan = jax_mla.sm90_plan(sl, max_pages=bt.shape[1], page_size=kv.shape[1])
+        return jax_mla.decode(q, kv, bt, sl, softmax_scale=SCALE, return_lse=True, plan=plan)
+
+    out, lse = fn(*args)
+    check_sharded_output(out, lse, spec)
+    assert "all-gather" not in collectives(fn, *args)
+    ref_out, ref_lse = reference_from_jax(*problem.arrays, softmax_scale=SCALE)
+    check_accuracy(out, lse, ref_out.cpu().numpy(), ref_lse.cpu().numpy(), backend="sm90")

@@ -89,6 +89,96 @@ def test_lowering_is_a_schedule_call_and_a_decode_call(lowering_stubs, batch, q_
     assert "stablehlo.multiply" not in text  # the kernel applies output_scale itself
 
 
+def plan_struct(batch=4, max_pages=8, page_size=64):
+    """An Sm90Plan of shape-dtype structs, to trace with."""
+    return jax_mla.Sm90Plan(jax.ShapeDtypeStruct((batch + 1,), jnp.int32),
+                            jax.ShapeDtypeStruct((batch,), jnp.int32), batch, max_pages, page_size)
+
+
+@pytest.mark.parametrize("fail_closed", [True, False])
+def test_a_plan_gives_the_decode_call_its_schedule(lowering_stubs, fail_closed):
+    """With an Sm90Plan the call builds no schedule: the decode reads the plan's, and lengths set to
+    0 where they differ from the plan's (a select, with or without the guard)."""
+    def fn(*arrays, plan):
+        return api.run_backend(backends.BY_NAME[SM90], *arrays, softmax_scale=0.1,
+                               output_scale=1.0, kv_lora_rank=512, device_plan=False,
+                               fail_closed=fail_closed, plan=plan)
+
+    text = jax.jit(fn).trace(*shapes(), plan=plan_struct()).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "@jax_mla_sm90_schedule(" not in text and text.count("stablehlo.custom_call") == 1
+    operands = re.findall(r"%[\w#]+", custom_call_line(text).split("(", 1)[1].split(")", 1)[0])
+    assert operands[:3] == ["%arg0", "%arg1", "%arg2"] and operands[4] == "%arg4"
+    assert operands[3] != "%arg3" and "stablehlo.select" in text
+
+
+def test_a_plan_built_outside_a_scan_lowers_outside_its_loop(monkeypatch, lowering_stubs):
+    """The step builds the schedule once, before the scan; "auto" with an Sm90Plan takes sm90, and
+    the loop holds only the decode call."""
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["fa3", "fa2", SM90, "xla"])
+    query, cache, tables, lens = shapes(q_len=1, num_heads=16)
+    caches = jax.ShapeDtypeStruct((3, *cache.shape), cache.dtype)
+
+    def step(query, caches, tables, lens):
+        plan = jax_mla.sm90_plan(lens, max_pages=tables.shape[1], page_size=caches.shape[2])
+        assert jax_mla.backend_for(query, caches[0], tables, plan=plan) == SM90
+
+        def layer(q, cache):
+            return q, jax_mla.decode(q, cache, tables, lens, softmax_scale=0.1, plan=plan)
+        return jax.lax.scan(layer, query, caches)[1]
+
+    lines = jax.jit(step).trace(query, caches, tables, lens).lower(
+        lowering_platforms=("cuda",)).as_text().splitlines()
+    where = {target: [i for i, line in enumerate(lines) if f"@{target}(" in line]
+             for target in ("jax_mla_sm90_schedule", "jax_mla_sm90_decode")}
+    loop = [i for i, line in enumerate(lines) if "stablehlo.while" in line]
+    assert len(loop) == 1 and len(where["jax_mla_sm90_decode"]) == 1
+    assert where["jax_mla_sm90_schedule"] and max(where["jax_mla_sm90_schedule"]) < loop[0]
+    assert where["jax_mla_sm90_decode"][0] > loop[0]
+
+
+def test_an_sm90_plan_must_fit_its_call():
+    plan = jax_mla.Sm90Plan(jnp.zeros((5,), jnp.int32), jnp.ones((4,), jnp.int32), 4, 8, 64)
+    lens, tables = jnp.ones((4,), jnp.int32), jnp.zeros((4, 8), jnp.int32)
+    plan.check_for(lens, tables, 64)
+    for args, message in [
+        ((lens, tables, 32), r"built for \{'batch': 4, 'max_pages': 8, 'page_size': 64\} but decode "
+                             r"got \{'batch': 4, 'max_pages': 8, 'page_size': 32\}"),
+        ((lens, tables[:, :7], 64), r"got \{'batch': 4, 'max_pages': 7, 'page_size': 64\}"),
+        ((lens[:3], tables[:3], 64), r"got \{'batch': 3, 'max_pages': 8, 'page_size': 64\}"),
+    ]:
+        with pytest.raises(jax_mla.planning.PlanMismatchError, match=message):
+            plan.check_for(*args)
+    for change, message in [
+        (dict(schedule=jnp.zeros((4,), jnp.int32)), r"plan.schedule must be int32 \[5\], got int32 \[4\]"),
+        (dict(seq_lens=jnp.ones((4,), jnp.float32)), r"plan.seq_lens must be int32 \[4\], got float32"),
+    ]:
+        with pytest.raises(jax_mla.planning.PlanMismatchError, match=message):
+            dataclasses.replace(plan, **change).check_for(lens, tables, 64)
+
+
+@pytest.mark.parametrize("args,error,message", [
+    (dict(seq_lens=jnp.ones((3,), jnp.float32)), TypeError, r"seq_lens must have dtype int32, got float32"),
+    (dict(seq_lens=jnp.ones((3, 1), jnp.int32)), ValueError, r"seq_lens must have rank 1"),
+    (dict(seq_lens=jnp.ones((0,), jnp.int32)), ValueError, r"seq_lens must hold at least one request"),
+    (dict(page_size=16), ValueError, r"sm90 needs kv_cache page_size in \(32, 64\), got 16"),
+    (dict(max_pages=0), ValueError, r"max_pages must be >= 1, got 0"),
+    (dict(max_pages=2**24), ValueError, r"max_pages \* page_size < 2\*\*30 tokens"),
+])
+def test_sm90_plan_names_a_bad_argument(args, error, message):
+    with pytest.raises(error, match=message):
+        jax_mla.sm90_plan(**{**dict(seq_lens=jnp.ones((3,), jnp.int32), max_pages=8, page_size=64),
+                             **args})
+
+
+def test_sm90_plan_says_where_sm90_does_not_run():
+    if jax.default_backend() != "cpu":
+        pytest.skip("only meaningful on a CPU-only machine")
+    with pytest.raises(ValueError, match=r"jax_mla.sm90_plan builds the sm90 kernel's schedule: "
+                                         r"backend 'sm90' needs an NVIDIA GPU"):
+        jax_mla.sm90_plan(jnp.ones((3,), jnp.int32), max_pages=8, page_size=64)
+
+
 def test_workspace_formula_by_hand():
     # 132 SMs, q_len * H = 256 rows: 4 M tiles, 33 parts, slots = 4 + 33, rows_pad = 256.
     slots, rows_pad = 4 + 33, 256
@@ -203,7 +293,7 @@ def test_sm90_is_listed_after_fa3_and_fa2_and_never_the_first_pick():
     assert not sm90.first_pick and all(b.first_pick for b in backends.TABLE if b is not sm90)
     assert sm90.cache_formats == (backends.FLOAT_CACHE, backends.FP8_CACHE)
     assert sm90.runs_on_gpu((9, 0)) and not sm90.runs_on_gpu((10, 0)) and not sm90.runs_on_gpu((8, 0))
-    assert not sm90.takes_plan and sm90.applies_output_scale
+    assert sm90.reads_plan == backends.SM90_PLAN and sm90.applies_output_scale
 
 
 @pytest.fixture
@@ -249,7 +339,8 @@ def test_output_scale_is_applied_once(monkeypatch):
     """The kernel scales (applies_output_scale=True): jax_mla.decode must not scale again."""
     monkeypatch.setattr(backends, "available_backends", lambda platform=None: [SM90, "xla"])
 
-    def stand_in(*arrays, softmax_scale, output_scale, kv_lora_rank):
+    def stand_in(*arrays, softmax_scale, output_scale, kv_lora_rank, schedule):
+        assert schedule is None
         return xla_backend.decode(*arrays, softmax_scale=softmax_scale, output_scale=output_scale,
                                   kv_lora_rank=kv_lora_rank, return_lse=True)
 
@@ -491,6 +582,57 @@ def test_inside_jit_and_scan_over_layers():
                                                problem.seq_lens)
     assert np.isfinite(np.asarray(chained[0], np.float32)).all()
     assert_identical((chained[0][0], chained[1][0]), (outs[0], lses[0]))  # same layer-0 inputs
+
+
+def make_planned_step(softmax_scale):
+    """``make_step`` (chained) with the schedule built once by ``jax_mla.sm90_plan``, before the
+    scan, and passed to every layer."""
+    @jax.jit
+    def step(query, caches, tables, lens):
+        plan = jax_mla.sm90_plan(lens, max_pages=tables.shape[1], page_size=caches.shape[2])
+
+        def layer(q, cache):
+            out, lse = jax_mla.decode(q, cache, tables, lens, softmax_scale=softmax_scale,
+                                      backend=SM90, return_lse=True, plan=plan)
+            return q.at[..., :512].add(out * 0.1), (out, lse)
+        _, (outs, lses) = jax.lax.scan(layer, query, caches)
+        return outs, lses
+
+    return step
+
+
+@on_gpu
+def test_a_plan_built_before_a_scan_over_layers_is_built_once():
+    """The scan runs only the decode call; each layer's result is bit for bit the one of the step
+    that builds the schedule in every layer (the same schedule)."""
+    problem = make_problem(24, batch=3, q_len=1, num_heads=16, page_size=64, max_len=2000,
+                           dtype=jnp.bfloat16)
+    caches = jnp.stack([problem.kv_cache * (1 + 0.05 * i) for i in range(4)])
+    arrays = (problem.query, caches, problem.block_tables, problem.seq_lens)
+    step = make_planned_step(problem.softmax_scale)
+    hlo = step.lower(*arrays).compile().as_text()
+    assert custom_call_counts(hlo) == {"jax_mla_sm90_schedule": 1, "jax_mla_sm90_decode": 1}
+    assert custom_calls_in_loops(hlo) == ["jax_mla_sm90_decode"]
+    assert_identical(step(*arrays), make_step(problem.softmax_scale)(*arrays))
+
+
+@on_gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_auto_with_an_sm90_plan_runs_sm90(cache):
+    """"auto" takes sm90 for an Sm90Plan, also at a shape where without a plan it takes fa3, and
+    gives what sm90 gives without one (the same schedule)."""
+    problem = make_problem(26, batch=33, q_len=2, num_heads=128, page_size=32, max_len=3000,
+                           dtype=jnp.bfloat16)
+    if cache == "fp8":
+        problem, _ = fp8_problem(problem, 26)
+    assert not backends.prefers_sm90(33, 2, 128)
+    plan = jax_mla.sm90_plan(problem.seq_lens, max_pages=problem.block_tables.shape[1],
+                             page_size=32)
+    assert jax_mla.backend_for(*problem.arrays[:3], plan=plan) == SM90
+    planned = jax.jit(lambda *a, plan: jax_mla.decode(
+        *a, softmax_scale=problem.softmax_scale, return_lse=True, plan=plan))(*problem.arrays,
+                                                                             plan=plan)
+    assert_identical(planned, sm90(problem))
 
 
 def custom_call_counts(hlo: str) -> dict[str, int]:
