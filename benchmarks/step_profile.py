@@ -153,13 +153,16 @@ def main(argv: list[str] | None = None):
                 jax.block_until_ready(step(*arg_sets[0]))
                 wall_rot = wall_us_per_layer(step, arg_sets) if len(arg_sets) > 1 else None
                 wall_fixed = wall_us_per_layer(step, arg_sets[:1])
-                stats = traced(step, arg_sets[0])
                 rotated_text = "-" if wall_rot is None else f"{wall_rot:.1f}"
-                print(f"| {point.B} | {point.L} | {num_heads} | {name} | "
-                      f"{'on' if graphs else 'off'} | {rotated_text} | "
-                      f"{wall_fixed:.1f} | {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
-                      f"{stats['kernels_us']:.1f} |",
-                      flush=True)
+                row = (f"| {point.B} | {point.L} | {num_heads} | {name} | "
+                       f"{'on' if graphs else 'off'} | {rotated_text} | {wall_fixed:.1f} |")
+                try:
+                    stats = traced(step, arg_sets[0])
+                except RuntimeError as error:  # the profiler's, or a trace that does not split
+                    print(f"{row} trace: {error} | | |", flush=True)
+                    continue
+                print(f"{row} {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
+                      f"{stats['kernels_us']:.1f} |", flush=True)
                 details.append((point, name, graphs, stats["by_name"]))
     print("\nKernels per step (count, median µs):")
     for point, name, graphs, by_name in details:

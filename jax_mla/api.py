@@ -38,13 +38,13 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
         of ``jax_mla.backends.TABLE`` that runs here and takes the dtype and the cache's format
-        (sm90 aside), and with a plan the first of those that reads it. With ``plan=None``, on
+        (sm90 aside), and with a plan the first that reads that kind of plan (for an
+        ``Sm90Plan`` sm90, which raises for shapes it does not run). With ``plan=None``, on
         Hopper each device takes sm90 instead of fa3 where ``jax_mla.backends.prefers_sm90``
         holds for its shard's shape (the README's Backends section tabulates it), and with the
         fp8 cache every device whose shard sm90 runs takes sm90 instead of xla; on Blackwell a
         device whose shard trtllm-gen does not run (dims, page size, head count) takes fa2,
-        which then plans on the host.
-        ``backend_for`` names the choice.
+        which then plans on the host. ``backend_for`` names the choice.
       kv_lora_rank: channels of the latent; default ``head_dim - 64``.
       plan: for backends that read a work schedule, built once per step and shared by every
         layer. fa3, fa2: a ``jax_mla.Plan`` from ``jax_mla.plan`` (host) or
@@ -90,6 +90,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     chosen, alternative = choose_backend(backend, plan, query, kv_cache)
+    if isinstance(plan, sm90_planning.Sm90Plan):  # it fits every shard alike: check it here
+        plan.check_for(seq_lens, block_tables, kv_cache.shape[1])
     if checks:
         value_checks.check_values(query, kv_cache, block_tables, seq_lens,
                                   None if isinstance(plan, str) else plan)

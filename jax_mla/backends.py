@@ -212,9 +212,10 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
     ``dtype`` and a cache of ``cache_format``.
 
     "auto" takes the first available backend that takes both, and given a ``plan_kind``
-    (``FA_PLAN``, ``SM90_PLAN``) the first available backend that takes both and reads that kind,
-    if one does (``auto_alternative`` says what a device may take instead). A named backend must
-    be available here and take both; otherwise the error says why and what is available.
+    (``FA_PLAN``, ``SM90_PLAN``) the first available backend that takes both and reads that kind
+    (none: a ValueError says why each reader cannot); ``auto_alternative`` says what a device may
+    take instead. A named backend must be available here and take both; otherwise the error says
+    why and what is available.
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str ('auto' or one of {list(ALL_BACKENDS)}), got "
@@ -225,6 +226,8 @@ def resolve(backend: str, platform: str, dtype=jnp.bfloat16, cache_format: str =
         readers = [name for name in available if plan_kind is not None
                    and BY_NAME[name].reads_plan == plan_kind
                    and _auto_takes(BY_NAME[name], platform, dtype, cache_format)]
+        if plan_kind is not None and not readers:
+            raise ValueError(_why_no_reader(plan_kind, available, platform, dtype, cache_format))
         picked = (readers or candidates)[0]
         missing = gpu.runtime_missing() if picked == XLA and _is_cuda(platform) else None
         if missing is not None and _a_gpu_kernel_takes(platform, dtype, cache_format):
@@ -327,6 +330,33 @@ def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype
     if SM90 not in available_backends(platform) or not sm90.takes(dtype, cache_format):
         return None
     return sm90
+
+
+def _why_no_reader(plan_kind: str, available: list[str], platform: str, dtype,
+                   cache_format: str) -> str:
+    """Why "auto" can take no backend that reads a plan of ``plan_kind`` here: each reader's
+    reason."""
+    readers = [b for b in TABLE if b.reads_plan == plan_kind]
+    reasons = []
+    for reader in readers:
+        if reader.name not in available:
+            reasons.append(_why_unavailable(reader, platform))
+        elif not reader.takes(dtype, cache_format):
+            given = (f"a {jnp.dtype(dtype)} cache" if cache_format == FLOAT_CACHE
+                     else FORMAT_NAMES[cache_format])
+            dtypes = " or ".join(str(d) for d in reader.dtypes) or "floating"
+            formats = " or ".join(FORMAT_NAMES[f] for f in reader.cache_formats)
+            reasons.append(f"backend {reader.name!r} takes {dtypes} queries with caches of "
+                           f"{formats}, not a {jnp.dtype(dtype)} query with {given}")
+        else:
+            reasons.append(f"backend {reader.name!r} does not take {FORMAT_NAMES[cache_format]} "
+                           "on this GPU")
+    what = "plan" if plan_kind == FA_PLAN else f"a {plan_kind}"
+    names = "/".join(reader.name for reader in readers)
+    which = "either" if len(readers) > 1 else "it"
+    return (f"{what} is only read by the {names} backend{'s' * (len(readers) > 1)}, and "
+            f"backend='auto' cannot take {which} here: {'; '.join(reasons)}; available here: "
+            f"{available}")
 
 
 def _why_unavailable(backend: Backend, platform: str) -> str:

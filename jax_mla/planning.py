@@ -130,9 +130,9 @@ class Plan:
 
     def check_for(self, seq_lens, block_tables, page_size: int) -> None:
         """Raise ``PlanMismatchError`` unless the arrays pass ``check_arrays`` and the plan is for
-        a call's int32 ``seq_lens`` [B] over ``block_tables`` [B, max_pages]. Any ``page_size``
-        fits: the schedule counts tokens, and the kernels find their pages (``Sm90Plan``'s
-        signature)."""
+        a call's int32 ``seq_lens`` [B] over ``block_tables`` [B, max_pages]. ``page_size`` is
+        unused (the schedule counts tokens, whatever the page size); it is taken so that every
+        plan kind is checked alike (``Sm90Plan.check_for``)."""
         del page_size
         self.check_arrays()
         batch, max_pages = seq_lens.shape[0], block_tables.shape[1]

@@ -242,9 +242,9 @@ def _layout(mesh, arg_shapes, validate=True):
     head_axes = tuple(a for a in query_axes[2] if a not in batch_axes)
     if validate and plan_arrays and _shards(mesh, batch_axes) > 1:
         raise LayoutError(
-            f"a plan cannot be used with a batch sharded over {batch_axes}: its schedule covers one "
-            "device's batch and is replicated; pass plan=None (each device then plans its own "
-            "shard) or shard only the heads")
+            f"a plan cannot be used with a batch sharded over {batch_axes}: its arrays reach every "
+            "device whole, while each device's kernel needs the schedule of its own requests; pass "
+            "plan=None (each device then schedules its own shard) or shard only the heads")
     return batch_axes, head_axes, bool(pool_axes)
 
 

@@ -31,7 +31,8 @@ class Sm90Plan:
 
     ``schedule`` (int32 [batch + 1], on the GPU) holds each request's first cost unit and the
     total (``ScheduleKernel``); ``seq_lens`` (int32 [batch]) the lengths it was built from. The
-    rest is static metadata checked against each ``decode`` call.
+    rest is static metadata checked against each ``decode`` call. The kernel reads the schedule
+    as ``sm90_plan`` built it: make plans with ``sm90_plan`` only.
     """
 
     schedule: jax.Array
@@ -84,8 +85,9 @@ def sm90_plan(seq_lens, *, max_pages: int, page_size: int) -> Sm90Plan:
     Returns:
       An ``Sm90Plan`` whose schedule a custom call (CUDA-graph safe) fills on the GPU.
     Raises:
-      ValueError where sm90 does not run (no Hopper GPU or no sm90 handler in the library) or
-      does not take the page size or the table's capacity.
+      TypeError for seq_lens not int32 or sizes not ints; ValueError for seq_lens not [B >= 1],
+      where sm90 does not run (no Hopper GPU or no sm90 handler in the library), or for a page
+      size or table capacity it does not take.
     """
     validation.check_rank("seq_lens", seq_lens, 1, "[batch]")
     validation.check_int32("seq_lens", seq_lens)

@@ -5,9 +5,14 @@
 // PartOf(b, 0) .. PartOf(b, n - 1), one per part, that `whole` marks exactly the requests one part
 // holds, that the partial-result slots b + part are distinct and below batch + parts, and that
 // FirstSplitAt (the combine kernel's boundary grid) names each split request exactly once.
+// With planned lengths (an Sm90Plan's), the prefix is built from them while the parts walk the
+// kernel's lengths, each the planned one or 0 (Sm90Plan.lengths_for): the same holds for every
+// request with blocks, and a request of length 0 is in no segment (the boundary grid may still
+// name it, from its planned cost; the combine then writes its empty rows).
 //
-// stdin, one case a line: batch parts max_pages page_size fixed_cost min_blocks, then batch
-// lengths. stdout, a line a case: "ok SEGMENTS" or "FAIL reason".
+// stdin, one case a line: batch parts max_pages page_size fixed_cost min_blocks planned, then
+// batch lengths, then with planned = 1 batch planned lengths. stdout, a line a case:
+// "ok SEGMENTS" or "FAIL reason".
 #include <cstdint>
 #include <cstdio>
 #include <iostream>
@@ -20,11 +25,12 @@
 
 using namespace jax_mla::sm90;
 
-static std::string Check(int batch, int parts, const std::vector<int32_t>& lens, int max_pages,
-                         int page_size, int fixed_cost, int min_blocks) {
+static std::string Check(int batch, int parts, const std::vector<int32_t>& lens,
+                         const std::vector<int32_t>& planned, int max_pages, int page_size,
+                         int fixed_cost, int min_blocks) {
   std::vector<int32_t> prefix(batch + 1, 0);
   for (int b = 0; b < batch; ++b) {
-    prefix[b + 1] = prefix[b] + RequestCost(lens[b], max_pages, page_size, fixed_cost);
+    prefix[b + 1] = prefix[b] + RequestCost(planned[b], max_pages, page_size, fixed_cost);
   }
   DecodeParams p{};
   p.schedule = prefix.data();
@@ -69,7 +75,7 @@ static std::string Check(int batch, int parts, const std::vector<int32_t>& lens,
   for (int b = 0; b < batch; ++b) {
     const int n = NumKvBlocks(EffectiveLength(lens[b], max_pages, page_size));
     const bool split = n > 0 && view.PartOf(b, 0) != view.PartOf(b, n - 1);
-    if (named[b] != (split ? 1 : 0)) {
+    if (n > 0 && named[b] != (split ? 1 : 0)) {
       return "request " + std::to_string(b) + " named by " + std::to_string(named[b]) +
              " boundaries";
     }
@@ -85,11 +91,16 @@ static std::string Check(int batch, int parts, const std::vector<int32_t>& lens,
 }
 
 int main() {
-  int batch, parts, max_pages, page_size, fixed_cost, min_blocks;
-  while (std::cin >> batch >> parts >> max_pages >> page_size >> fixed_cost >> min_blocks) {
+  int batch, parts, max_pages, page_size, fixed_cost, min_blocks, has_planned;
+  while (std::cin >> batch >> parts >> max_pages >> page_size >> fixed_cost >> min_blocks >>
+         has_planned) {
     std::vector<int32_t> lens(batch);
     for (int32_t& len : lens) std::cin >> len;
-    std::printf("%s\n", Check(batch, parts, lens, max_pages, page_size, fixed_cost,
+    std::vector<int32_t> planned = lens;
+    if (has_planned) {
+      for (int32_t& len : planned) std::cin >> len;
+    }
+    std::printf("%s\n", Check(batch, parts, lens, planned, max_pages, page_size, fixed_cost,
                               min_blocks).c_str());
   }
   return 0;

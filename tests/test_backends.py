@@ -54,13 +54,34 @@ def test_auto_with_a_plan_takes_a_backend_that_reads_it(monkeypatch, fake_gpu, c
     fake_gpu["capability"] = capability
     monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
     assert backends.resolve("auto", "gpu", jnp.bfloat16, plan_kind=backends.FA_PLAN) == auto
-    assert backends.resolve("auto", "cpu", jnp.bfloat16, plan_kind=backends.FA_PLAN) == "xla"
-    # An Sm90Plan: sm90 on Hopper, even where "auto" without a plan would not take it; elsewhere
-    # the first pick, which refuses the plan later (check_plan_argument).
-    expected = "sm90" if capability == (9, 0) else backends.resolve("auto", "gpu", jnp.bfloat16)
-    assert backends.resolve("auto", "gpu", jnp.bfloat16, plan_kind=backends.SM90_PLAN) == expected
-    assert backends.resolve("auto", "gpu", jnp.bfloat16, backends.FP8_CACHE,
-                            plan_kind=backends.SM90_PLAN) == ("sm90" if capability == (9, 0) else "xla")
+    with pytest.raises(ValueError, match=r"^plan is only read by the fa3/fa2 backends, and "
+                                         r"backend='auto' cannot take either here: backend "
+                                         r"'fa3' needs an NVIDIA GPU .* on 'cpu'; .*available here: "
+                                         r"\['xla'\]$"):
+        backends.resolve("auto", "cpu", jnp.bfloat16, plan_kind=backends.FA_PLAN)
+    # An Sm90Plan: sm90 on Hopper on either cache, even where "auto" without a plan would not
+    # take it; elsewhere an error that says why.
+    for cache_format in (backends.FLOAT_CACHE, backends.FP8_CACHE):
+        if capability == (9, 0):
+            assert backends.resolve("auto", "gpu", jnp.bfloat16, cache_format,
+                                    plan_kind=backends.SM90_PLAN) == "sm90"
+            continue
+        with pytest.raises(ValueError, match=r"^a jax_mla.Sm90Plan is only read by the sm90 "
+                                             r"backend, and .*: backend 'sm90' runs on SM90 "):
+            backends.resolve("auto", "gpu", jnp.bfloat16, cache_format,
+                             plan_kind=backends.SM90_PLAN)
+
+
+def test_auto_with_an_sm90_plan_says_why_sm90_cannot_take_the_arguments(fake_gpu, monkeypatch):
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    takes = "backend 'sm90' takes bfloat16 queries with caches of the query's dtype or the fp8 cache"
+    for dtype, cache_format, given in [
+        (jnp.float32, backends.FLOAT_CACHE, "a float32 query with a float32 cache"),
+        (jnp.bfloat16, backends.E4M3_CACHE, "a bfloat16 query with the e4m3 cache"),
+    ]:
+        with pytest.raises(ValueError, match=rf"{re.escape(takes)} \(uint8\), not "
+                                             rf"{re.escape(given)}"):
+            backends.resolve("auto", "gpu", dtype, cache_format, plan_kind=backends.SM90_PLAN)
 
 
 BLACKWELL_BACKENDS = ("trtllm-gen", "fa2", "xla")

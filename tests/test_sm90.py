@@ -584,9 +584,9 @@ def test_inside_jit_and_scan_over_layers():
     assert_identical((chained[0][0], chained[1][0]), (outs[0], lses[0]))  # same layer-0 inputs
 
 
-def make_planned_step(softmax_scale):
-    """``make_step`` (chained) with the schedule built once by ``jax_mla.sm90_plan``, before the
-    scan, and passed to every layer."""
+def make_planned_step(softmax_scale, chain=True):
+    """``make_step`` with the schedule built once by ``jax_mla.sm90_plan``, before the scan, and
+    passed to every layer."""
     @jax.jit
     def step(query, caches, tables, lens):
         plan = jax_mla.sm90_plan(lens, max_pages=tables.shape[1], page_size=caches.shape[2])
@@ -594,7 +594,7 @@ def make_planned_step(softmax_scale):
         def layer(q, cache):
             out, lse = jax_mla.decode(q, cache, tables, lens, softmax_scale=softmax_scale,
                                       backend=SM90, return_lse=True, plan=plan)
-            return q.at[..., :512].add(out * 0.1), (out, lse)
+            return (q.at[..., :512].add(out * 0.1) if chain else q), (out, lse)
         _, (outs, lses) = jax.lax.scan(layer, query, caches)
         return outs, lses
 
@@ -613,14 +613,44 @@ def test_a_plan_built_before_a_scan_over_layers_is_built_once():
     hlo = step.lower(*arrays).compile().as_text()
     assert custom_call_counts(hlo) == {"jax_mla_sm90_schedule": 1, "jax_mla_sm90_decode": 1}
     assert custom_calls_in_loops(hlo) == ["jax_mla_sm90_decode"]
-    assert_identical(step(*arrays), make_step(problem.softmax_scale)(*arrays))
+    unchained = make_planned_step(problem.softmax_scale, chain=False)(*arrays)
+    assert_identical(unchained, make_step(problem.softmax_scale, chain=False)(*arrays))
+    chained = step(*arrays)
+    assert np.isfinite(np.asarray(chained[0], np.float32)).all()
+    assert_identical((chained[0][0], chained[1][0]), (unchained[0][0], unchained[1][0]))
+
+
+@on_gpu
+def test_a_plan_used_with_other_lengths_on_the_boundary_combine():
+    """300 requests at 128 heads: more requests than four per part boundary, so the combine runs
+    by boundary, where a request whose length is not its plan's may still be named split (from
+    its planned cost). Without the guard, those requests get 0 and -inf, the others their
+    results."""
+    problem = make_problem(27, batch=300, q_len=1, num_heads=128, page_size=64, max_len=700,
+                           dtype=jnp.bfloat16)
+    planned = np.asarray(problem.seq_lens)
+    changed = np.arange(0, 300, 7)
+    lengths = planned.copy()
+    lengths[changed] = np.where(planned[changed] > 65, planned[changed] - 65, planned[changed] + 1)
+    plan = jax_mla.sm90_plan(jnp.asarray(planned), max_pages=problem.block_tables.shape[1],
+                             page_size=64)
+    arrays = (problem.query, problem.kv_cache, problem.block_tables, jnp.asarray(lengths))
+    out, lse = jax.jit(lambda *a: jax_mla.decode(
+        *a, softmax_scale=problem.softmax_scale, backend=SM90, return_lse=True, plan=plan,
+        fail_closed=False))(*arrays)
+    assert np.all(np.asarray(out, np.float32)[changed] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[changed]))
+    kept = np.setdiff1d(np.arange(300), changed)
+    assert_close(out[kept], lse[kept], *reference(dataclasses.replace(
+        problem, query=problem.query[kept], block_tables=problem.block_tables[kept],
+        seq_lens=problem.seq_lens[kept])))
 
 
 @on_gpu
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
 def test_auto_with_an_sm90_plan_runs_sm90(cache):
-    """"auto" takes sm90 for an Sm90Plan, also at a shape where without a plan it takes fa3, and
-    gives what sm90 gives without one (the same schedule)."""
+    """"auto" takes sm90 for an Sm90Plan (with the bf16 cache at a shape where without a plan it
+    takes fa3) and gives what sm90 gives without one (the same schedule)."""
     problem = make_problem(26, batch=33, q_len=2, num_heads=128, page_size=32, max_len=3000,
                            dtype=jnp.bfloat16)
     if cache == "fp8":

@@ -4,8 +4,9 @@
 // Per layer:  LaunchDecode(params, stream)     (decode kernel, then combine kernel)
 // Both only enqueue work (no host sync, no allocation): safe inside CUDA graph capture and XLA
 // command buffers. The caller owns the schedule (int32 [batch + 1]) and the workspace
-// (WorkspaceBytes(...) bytes) and must keep batch, seq_lens, max_pages and page_size equal
-// between the schedule and the decodes of a step.
+// (WorkspaceBytes(...) bytes) and must keep batch, max_pages and page_size equal between the
+// schedule and the decodes of a step, and give each decode every request's length as the schedule
+// saw it or 0 (the combine finds a request's splits from its length and the schedule together).
 // Include this header from exactly one translation unit compiled with
 //   -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include --expt-relaxed-constexpr
 #pragma once
