@@ -549,14 +549,20 @@ def test_bad_inputs_give_the_defined_result(page_size):
     assert_close(*sm90(problem), *reference(problem))
 
 
-def make_step(softmax_scale, output_scale=1.0, chain=True):
+def make_step(softmax_scale, output_scale=1.0, chain=True, planned=False):
     """A jitted decode step: lax.scan over stacked per-layer caches; with ``chain`` each layer's
-    query adds the previous layer's output (as a model's residual stream would)."""
+    query adds the previous layer's output (as a model's residual stream would); with
+    ``planned`` the schedule is built once by ``jax_mla.sm90_plan``, before the scan, and passed
+    to every layer."""
     @jax.jit
     def step(query, caches, tables, lens):
+        plan = (jax_mla.sm90_plan(lens, max_pages=tables.shape[1], page_size=caches.shape[2])
+                if planned else None)
+
         def layer(q, cache):
             out, lse = jax_mla.decode(q, cache, tables, lens, softmax_scale=softmax_scale,
-                                      output_scale=output_scale, backend=SM90, return_lse=True)
+                                      output_scale=output_scale, backend=SM90, return_lse=True,
+                                      plan=plan)
             return (q.at[..., :512].add(out * 0.1) if chain else q), (out, lse)
         _, (outs, lses) = jax.lax.scan(layer, query, caches)
         return outs, lses
@@ -584,23 +590,6 @@ def test_inside_jit_and_scan_over_layers():
     assert_identical((chained[0][0], chained[1][0]), (outs[0], lses[0]))  # same layer-0 inputs
 
 
-def make_planned_step(softmax_scale, chain=True):
-    """``make_step`` with the schedule built once by ``jax_mla.sm90_plan``, before the scan, and
-    passed to every layer."""
-    @jax.jit
-    def step(query, caches, tables, lens):
-        plan = jax_mla.sm90_plan(lens, max_pages=tables.shape[1], page_size=caches.shape[2])
-
-        def layer(q, cache):
-            out, lse = jax_mla.decode(q, cache, tables, lens, softmax_scale=softmax_scale,
-                                      backend=SM90, return_lse=True, plan=plan)
-            return (q.at[..., :512].add(out * 0.1) if chain else q), (out, lse)
-        _, (outs, lses) = jax.lax.scan(layer, query, caches)
-        return outs, lses
-
-    return step
-
-
 @on_gpu
 def test_a_plan_built_before_a_scan_over_layers_is_built_once():
     """The scan runs only the decode call; each layer's result is bit for bit the one of the step
@@ -609,11 +598,11 @@ def test_a_plan_built_before_a_scan_over_layers_is_built_once():
                            dtype=jnp.bfloat16)
     caches = jnp.stack([problem.kv_cache * (1 + 0.05 * i) for i in range(4)])
     arrays = (problem.query, caches, problem.block_tables, problem.seq_lens)
-    step = make_planned_step(problem.softmax_scale)
+    step = make_step(problem.softmax_scale, planned=True)
     hlo = step.lower(*arrays).compile().as_text()
     assert custom_call_counts(hlo) == {"jax_mla_sm90_schedule": 1, "jax_mla_sm90_decode": 1}
     assert custom_calls_in_loops(hlo) == ["jax_mla_sm90_decode"]
-    unchained = make_planned_step(problem.softmax_scale, chain=False)(*arrays)
+    unchained = make_step(problem.softmax_scale, chain=False, planned=True)(*arrays)
     assert_identical(unchained, make_step(problem.softmax_scale, chain=False)(*arrays))
     chained = step(*arrays)
     assert np.isfinite(np.asarray(chained[0], np.float32)).all()
