@@ -39,6 +39,9 @@ from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cach
 from benchmarks.timing import busy_us, time_jax, traced_gpu_kernels
 
 LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
+# --methods keys and the rows' names.
+METHODS = {"sm90": "sm90", "fa3": "fa3 (auto, host plan)", "sm90-scan": "sm90, scan",
+           "sm90-scan-plan": "sm90, scan, sm90_plan"}
 DEFAULT_POINTS = "1,4096,128;1,4096,16"
 # time_jax's settings: 7 rounds of about 20 ms of back-to-back calls each (about 20 steps at B = 1).
 WALL_TIMER = types.SimpleNamespace(rounds=7, round_s=0.02, max_method_s=60.0)
@@ -101,7 +104,14 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--command-buffers", choices=("off", "on", "both"), default="both")
     parser.add_argument("--scan-gib", type=float, default=8.0,
                         help="largest stacked caches of the scans, GiB (default %(default)s)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help="comma-separated, of " + ", ".join(METHODS) + " (default: all)")
     args = parser.parse_args(argv)
+    keys_asked = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(keys_asked) - set(METHODS))
+    if unknown:
+        raise SystemExit(f"unknown --methods {unknown}; choose from {list(METHODS)}")
+    methods_asked = [METHODS[key] for key in keys_asked]
     points = parse_points(args.points)
     graph_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.command_buffers]
 
@@ -138,15 +148,18 @@ def main(argv: list[str] | None = None):
                    ("fa3 (auto, host plan)", lambda o: layered(decode_with_plan, LAYERS, o), plan,
                     sets)]
         stacked_gib = LAYERS * pool[0].nbytes / 2**30
-        if stacked_gib <= args.scan_gib:
+        scans_asked = any("scan" in m for m in methods_asked)
+        if scans_asked and stacked_gib <= args.scan_gib:
             stacked = [jnp.stack(sets[0])]
             methods += [("sm90, scan", lambda o: scanned(sm90_layer, o), None, stacked),
                         ("sm90, scan, sm90_plan", lambda o: scanned(sm90_layer, o, sm90_plan),
                          None, stacked)]
-        else:
+        elif scans_asked:
             print(f"scans at B={point.B} L={point.L} left out: the stacked caches take "
                   f"{stacked_gib:.1f} GiB (--scan-gib {args.scan_gib})", flush=True)
         for name, build, step_plan, cache_sets in methods:
+            if name not in methods_asked:
+                continue
             for graphs in graph_modes:
                 step = build(GRAPH_COMPILER_OPTIONS if graphs else None)
                 arg_sets = [(query, s, tables, lens, step_plan) for s in cache_sets]
