@@ -94,7 +94,8 @@ def sm90_plan(seq_lens, *, max_pages: int, page_size: int) -> Sm90Plan:
     max_pages, page_size = validation.check_sizes(max_pages=max_pages, page_size=page_size)
     batch = seq_lens.shape[0]
     if batch < 1:
-        raise ValueError(f"seq_lens must hold at least one request, got shape {tuple(seq_lens.shape)}")
+        raise ValueError("seq_lens must hold at least one request, got shape "
+                         f"{tuple(seq_lens.shape)}")
     gpu.check_sm90_table(batch, max_pages, page_size)
     try:
         backends.resolve(backends.SM90, backends.platform_of(seq_lens))
