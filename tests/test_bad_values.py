@@ -128,10 +128,10 @@ def test_sm90_reads_nothing_of_a_length_other_than_its_plans_without_the_guard(b
     problem, tables, lengths, planned = other_lengths_problem()
     out, lse = decode_all(backend, plan_mode, problem, tables, lengths, plan_lengths=planned,
                           fail_closed=False)
-    changed = [3, 4, 5, 6]
+    changed = np.array([3, 4, 5, 6])
     assert np.all(np.asarray(out.astype(jnp.float32))[changed] == 0)
     assert np.all(np.isneginf(np.asarray(lse)[changed]))
-    as_planned = [0, 7]
+    as_planned = np.array([0, 7])
     arrays = (problem.query[as_planned], problem.kv_cache, jnp.asarray(tables[as_planned]),
               jnp.asarray(lengths[as_planned]))
     ref_out, ref_lse = reference_from_jax(*arrays, softmax_scale=problem.softmax_scale)
