@@ -172,12 +172,9 @@ def check_plan_argument(plan, backend: backends.Backend) -> None:
     """Raise unless ``plan`` is None or a plan (``plan_kind``) that ``backend`` reads."""
     kind = plan_kind(plan)
     if kind is not None and backend.reads_plan != kind:
-        readers = [b.name for b in backends.TABLE if b.reads_plan == kind]
-        what = "plan" if kind == backends.FA_PLAN else f"a {kind}"
         takes = "plan=None" + (f" or a {backend.reads_plan}" if backend.reads_plan else "")
-        raise ValueError(f"{what} is only read by the {'/'.join(readers)} "
-                         f"backend{'s' * (len(readers) > 1)}; backend {backend.name!r} takes "
-                         f"{takes}, got {type(plan).__name__}")
+        raise ValueError(f"{backends.only_read_by(kind)}; backend {backend.name!r} takes {takes}, "
+                         f"got {type(plan).__name__}")
 
 
 def device_backend(backend: backends.Backend, alternative: backends.Backend | None, query,

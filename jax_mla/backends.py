@@ -351,12 +351,17 @@ def _why_no_reader(plan_kind: str, available: list[str], platform: str, dtype,
         else:
             reasons.append(f"backend {reader.name!r} does not take {FORMAT_NAMES[cache_format]} "
                            "on this GPU")
-    what = "plan" if plan_kind == FA_PLAN else f"a {plan_kind}"
-    names = "/".join(reader.name for reader in readers)
     which = "either" if len(readers) > 1 else "it"
-    return (f"{what} is only read by the {names} backend{'s' * (len(readers) > 1)}, and "
-            f"backend='auto' cannot take {which} here: {'; '.join(reasons)}; available here: "
-            f"{available}")
+    return (f"{only_read_by(plan_kind)}, and backend='auto' cannot take {which} here: "
+            f"{'; '.join(reasons)}; available here: {available}")
+
+
+def only_read_by(plan_kind: str) -> str:
+    """"<the plan> is only read by the <readers> backend(s)", for errors about a plan of
+    ``plan_kind``."""
+    readers = [b.name for b in TABLE if b.reads_plan == plan_kind]
+    what = "plan" if plan_kind == FA_PLAN else f"a {plan_kind}"
+    return f"{what} is only read by the {'/'.join(readers)} backend{'s' * (len(readers) > 1)}"
 
 
 def _why_unavailable(backend: Backend, platform: str) -> str:
