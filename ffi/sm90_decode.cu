@@ -6,8 +6,9 @@
 // seq_lens and the block table's shape, so the custom calls of every layer of a step are identical
 // and XLA keeps one of them (common-subexpression elimination): the schedule is built once per
 // step (or once before a scanned loop, by jax_mla.sm90_plan). Each request's length in a decode
-// must be the one the schedule was built from, or 0. The tensor maps of the query and the cache are encoded on the host from the buffer
-// pointers of each call (no device work, no sync), so both handlers are command-buffer compatible.
+// must be the one the schedule was built from, or 0. The tensor maps of the query and the cache
+// are encoded on the host from the buffer pointers of each call (no device work, no sync), so both
+// handlers are command-buffer compatible.
 //
 //   query        bf16 [B, q_len, H, 576]       (kv_lora_rank 512 + rope 64)
 //   kv_cache     bf16 [num_pages, page_size, 576], page_size 32 or 64; JaxMlaSm90DecodeFp8: the

@@ -19,7 +19,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from jax_mla import planning, sm90_planning
+from jax_mla import planning
 
 
 def pages_read(block_tables, seq_lens, page_size: int):
@@ -103,7 +103,7 @@ def guard(block_tables, seq_lens, plan, *, num_pages: int, page_size: int, q_len
     """
     usable = usable_requests(block_tables, seq_lens, num_pages=num_pages, page_size=page_size,
                              q_len=q_len, max_len=max_len)
-    if isinstance(plan, (planning.Plan, sm90_planning.Sm90Plan)):
+    if plan is not None:
         plan.check_for(seq_lens, block_tables, page_size)
         usable = usable & (plan.seq_lens == seq_lens)
     if isinstance(plan, planning.Plan):
