@@ -72,6 +72,18 @@ def test_auto_with_a_plan_takes_a_backend_that_reads_it(monkeypatch, fake_gpu, c
                              plan_kind=backends.SM90_PLAN)
 
 
+def test_auto_with_a_plan_says_which_format_a_reader_does_not_take_on_this_gpu(fake_gpu):
+    """On SM80, fa2 takes the e4m3 cache only on SM90 (and fa3 does not run): "auto" with a Plan
+    names both reasons."""
+    fake_gpu["capability"] = (8, 0)
+    with pytest.raises(ValueError, match=r"^plan is only read by the fa3/fa2 backends, and "
+                                         r"backend='auto' cannot take either here: backend 'fa3' "
+                                         r"runs on SM90 .*; backend 'fa2' does not take the e4m3 "
+                                         r"cache \(float8_e4m3fn\) on this GPU; available here"):
+        backends.resolve("auto", "gpu", jnp.bfloat16, backends.E4M3_CACHE,
+                         plan_kind=backends.FA_PLAN)
+
+
 def test_auto_with_an_sm90_plan_says_why_sm90_cannot_take_the_arguments(fake_gpu, monkeypatch):
     monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
     takes = "backend 'sm90' takes bfloat16 queries with caches of the query's dtype or the fp8 cache"
