@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_mla import e4m3_cache, fp8_cache, planning
+from jax_mla import e4m3_cache, fp8_cache, planning, validation
 
 LIBRARY_NAME = "libjax_mla_ffi.so"
 # XLA custom-call target name -> exported handler symbol of each stage.
@@ -261,8 +261,9 @@ def check_trtllm_shapes(query, kv_cache, kv_lora_rank: int) -> None:
                          f"({kv_lora_rank}, {head_dim - kv_lora_rank})")
     if page_size not in TRTLLM_PAGE_SIZES:
         raise ValueError(f"trtllm-gen needs kv_cache page_size in {TRTLLM_PAGE_SIZES}, got {page_size}")
-    if num_heads > 128 or 64 < num_heads < 128:
-        raise ValueError(f"trtllm-gen supports num_heads <= 64 or exactly 128, got {num_heads}")
+    validation.check_shard_limit(
+        num_heads <= 64 or num_heads == 128,
+        f"trtllm-gen supports num_heads <= 64 or exactly 128, got {num_heads}")
 
 
 def trtllm_counter_bytes(batch: int, num_heads: int, num_sms: int) -> int:
@@ -377,7 +378,9 @@ def sm90_workspace_bytes(batch: int, q_len: int, num_heads: int, num_sms: int) -
 def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
                       softmax_scale: float | None = None) -> None:
     """Raise ``ValueError`` for what the sm90 kernel does not run (names the argument, the
-    expectation and what was given); the scale is checked when given."""
+    expectation and what was given); the scale is checked when given. Limits on the heads, the
+    batch and the page pool raise ``validation.ShardLimitError``: under sharding they hold per
+    device."""
     batch, q_len, num_heads, head_dim = query.shape
     num_pages, page_size, _ = kv_cache.shape
     max_pages = block_tables.shape[1]
@@ -387,14 +390,15 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
     check_sm90_table(batch, max_pages, page_size)
     if not 1 <= q_len <= SM90_MAX_Q_LEN:
         raise ValueError(f"sm90 supports query q_len (dim 1) in [1, {SM90_MAX_Q_LEN}], got {q_len}")
-    if not 1 <= num_heads <= SM90_MAX_HEADS:
-        raise ValueError(f"sm90 supports query num_heads (dim 2) in [1, {SM90_MAX_HEADS}], got "
-                         f"{num_heads}")
+    validation.check_shard_limit(
+        1 <= num_heads <= SM90_MAX_HEADS,
+        f"sm90 supports query num_heads (dim 2) in [1, {SM90_MAX_HEADS}], got {num_heads}")
     if num_pages < 1:
         raise ValueError(f"sm90 needs kv_cache with at least one page, got shape {tuple(kv_cache.shape)}")
-    if num_pages * page_size >= 2**31:
-        raise ValueError(f"sm90 supports kv_cache num_pages * page_size < 2**31 tokens, got "
-                         f"{num_pages} * {page_size}")
+    validation.check_shard_limit(
+        num_pages * page_size < 2**31,
+        f"sm90 supports kv_cache num_pages * page_size < 2**31 tokens, got {num_pages} * "
+        f"{page_size}")
     if softmax_scale is not None and not np.float32(softmax_scale) > 0:
         raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
 
@@ -407,9 +411,10 @@ def check_sm90_table(batch: int, max_pages: int, page_size: int) -> None:
     if max_pages * page_size >= 2**30:
         raise ValueError(f"sm90 supports block_tables max_pages * page_size < 2**30 tokens, got "
                          f"{max_pages} * {page_size}")
-    if batch * (max_pages * page_size // 64 + 3) >= 2**31:
-        raise ValueError(f"sm90 supports batch * (max_pages * page_size / 64 + 3) < 2**31, got "
-                         f"batch {batch}, max_pages {max_pages}, page_size {page_size}")
+    validation.check_shard_limit(
+        batch * (max_pages * page_size // 64 + 3) < 2**31,
+        f"sm90 supports batch * (max_pages * page_size / 64 + 3) < 2**31, got batch {batch}, "
+        f"max_pages {max_pages}, page_size {page_size}")
 
 
 def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):

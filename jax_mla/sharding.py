@@ -32,6 +32,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_mla import validation
 from jax_mla.planning import PlanMismatchError
 
 __all__ = ["LayoutError", "call", "may_be_sharded"]
@@ -72,8 +73,10 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     Args:
       kernel: ``kernel(query, kv_cache, block_tables, seq_lens)`` -- or, when ``plan`` is not None,
         ``kernel(query, kv_cache, block_tables, seq_lens, plan=plan)`` -- returning ``out`` or
-        ``(out, lse)`` (of the same types with and without a plan; a kernel that takes a plan may
-        raise ``PlanMismatchError`` for the global shapes), with static parameters closed over
+        ``(out, lse)`` (of the same types with and without a plan; for the global shapes a
+        kernel that takes a plan may raise ``PlanMismatchError``, and any kernel
+        ``validation.ShardLimitError``: the call then needs partitioning), with static
+        parameters closed over
         (prefer ``functools.partial``: eager calls on multi-device arrays are then compiled once
         per distinct partial, not once per call). It is called with per-device shards and must
         take every size from its arguments.
@@ -155,27 +158,32 @@ def _partitioned(per_shard, query, kv_cache, block_tables, seq_lens, *plan_array
     program turns out to use one device (custom_partitioning then skips ``_partition``)."""
     try:
         return per_shard(query, kv_cache, block_tables, seq_lens, *plan_arrays)
-    except PlanMismatchError as error:
-        # A plan for the local head count fits each device's shard, not the global shapes: only
-        # the output types are needed here, and running this unpartitioned must fail.
-        outputs = jax.eval_shape(per_shard.kernel, query, kv_cache, block_tables, seq_lens)
+    except (PlanMismatchError, validation.ShardLimitError) as error:
+        # What fits each device's shard but not the global shapes (a plan for the local head
+        # count, a kernel's limit on the heads, batch or pages): only the output types are
+        # needed here, and running this unpartitioned must fail.
+        with validation.shard_limits_deferred():
+            outputs = jax.eval_shape(per_shard.kernel, query, kv_cache, block_tables, seq_lens)
         leaves, treedef = jax.tree_util.tree_flatten(outputs)
         avals = tuple(jax.core.ShapedArray(leaf.shape, leaf.dtype) for leaf in leaves)
-        message = (f"{error}. The plan only fits the per-device shards, but this call is not "
-                   "partitioned over several devices")
-        results = _needs_partitioning_p.bind(query, out_avals=avals, message=message)
+        fits = ("The plan only fits" if isinstance(error, PlanMismatchError)
+                else "That limit holds for")
+        message = (f"{error}. {fits} the per-device shards, but this call is not partitioned "
+                   "over several devices")
+        results = _needs_partitioning_p.bind(query, out_avals=avals, message=message,
+                                             error=type(error))
         return jax.tree_util.tree_unflatten(treedef, results)
 
 
 # Stands for a kernel call that is only valid per shard: it has output types, and lowering it
-# (which happens only when the call is not partitioned) raises its message.
+# (which happens only when the call is not partitioned) raises its error with its message.
 _needs_partitioning_p = Primitive("jax_mla_needs_partitioning")
 _needs_partitioning_p.multiple_results = True
-_needs_partitioning_p.def_abstract_eval(lambda *args, out_avals, message: out_avals)
+_needs_partitioning_p.def_abstract_eval(lambda *args, out_avals, message, error: out_avals)
 
 
-def _needs_partitioning_lowering(ctx, *args, out_avals, message):
-    raise PlanMismatchError(message)
+def _needs_partitioning_lowering(ctx, *args, out_avals, message, error):
+    raise error(message)
 
 
 mlir.register_lowering(_needs_partitioning_p, _needs_partitioning_lowering)

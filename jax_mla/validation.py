@@ -6,6 +6,8 @@ message that names the argument, what was expected and what was given.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
 
 import jax
@@ -17,6 +19,32 @@ from jax_mla import e4m3_cache, fp8_cache
 DEFAULT_ROPE_DIM = 64
 STATIC = ("it is compiled into the call, so pass a static value (under jax.jit close over it, or "
           "mark it static)")
+
+
+class ShardLimitError(ValueError):
+    """A kernel's limit on a dim that the devices may split (the heads, the batch, the page pool),
+    broken by the shapes it was given. Under sharding only each device's shard must keep it: the
+    sharding wrapper's trace on the global shapes defers it (``jax_mla.sharding``)."""
+
+
+_SHARD_LIMITS_DEFERRED = contextvars.ContextVar("jax_mla_shard_limits_deferred", default=False)
+
+
+@contextlib.contextmanager
+def shard_limits_deferred():
+    """Within it ``check_shard_limit`` raises nothing: for a trace on the global shapes of a call
+    whose kernel runs per shard."""
+    token = _SHARD_LIMITS_DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _SHARD_LIMITS_DEFERRED.reset(token)
+
+
+def check_shard_limit(holds: bool, message: str) -> None:
+    """Raise ``ShardLimitError(message)`` unless the limit ``holds`` or is deferred."""
+    if not holds and not _SHARD_LIMITS_DEFERRED.get():
+        raise ShardLimitError(message)
 
 
 def shape_of(name: str, x) -> tuple[int, ...]:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from oracles import attend
 
 import jax_mla
-from jax_mla import guard, sharding
+from jax_mla import backends, gpu, guard, sharding, validation, xla_backend
 from jax_mla.planning import PlanMismatchError
 from jax_mla.reference import reference_from_jax
 
@@ -300,6 +300,43 @@ def test_plan_for_the_local_head_count(partitioner_name):
         with pytest.raises(PlanMismatchError, match=r"built for 2 heads, got 8\. The plan only fits "
                                                     r"the per-device shards"):
             with_plan(plan)(*one_device)
+
+
+@PARTITIONERS
+def test_a_kernel_limit_on_the_heads_holds_per_device(monkeypatch, partitioner_name):
+    """sm90 runs at most 128 heads a device: 256 heads over 4 devices run (64 a shard), though the
+    trace on the global shapes sees 256; the same call on one device raises the limit. sm90's
+    kernel is a stand-in here that runs its real shape checks, then the xla backend."""
+    def stand_in(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
+                 kv_lora_rank, schedule):
+        gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
+        checked.append(query.shape[2])
+        return xla_backend.decode(query, kv_cache, block_tables, seq_lens,
+                                  softmax_scale=softmax_scale, output_scale=output_scale,
+                                  kv_lora_rank=kv_lora_rank, return_lse=True)
+
+    checked = []
+    monkeypatch.setattr(gpu, "sm90_decode", stand_in)
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    monkeypatch.setattr(backends, "available_backends", lambda platform=None: ["sm90", "xla"])
+    mesh = cpu_mesh((1, 4))
+    problem = make_problem(54, batch=2, q_len=1, num_heads=256, page_size=64, max_len=100,
+                           dtype=jnp.bfloat16)
+    args = (put(mesh, problem.query, None, None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables), put(mesh, problem.seq_lens))
+    sm90 = jax.jit(lambda *a: jax_mla.decode(*a, softmax_scale=SCALE, backend="sm90"))
+    with partitioner(partitioner_name):
+        out = sm90(*args)
+        assert batch_and_heads(out) == (None, "tp")
+        # The global trace raised, its trace for the output types deferred the limit, and the
+        # shard's trace kept it.
+        assert checked == [256, 64]
+        assert_near(out, decode_fn("xla")(*problem.arrays)[0])
+        one_device = jax.device_put(problem.arrays, jax.devices("cpu")[0])
+        with pytest.raises(validation.ShardLimitError,
+                           match=r"sm90 supports query num_heads \(dim 2\) in \[1, 128\], got 256"):
+            sm90(*one_device)
 
 
 @PARTITIONERS
