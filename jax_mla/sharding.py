@@ -76,10 +76,9 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
         ``(out, lse)`` (of the same types with and without a plan; for the global shapes a
         kernel that takes a plan may raise ``PlanMismatchError``, and any kernel
         ``validation.ShardLimitError``: the call then needs partitioning), with static
-        parameters closed over
-        (prefer ``functools.partial``: eager calls on multi-device arrays are then compiled once
-        per distinct partial, not once per call). It is called with per-device shards and must
-        take every size from its arguments.
+        parameters closed over (prefer ``functools.partial``: eager calls on multi-device arrays
+        are then compiled once per distinct partial, not once per call). It is called with
+        per-device shards and must take every size from its arguments.
       query, kv_cache, block_tables, seq_lens: the (validated) decode arrays.
       plan: None or a pytree; its array leaves are passed to every device replicated, its other
         leaves are static.

@@ -335,7 +335,9 @@ def test_a_kernel_limit_on_the_heads_holds_per_device(monkeypatch, partitioner_n
         assert_near(out, decode_fn("xla")(*problem.arrays)[0])
         one_device = jax.device_put(problem.arrays, jax.devices("cpu")[0])
         with pytest.raises(validation.ShardLimitError,
-                           match=r"sm90 supports query num_heads \(dim 2\) in \[1, 128\], got 256"):
+                           match=r"sm90 supports query num_heads \(dim 2\) in \[1, 128\], got 256\. "
+                                 r"That limit holds for the per-device shards, but this call is "
+                                 r"not partitioned over several devices"):
             sm90(*one_device)
 
 
