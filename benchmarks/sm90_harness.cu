@@ -68,6 +68,7 @@ static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--
                                   // "--whole-release": 0)
 static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
                                   // "--bf16-partials": 1)
+static bool g_fail_closed = false;  // DecodeParams::fail_closed of every launch ("--fail-closed")
 
 #define CHECK_CUDA(call)                                                                  \
   do {                                                                                    \
@@ -309,7 +310,26 @@ struct Problem {
     p.num_sms = num_sms;
     p.enable_pdl = true;
     p.kv_fp8 = spec.fp8;
+    p.fail_closed = g_fail_closed;
     return p;
+  }
+
+  // The lengths the reference decodes with: each request's, but with --fail-closed 0 for one
+  // whose length lies outside [q_len, capacity] or that reads a page id outside [0, num_pages)
+  // (copy 0's table): such a request gets out 0 and lse -inf.
+  std::vector<int> ReferenceLengths() const {
+    std::vector<int> ref = lens;
+    if (!g_fail_closed) return ref;
+    const long long cap = (long long)max_pages * spec.page;
+    for (int b = 0; b < spec.batch; ++b) {
+      bool usable = lens[b] >= spec.q_len && lens[b] <= cap;
+      for (int i = 0; usable && i < (lens[b] + spec.page - 1) / spec.page; ++i) {
+        const int page = tables[0][(size_t)b * max_pages + i];
+        usable = page >= 0 && page < num_pages;
+      }
+      if (!usable) ref[b] = 0;
+    }
+    return ref;
   }
 
   void Build(const CaseSpec& s, int want_copies) {
@@ -505,11 +525,16 @@ static CheckResult Check(Problem& pb, double tol) {
   CHECK_CUDA(cudaMalloc(&d_ref, (size_t)nref * rows * kLatentDim * 4));
   CHECK_CUDA(cudaMalloc(&d_ref_lse, (size_t)nref * rows * 4));
   DecodeParams p = pb.Params(0);
+  const std::vector<int> ref_lens = pb.ReferenceLengths();
+  int* d_ref_lens;
+  CHECK_CUDA(cudaMalloc(&d_ref_lens, ref_lens.size() * 4));
+  CHECK_CUDA(cudaMemcpy(d_ref_lens, ref_lens.data(), ref_lens.size() * 4, cudaMemcpyHostToDevice));
   ReferenceKernel<<<dim3(rows, nref), kRefThreads>>>(
-      pb.q, pb.cache, s.fp8, pb.d_tables[0], pb.d_lens, s.q_len, s.heads, pb.num_pages, s.page,
+      pb.q, pb.cache, s.fp8, pb.d_tables[0], d_ref_lens, s.q_len, s.heads, pb.num_pages, s.page,
       pb.max_pages, p.softmax_scale, p.output_scale, d_scores, stride, d_ref, d_ref_lse);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
+  cudaFree(d_ref_lens);
   std::vector<float> ref((size_t)nref * rows * kLatentDim), ref_lse((size_t)nref * rows);
   CHECK_CUDA(cudaMemcpy(ref.data(), d_ref, ref.size() * 4, cudaMemcpyDeviceToHost));
   CHECK_CUDA(cudaMemcpy(ref_lse.data(), d_ref_lse, ref_lse.size() * 4, cudaMemcpyDeviceToHost));
@@ -1060,11 +1085,13 @@ int main(int argc, char** argv) {
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--bf16-partials") g_bf16_partials = 1;
+    else if (a == "--fail-closed") g_fail_closed = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else args.push_back(argv[i]);
   }
-  printf("schedule: fixed_cost_blocks %d, min_blocks_per_part %d\n", g_fixed_cost, g_min_blocks);
+  printf("schedule: fixed_cost_blocks %d, min_blocks_per_part %d; fail_closed %d\n", g_fixed_cost,
+         g_min_blocks, g_fail_closed ? 1 : 0);
   argc = (int)args.size();
   argv = args.data();
   std::string mode = argc > 1 ? argv[1] : "check";
@@ -1197,7 +1224,7 @@ int main(int argc, char** argv) {
          "[--variants NAME]\n"
          "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
          "--fixed-cost N "
-         "--min-blocks N\n",
+         "--min-blocks N --fail-closed\n",
          argv[0]);
   return 2;
 }

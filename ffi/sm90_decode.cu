@@ -5,8 +5,10 @@
 // XLA's stream. The schedule depends only on
 // seq_lens and the block table's shape, so the custom calls of every layer of a step are identical
 // and XLA keeps one of them (common-subexpression elimination): the schedule is built once per
-// step (or once before a scanned loop, by jax_mla.sm90_plan). Each request's length in a decode
-// must be the one the schedule was built from, or 0. The tensor maps of the query and the cache
+// step (or once before a scanned loop, by jax_mla.sm90_plan). A request whose length differs from
+// the one the schedule was built from (plan_lens) reads nothing. With fail_closed the kernels also
+// give a request whose length lies outside [q_len, max_pages * page_size] or which reads a
+// block-table entry outside [0, num_pages) out 0 and lse -inf (DecodeParams). The tensor maps of the query and the cache
 // are encoded on the host from the buffer pointers of each call (no device work, no sync), so both
 // handlers are command-buffer compatible.
 //
@@ -15,12 +17,13 @@
 //                fp8 cache, u8 [num_pages, page_size, 656] (docs/fp8-cache.md)
 //   block_tables int32 [B, max_pages]
 //   seq_lens     int32 [B]
+//   plan_lens    int32 [B]                      (the lengths the schedule was built from)
 //   schedule     int32 [B + 1]                  (JaxMlaSm90Schedule's result)
 //   out          bf16 [B, q_len, H, 512]        (times output_scale)
 //   lse          f32  [B, q_len, H]             (natural log; -inf for rows that see no token)
 //   workspace    u8   [>= JaxMlaSm90WorkspaceBytes(B, q_len, H, sm_count)]
-// Attributes: softmax_scale (f64), output_scale (f64), sm_count (i64), enable_pdl (bool); the
-// schedule's: max_pages, page_size (i64), enable_pdl.
+// Attributes: softmax_scale (f64), output_scale (f64), sm_count (i64), enable_pdl (bool),
+// fail_closed (bool); the schedule's: max_pages, page_size (i64), enable_pdl.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -77,11 +80,13 @@ ffi::Error Launched(const std::string& what, cudaError_t status) {
 template <ffi::DataType kCacheType>
 ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
                           ffi::Buffer<kCacheType> kv_cache, ffi::Buffer<ffi::S32> block_tables,
-                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> schedule,
+                          ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> plan_lens,
+                          ffi::Buffer<ffi::S32> schedule,
                           ffi::Result<ffi::Buffer<ffi::BF16>> out,
                           ffi::Result<ffi::Buffer<ffi::F32>> lse,
                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, double softmax_scale,
-                          double output_scale, int64_t sm_count, bool enable_pdl) {
+                          double output_scale, int64_t sm_count, bool enable_pdl,
+                          bool fail_closed) {
   using namespace sm90;
   const auto q = query.dimensions();
   const auto kv = kv_cache.dimensions();
@@ -121,6 +126,11 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   if (seq_lens.dimensions().size() != 1 || seq_lens.element_count() != static_cast<size_t>(batch)) {
     return Invalid("seq_lens must be [batch=" + std::to_string(batch) + "], got " +
                    Shape(seq_lens.dimensions()));
+  }
+  if (plan_lens.dimensions().size() != 1 ||
+      plan_lens.element_count() != static_cast<size_t>(batch)) {
+    return Invalid("plan_lens must be [batch=" + std::to_string(batch) + "], got " +
+                   Shape(plan_lens.dimensions()));
   }
   if (schedule.dimensions().size() != 1 ||
       schedule.element_count() != static_cast<size_t>(batch) + 1) {
@@ -166,6 +176,7 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   p.kv_cache = kv_cache.untyped_data();
   p.block_tables = block_tables.typed_data();
   p.seq_lens = seq_lens.typed_data();
+  if (plan_lens.typed_data() != p.seq_lens) p.plan_lens = plan_lens.typed_data();
   p.schedule = schedule.typed_data();
   p.out = out->untyped_data();
   p.lse = lse->typed_data();
@@ -181,6 +192,7 @@ ffi::Error Sm90DecodeImpl(cudaStream_t stream, ffi::Buffer<ffi::BF16> query,
   p.num_sms = static_cast<int>(sm_count);
   p.enable_pdl = enable_pdl;
   p.kv_fp8 = kFp8;
+  p.fail_closed = fail_closed;
 
   return Launched("decode", LaunchDecode(p, stream));
 }
@@ -241,6 +253,7 @@ auto DecodeBinding() {
       .Arg<ffi::Buffer<kCacheType>>()               // kv_cache
       .template Arg<ffi::Buffer<ffi::S32>>()        // block_tables
       .template Arg<ffi::Buffer<ffi::S32>>()        // seq_lens
+      .template Arg<ffi::Buffer<ffi::S32>>()        // plan_lens
       .template Arg<ffi::Buffer<ffi::S32>>()        // schedule
       .template Ret<ffi::Buffer<ffi::BF16>>()       // out
       .template Ret<ffi::Buffer<ffi::F32>>()        // lse
@@ -248,7 +261,8 @@ auto DecodeBinding() {
       .template Attr<double>("softmax_scale")
       .template Attr<double>("output_scale")
       .template Attr<int64_t>("sm_count")
-      .template Attr<bool>("enable_pdl");
+      .template Attr<bool>("enable_pdl")
+      .template Attr<bool>("fail_closed");
 }
 
 }  // namespace

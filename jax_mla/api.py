@@ -211,7 +211,7 @@ def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_le
     _, q_len, num_heads, _ = query.shape
     backend = device_backend(backend, alternative, query, kv_cache, block_tables,
                              kv_lora_rank=kv_lora_rank)
-    if fail_closed:
+    if fail_closed and not backend.fails_closed_in_kernel:
         seq_lens, plan = guard.guard(
             block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
             q_len=q_len,
@@ -220,7 +220,8 @@ def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_le
         plan = planning.device_plan(seq_lens, num_heads=num_heads, max_pages=block_tables.shape[1],
                                     q_len=q_len, kv_lora_rank=kv_lora_rank)
     out, lse = backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
-                              output_scale=output_scale, kv_lora_rank=kv_lora_rank, plan=plan)
+                              output_scale=output_scale, kv_lora_rank=kv_lora_rank, plan=plan,
+                              fail_closed=fail_closed)
     if not backend.applies_output_scale and output_scale != 1.0:
         out = (out.astype(jnp.float32) * output_scale).astype(out.dtype)
     return out, lse

@@ -3,7 +3,12 @@
 Every backend's ``decode`` has one signature::
 
     decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale, kv_lora_rank,
-           plan) -> (out [B, q_len, H, kv_lora_rank] in query.dtype, lse float32 [B, q_len, H])
+           plan, fail_closed) -> (out [B, q_len, H, kv_lora_rank] in query.dtype,
+                                  lse float32 [B, q_len, H])
+
+``fail_closed`` matters only to a backend whose kernel fails closed itself
+(``Backend.fails_closed_in_kernel``); for the others ``jax_mla.decode`` runs the guard
+(``jax_mla.guard``) before them.
 
 ``TABLE`` lists the backends best first; on a given machine "auto" takes the first one that runs
 there and takes the query's dtype and the cache's format (``FLOAT_CACHE``, ``FP8_CACHE`` or
@@ -67,6 +72,8 @@ class Backend:
       cache_formats: the cache formats it takes (``FLOAT_CACHE``, ``FP8_CACHE``, ``E4M3_CACHE``).
       reads_plan: the kind of plan it reads (``FA_PLAN`` or ``SM90_PLAN``), None for none.
       applies_output_scale: whether its kernel multiplies by ``output_scale`` itself.
+      fails_closed_in_kernel: whether its kernel gives bad requests out 0 and lse -inf itself
+        (its ``decode``'s ``fail_closed``), so that ``jax_mla.decode`` runs no guard before it.
       decode: the implementation, with the signature in the module docstring.
       missing: for a backend that needs more than its GPU and jax_mla's GPU runtime, a function
         saying why it cannot run here (None when it can).
@@ -88,6 +95,7 @@ class Backend:
     reads_plan: str | None
     applies_output_scale: bool
     decode: Callable
+    fails_closed_in_kernel: bool = False
     missing: Callable[[], str | None] = lambda: None
     first_pick: bool = True
     format_capability: dict = dataclasses.field(default_factory=dict)
@@ -106,16 +114,16 @@ class Backend:
 
 
 def _xla_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                kv_lora_rank, plan):
-    del plan
+                kv_lora_rank, plan, fail_closed):
+    del plan, fail_closed
     return xla_backend.decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
                               output_scale=output_scale, kv_lora_rank=kv_lora_rank, return_lse=True)
 
 
 def _fa_decode(name: str) -> Callable:
     def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-               kv_lora_rank, plan):
-        del output_scale  # applied by jax_mla.decode (applies_output_scale=False)
+               kv_lora_rank, plan, fail_closed):
+        del output_scale, fail_closed  # output_scale: applied by jax_mla.decode
         return gpu.fa_decode(name, query, kv_cache, block_tables, seq_lens,
                              softmax_scale=softmax_scale, kv_lora_rank=kv_lora_rank, plan=plan)
 
@@ -124,20 +132,20 @@ def _fa_decode(name: str) -> Callable:
 
 
 def _trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                   kv_lora_rank, plan):
-    del plan
+                   kv_lora_rank, plan, fail_closed):
+    del plan, fail_closed
     return gpu.trtllm_decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
                              output_scale=output_scale, kv_lora_rank=kv_lora_rank)
 
 
 def _sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                 kv_lora_rank, plan):
-    schedule = None
-    if plan is not None:  # a jax_mla.Sm90Plan: its schedule, and lengths that agree with it
+                 kv_lora_rank, plan, fail_closed):
+    if plan is not None:  # a jax_mla.Sm90Plan
         plan.check_for(seq_lens, block_tables, kv_cache.shape[1])
-        seq_lens, schedule = plan.lengths_for(seq_lens), plan.schedule
     return gpu.sm90_decode(query, kv_cache, block_tables, seq_lens, softmax_scale=softmax_scale,
-                           output_scale=output_scale, kv_lora_rank=kv_lora_rank, schedule=schedule)
+                           output_scale=output_scale, kv_lora_rank=kv_lora_rank,
+                           plan=None if plan is None else (plan.schedule, plan.seq_lens),
+                           fail_closed=fail_closed)
 
 
 BF16 = (jnp.dtype(jnp.bfloat16),)
@@ -161,7 +169,8 @@ TABLE: tuple[Backend, ...] = (
     # for its plan.
     Backend(SM90, "SM90 (H100, H200)", lambda cc: cc == (9, 0),
             BF16, (FLOAT_CACHE, FP8_CACHE), reads_plan=SM90_PLAN, applies_output_scale=True,
-            decode=_sm90_decode, missing=lambda: gpu.sm90_missing(), first_pick=False,
+            decode=_sm90_decode, fails_closed_in_kernel=True,
+            missing=lambda: gpu.sm90_missing(), first_pick=False,
             check_shapes=lambda query, kv_cache, block_tables, kv_lora_rank:
                 gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank)),
     Backend(XLA, "any JAX platform", None,

@@ -428,23 +428,28 @@ def sm90_schedule(seq_lens, *, max_pages: int, page_size: int):
 
 
 def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float,
-                output_scale: float, kv_lora_rank: int, schedule=None):
+                output_scale: float, kv_lora_rank: int, plan=None, fail_closed: bool = False):
     """jax_mla's own SM90 kernel (ffi/sm90); shapes as in ``fa_decode``, or the fp8 cache (uint8
     [num_pages, page_size, 656], docs/fp8-cache.md).
 
-    Decodes over ``schedule`` (int32 [B + 1], ``sm90_schedule``'s result for exactly these
-    ``seq_lens``, table width and page size), or without one builds it from ``seq_lens`` on the
-    GPU first (once per step after XLA merges the layers' identical calls); no host work.
-    Needs B >= 1 (``jax_mla.decode`` refuses an empty batch).
+    Decodes over ``plan`` = (schedule int32 [B + 1], the lengths int32 [B] it was built from;
+    ``sm90_schedule``'s result for them, this table width and page size), or without one builds
+    the schedule from ``seq_lens`` on the GPU first (once per step after XLA merges the layers'
+    identical calls); no host work. A request whose length is not the plan's reads nothing. With
+    ``fail_closed`` a request whose length lies outside [q_len, max_pages * page_size] or which
+    reads a block-table entry outside [0, num_pages) gets out 0 and lse -inf (the kernel's own
+    check, docs/bad-values.md); without it lengths are clamped to the table's capacity and such
+    pages' tokens left out. Needs B >= 1 (``jax_mla.decode`` refuses an empty batch).
     Returns out bf16 [B, q_len, H, 512] (scaled by ``output_scale``) and lse float32 [B, q_len, H].
     """
     check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
     batch, q_len, num_heads, _ = query.shape
     register_targets()
     num_sms = sm_count()
-    if schedule is None:
-        schedule = sm90_schedule(seq_lens, max_pages=block_tables.shape[1],
-                                 page_size=kv_cache.shape[1])
+    if plan is None:
+        plan = (sm90_schedule(seq_lens, max_pages=block_tables.shape[1],
+                              page_size=kv_cache.shape[1]), seq_lens)
+    schedule, plan_lens = plan
     results = (
         jax.ShapeDtypeStruct((batch, q_len, num_heads, kv_lora_rank), query.dtype),
         jax.ShapeDtypeStruct((batch, q_len, num_heads), jnp.float32),
@@ -452,6 +457,7 @@ def sm90_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: float
     )
     target = "jax_mla_sm90_decode_fp8" if fp8_cache.is_fp8_cache(kv_cache) else "jax_mla_sm90_decode"
     out, lse, _ = jax.ffi.ffi_call(target, results)(
-        query, kv_cache, block_tables, seq_lens, schedule, softmax_scale=np.float64(softmax_scale),
-        output_scale=np.float64(output_scale), sm_count=np.int64(num_sms), enable_pdl=True)
+        query, kv_cache, block_tables, seq_lens, plan_lens, schedule,
+        softmax_scale=np.float64(softmax_scale), output_scale=np.float64(output_scale),
+        sm_count=np.int64(num_sms), enable_pdl=True, fail_closed=bool(fail_closed))
     return out, lse

@@ -2,14 +2,14 @@
 
 ``decode`` (``fail_closed=True``, the default) finds, with a few XLA ops over ``block_tables`` and
 ``seq_lens``, the requests whose values are usable: ``q_len <= seq_len <= max_pages * page_size``
-and every block-table entry the request reads is a page of the cache (and, with a ``Plan`` or an
-``Sm90Plan``, the length is the one the plan was built from). Every other request reads no token:
-its length becomes 0 before any backend or planner sees it, and the works a ``Plan`` holds for it
-are emptied (the sm90 kernel reads no block of a length-0 request whatever its schedule), so its
-output is 0 and its lse -inf (on xla, sm90, fa3 and fa2; trtllm-gen reads nothing for it, its
-output for a zero length is not verified on hardware). The ops depend only on the step's tables,
-lengths and plan, so under ``jax.jit`` XLA computes them once per step however many layers call
-``decode`` (docs/bad-values.md).
+and every block-table entry the request reads is a page of the cache (and, with a ``Plan``, the
+length is the one the plan was built from). Every other request reads no token: its length
+becomes 0 before any backend or planner sees it, and the works a ``Plan`` holds for it are
+emptied, so its output is 0 and its lse -inf (on xla, fa3 and fa2; trtllm-gen reads nothing for
+it, its output for a zero length is not verified on hardware). The ops depend only on the step's
+tables, lengths and plan, so under ``jax.jit`` XLA computes them once per step however many
+unrolled layers call ``decode`` (docs/bad-values.md). The sm90 kernel applies the same rule
+itself (``Backend.fails_closed_in_kernel``), so it needs none of these ops.
 """
 
 from __future__ import annotations
@@ -92,21 +92,19 @@ def guard(block_tables, seq_lens, plan, *, num_pages: int, page_size: int, q_len
 
     Args:
       block_tables: int32 [B, max_pages]; seq_lens: int32 [B].
-      plan: None, or a ``Plan`` or ``Sm90Plan`` for B requests over a table ``max_pages`` wide
-        (and a cache of ``page_size``: ``PlanMismatchError`` otherwise).
+      plan: None, or a ``Plan`` for B requests over a table ``max_pages`` wide
+        (``PlanMismatchError`` otherwise).
       num_pages, page_size: the cache's first two dims; q_len: query tokens per request.
       max_len: the longest length the backend takes (``planning.MAX_KV_LEN`` for the fa3/fa2
         schedule), if below the table's capacity.
     Returns:
-      int32 [B] lengths, 0 for unusable requests; ``plan`` with their works emptied (a ``Plan``)
-      or unchanged.
+      int32 [B] lengths, 0 for unusable requests; ``plan`` with their works emptied.
     """
     usable = usable_requests(block_tables, seq_lens, num_pages=num_pages, page_size=page_size,
                              q_len=q_len, max_len=max_len)
     if plan is not None:
         plan.check_for(seq_lens, block_tables, page_size)
         usable = usable & (plan.seq_lens == seq_lens)
-    if isinstance(plan, planning.Plan):
         plan = guard_plan(plan, usable)
     return neutralised_lengths(seq_lens, usable), plan
 

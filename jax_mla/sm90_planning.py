@@ -8,8 +8,10 @@ scanned function), and ``decode(..., plan=...)`` hands it to the kernel. The sch
 not on the heads, q_len or the cache's format, so one plan serves every layer of a step.
 
 The kernel reads a request's blocks from its length and finds the parts that hold them from the
-schedule, so the two must agree: a request whose length differs from the one the plan was built
-from reads nothing (out 0, lse -inf), with or without ``decode``'s ``fail_closed``.
+schedule, so the two must agree: the kernel compares each length with the one the plan was built
+from (``Sm90Plan.seq_lens``), and a request whose length differs reads nothing (out 0, lse -inf),
+with or without ``decode``'s ``fail_closed``. That comparison, like the rest of failing closed,
+happens inside the kernel, so a layer given a plan runs no XLA op besides its decode call.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jax_mla import backends, gpu, validation
@@ -65,11 +66,6 @@ class Sm90Plan:
             raise PlanMismatchError(
                 f"the sm90 plan was built for {actual} but decode got {expected}; build the plan "
                 "with the step's seq_lens, block-table width and the cache's page size")
-
-    def lengths_for(self, seq_lens):
-        """int32 [B]: ``seq_lens`` where it equals the plan's lengths, else 0 (nothing to read),
-        so that the kernel's lengths and the schedule agree whatever the call passes."""
-        return jnp.where(self.seq_lens == seq_lens, seq_lens, 0)
 
 
 def sm90_plan(seq_lens, *, max_pages: int, page_size: int) -> Sm90Plan:

@@ -340,7 +340,7 @@ def record_kernel_runs(monkeypatch, names, available=HOPPER_BACKENDS) -> list[st
 
     def recording(name):
         def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                   kv_lora_rank, plan):
+                   kv_lora_rank, plan, fail_closed):
             ran.append(name)
             batch, q_len, num_heads, _ = query.shape
             return (jnp.zeros((batch, q_len, num_heads, kv_lora_rank), query.dtype),

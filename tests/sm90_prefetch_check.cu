@@ -4,10 +4,11 @@
 //
 // Inputs the decode may see before its wait are whatever the buffers hold, so on random cases
 // (valid schedules, and schedules, lengths and block tables of arbitrary values) it checks that
-// every read lies inside the schedule (batch + 1), seq_lens (batch) or block table
+// every read lies inside the schedule (batch + 1), seq_lens or plan_lens (batch) or block table
 // (batch x max_pages), and that every cache range it asks for lies inside one page of the cache
 // and holds 1..32 tokens, at most max_halves of them. With a valid schedule it also checks that
-// the ranges are the part's first halves below the requests' clamped lengths (Expected).
+// the ranges are the part's first halves below the requests' lengths as the kernels take them
+// (RequestLengths: with or without planned lengths, failing closed or not; Expected).
 //
 // Args: CASES SEED. stdout: a line per failure ("FAIL case N: reason"), then
 // "checked CASES cases, VISITS ranges, FAILURES failures".
@@ -28,8 +29,10 @@ namespace {
 
 struct Case {
   std::vector<int32_t> prefix, lens, tables;
-  int batch, max_pages, page_size, num_pages, num_parts, fixed_cost, min_blocks;
-  bool valid;  // prefix is ScheduleKernel's for these lengths
+  std::vector<int32_t> planned;  // the lengths the schedule was built from; empty: lens
+  int batch, max_pages, page_size, num_pages, num_parts, fixed_cost, min_blocks, q_len;
+  bool valid;  // prefix is ScheduleKernel's for these lengths (planned, if given)
+  bool fail_closed;
 };
 
 struct Range {
@@ -61,6 +64,8 @@ Case MakeCase(std::mt19937& rng, bool valid) {
   c.num_parts = Pick(rng, {1, 2, 33, 66, 132});
   c.fixed_cost = Pick(rng, {0, 1, 2, 4});
   c.min_blocks = Pick(rng, {1, 2, 3, 8});
+  c.q_len = Pick(rng, {1, 2, 4});
+  c.fail_closed = Pick(rng, {0, 1}) == 1;
   c.valid = valid;
   const int capacity = c.max_pages * c.page_size;
   c.lens.resize(c.batch);
@@ -69,6 +74,16 @@ Case MakeCase(std::mt19937& rng, bool valid) {
               ? std::uniform_int_distribution<int32_t>(-5, capacity + 100)(rng)
               : AnyValue(rng, capacity);
   }
+  if (Pick(rng, {0, 1}) == 1) {
+    // Planned lengths, the call's own or others.
+    c.planned = c.lens;
+    for (int32_t& len : c.planned) {
+      if (Pick(rng, {0, 1}) == 1) {
+        len = std::uniform_int_distribution<int32_t>(-5, capacity + 100)(rng);
+      }
+    }
+  }
+  const std::vector<int32_t>& scheduled = c.planned.empty() ? c.lens : c.planned;
   c.tables.resize(static_cast<size_t>(c.batch) * c.max_pages);
   for (int32_t& page : c.tables) {
     page = std::uniform_int_distribution<int>(0, 9)(rng) > 0
@@ -77,7 +92,7 @@ Case MakeCase(std::mt19937& rng, bool valid) {
   }
   c.prefix.assign(c.batch + 1, 0);
   for (int b = 0; b < c.batch; ++b) {
-    c.prefix[b + 1] = valid ? c.prefix[b] + RequestCost(c.lens[b], c.max_pages, c.page_size,
+    c.prefix[b + 1] = valid ? c.prefix[b] + RequestCost(scheduled[b], c.max_pages, c.page_size,
                                                         c.fixed_cost)
                             : AnyValue(rng, 4 * capacity);
   }
@@ -89,6 +104,9 @@ DecodeParams ParamsOf(const Case& c) {
   DecodeParams p{};
   p.schedule = const_cast<int32_t*>(c.prefix.data());
   p.seq_lens = c.lens.data();
+  p.plan_lens = c.planned.empty() ? nullptr : c.planned.data();
+  p.q_len = c.q_len;
+  p.fail_closed = c.fail_closed;
   p.block_tables = c.tables.data();
   p.batch = c.batch;
   p.max_pages = c.max_pages;
@@ -116,14 +134,14 @@ std::vector<Range> Expected(const Case& c, const DecodeParams& p, int part, int 
   if (first_b < 0) return out;
   const int first_block =
       static_cast<int>(std::max(x0 - c.prefix[first_b] - c.fixed_cost, 0ll));
-  SegmentWalker walker(view, part, c.lens.data(), c.max_pages, c.page_size);
+  SegmentWalker walker(view, part, RequestLengths::Of(p));
   Segment s;
   if (walker.Next(s) && s.b == first_b && s.kv_begin != first_block) {
     *error = "the part's first segment starts at block " + std::to_string(s.kv_begin);
   }
   int half = 0;
   for (int b = first_b; b < c.batch && b <= first_b + 1 && half < max_halves; ++b) {
-    const int len = EffectiveLength(c.lens[b], c.max_pages, c.page_size);
+    const int len = RequestLengths::Of(p).Get(b);
     for (int token = b == first_b ? first_block * kBlockN : 0; token < len && half < max_halves;
          token += kHalfN, ++half) {
       const int page = c.tables[static_cast<size_t>(b) * c.max_pages + token / c.page_size];
@@ -149,10 +167,9 @@ int main(int argc, char** argv) {
       auto inside = [&](const std::vector<int32_t>& v) {
         return x >= v.data() && x < v.data() + v.size();
       };
-      if (!inside(c.prefix) && !inside(c.lens) && !inside(c.tables) && error.empty()) {
-        error = "read outside the schedule, lengths and block table";
-      }
-      return inside(c.prefix) || inside(c.lens) || inside(c.tables) ? *x : 0;
+      const bool ok = inside(c.prefix) || inside(c.lens) || inside(c.planned) || inside(c.tables);
+      if (!ok && error.empty()) error = "read outside the schedule, lengths and block table";
+      return ok ? *x : 0;
     };
     for (int m_tiles : {1, 2, 4}) {
       for (int mtile = 0; mtile < m_tiles; ++mtile) {

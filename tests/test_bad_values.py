@@ -284,16 +284,13 @@ def test_checked_mode_names_a_plan_used_with_other_lengths():
         value_checks.check_values(query, cache, tables, lengths, single)
 
 
-def test_an_sm90_plan_is_guarded_and_checked_like_a_plan():
-    """A request whose length is not its Sm90Plan's is unusable (the plan itself is left as it is:
-    the kernel reads nothing of a length-0 request); the checked mode names it; a plan for
-    another table width or page size is refused."""
+def test_an_sm90_plans_lengths_are_checked_and_its_metadata_refused():
+    """The checked mode names a length that is not its Sm90Plan's (the kernel reads nothing of
+    such a request, test_sm90_reads_nothing_of_a_length_other_than_its_plans_without_the_guard);
+    a plan for another table width or page size is refused."""
     lengths = jnp.asarray([40, 17, 3, 9], jnp.int32)
     plan = jax_mla.Sm90Plan(jnp.zeros((5,), jnp.int32), lengths.at[1].set(18), 4, 8, 16)
     tables = jnp.zeros((4, 8), jnp.int32)
-    safe, same = guard.guard(tables, lengths, plan, num_pages=40, page_size=16, q_len=1)
-    assert same is plan and safe.tolist() == [40, 0, 3, 9]
-    assert plan.lengths_for(lengths).tolist() == [40, 0, 3, 9]
     query, cache = jnp.zeros((4, 1, 16, 576), jnp.float32), jnp.zeros((40, 16, 576), jnp.float32)
     with pytest.raises(checkify.JaxRuntimeError,
                        match=r"seq_lens\[1\] = 17 but the plan was built for length 18"):
@@ -303,8 +300,7 @@ def test_an_sm90_plan_is_guarded_and_checked_like_a_plan():
         with pytest.raises(planning.PlanMismatchError,
                            match=rf"the sm90 plan was built for \{{.*{got}.*\}} but decode got "
                                  r"\{'batch': 4, 'max_pages': 8, 'page_size': 16\}"):
-            guard.guard(tables, lengths, dataclasses.replace(plan, **change), num_pages=40,
-                        page_size=16, q_len=1)
+            dataclasses.replace(plan, **change).check_for(lengths, tables, 16)
 
 
 @pytest.mark.parametrize("change,message", [

@@ -61,9 +61,11 @@ def custom_call_line(text):
                                                              (33, 4, 16, 64)])
 def test_lowering_is_a_schedule_call_and_a_decode_call(lowering_stubs, batch, q_len, num_heads,
                                                        page_size):
-    """The schedule (from the lengths alone, so a step's layers share it) feeds the decode call."""
+    """The schedule (from the lengths alone, so a step's layers share it) feeds the decode call,
+    which also takes the lengths it was built from and fails closed itself: the layer is the two
+    calls and nothing else."""
     text = lower(*shapes(batch, q_len, num_heads, page_size=page_size))
-    assert text.count("stablehlo.custom_call") == 2
+    assert text.count(" = stablehlo.") == 2 and text.count("stablehlo.custom_call") == 2
     schedule = next(line for line in text.splitlines() if "@jax_mla_sm90_schedule(" in line)
     for attribute in ("max_pages = 8 : i64", f"page_size = {page_size} : i64", "enable_pdl = true"):
         assert attribute in schedule, schedule
@@ -72,10 +74,11 @@ def test_lowering_is_a_schedule_call_and_a_decode_call(lowering_stubs, batch, q_
     assert re.findall(r"tensor<[^>]+>", schedule_out) == [f"tensor<{batch + 1}xi32>"]
     call = custom_call_line(text)
     for attribute in ("softmax_scale = 1.350000e-01 : f64", "output_scale = 5.000000e-01 : f64",
-                      "sm_count = 132 : i64", "enable_pdl = true"):
+                      "sm_count = 132 : i64", "enable_pdl = true", "fail_closed = true"):
         assert attribute in call, call
     operands = [f"tensor<{batch}x{q_len}x{num_heads}x576xbf16>", f"tensor<64x{page_size}x576xbf16>",
-                f"tensor<{batch}x8xi32>", f"tensor<{batch}xi32>", f"tensor<{batch + 1}xi32>"]
+                f"tensor<{batch}x8xi32>", f"tensor<{batch}xi32>", f"tensor<{batch}xi32>",
+                f"tensor<{batch + 1}xi32>"]
     workspace = gpu.sm90_workspace_bytes(batch, q_len, num_heads, 132)
     results = [f"tensor<{batch}x{q_len}x{num_heads}x512xbf16>", f"tensor<{batch}x{q_len}x{num_heads}xf32>",
                f"tensor<{workspace}xui8>"]
@@ -85,7 +88,8 @@ def test_lowering_is_a_schedule_call_and_a_decode_call(lowering_stubs, batch, q_
     assert re.findall(r"tensor<[^>]+>", outputs) == results
     schedule_result = schedule.split("=", 1)[0].strip()
     decode_operands = re.findall(r"%[\w#]+", call.split("(", 1)[1].split(")", 1)[0])
-    assert decode_operands[4] == schedule_result and decode_operands[3] in schedule
+    assert decode_operands[5] == schedule_result and decode_operands[3] in schedule
+    assert decode_operands[3] == decode_operands[4] == "%arg3"
     assert "stablehlo.multiply" not in text  # the kernel applies output_scale itself
 
 
@@ -97,8 +101,9 @@ def plan_struct(batch=4, max_pages=8, page_size=64):
 
 @pytest.mark.parametrize("fail_closed", [True, False])
 def test_a_plan_gives_the_decode_call_its_schedule(lowering_stubs, fail_closed):
-    """With an Sm90Plan the call builds no schedule: the decode reads the plan's, and lengths set to
-    0 where they differ from the plan's (a select, with or without the guard)."""
+    """With an Sm90Plan the call builds no schedule: the decode call reads the plan's schedule
+    and lengths (it compares them with the call's itself) and is the layer's only op, failing
+    closed or not."""
     def fn(*arrays, plan):
         return api.run_backend(backends.BY_NAME[SM90], *arrays, softmax_scale=0.1,
                                output_scale=1.0, kv_lora_rank=512, device_plan=False,
@@ -106,10 +111,12 @@ def test_a_plan_gives_the_decode_call_its_schedule(lowering_stubs, fail_closed):
 
     text = jax.jit(fn).trace(*shapes(), plan=plan_struct()).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert "@jax_mla_sm90_schedule(" not in text and text.count("stablehlo.custom_call") == 1
-    operands = re.findall(r"%[\w#]+", custom_call_line(text).split("(", 1)[1].split(")", 1)[0])
-    assert operands[:3] == ["%arg0", "%arg1", "%arg2"] and operands[4] == "%arg4"
-    assert operands[3] != "%arg3" and "stablehlo.select" in text
+    assert "@jax_mla_sm90_schedule(" not in text and text.count(" = stablehlo.") == 1
+    call = custom_call_line(text)
+    operands = re.findall(r"%[\w#]+", call.split("(", 1)[1].split(")", 1)[0])
+    # %arg4, %arg5: the plan's schedule and lengths
+    assert operands == ["%arg0", "%arg1", "%arg2", "%arg3", "%arg5", "%arg4"]
+    assert f"fail_closed = {str(fail_closed).lower()}" in call
 
 
 def test_a_plan_built_outside_a_scan_lowers_outside_its_loop(monkeypatch, lowering_stubs):
@@ -339,8 +346,8 @@ def test_output_scale_is_applied_once(monkeypatch):
     """The kernel scales (applies_output_scale=True): jax_mla.decode must not scale again."""
     monkeypatch.setattr(backends, "available_backends", lambda platform=None: [SM90, "xla"])
 
-    def stand_in(*arrays, softmax_scale, output_scale, kv_lora_rank, schedule):
-        assert schedule is None
+    def stand_in(*arrays, softmax_scale, output_scale, kv_lora_rank, plan, fail_closed):
+        assert plan is None and fail_closed
         return xla_backend.decode(*arrays, softmax_scale=softmax_scale, output_scale=output_scale,
                                   kv_lora_rank=kv_lora_rank, return_lse=True)
 
@@ -547,6 +554,43 @@ def test_bad_inputs_give_the_defined_result(page_size):
     # The device is still healthy: a normal problem afterwards is right.
     problem = make_problem(9, batch=4, q_len=1, num_heads=16, page_size=page_size, dtype=jnp.bfloat16)
     assert_close(*sm90(problem), *reference(problem))
+
+
+@on_gpu
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+@pytest.mark.parametrize("num_heads,q_len", [(16, 1), (16, 2), (128, 1)])
+def test_the_kernels_fail_closed_on_split_requests(cache, num_heads, q_len):
+    """Failing closed is the kernels' own (no guard runs before sm90), in each kernel: the bf16
+    cache's transposed tiles of 16 and 32 rows and its 64-row tiles, the fp8 cache's
+    register-operand, split and 64-row kernels. A request that reads a page id outside the cache
+    gets out 0 and lse -inf also when it is split over many parts and only one of them reads that
+    page, as does one whose length lies outside [q_len, capacity]. The others get their results,
+    bit for bit those of fail_closed=False (the schedule is the same)."""
+    problem = make_problem(31, batch=6, q_len=q_len, num_heads=num_heads, page_size=64,
+                           seq_lens=[4000, 3000, 3500, 5000, 2500, 200], dtype=jnp.bfloat16)
+    if cache == "fp8":
+        problem, _ = fp8_problem(problem, 31)
+    tables, lengths = np.array(problem.block_tables), np.array(problem.seq_lens)
+    tables[1, 20] = problem.kv_cache.shape[0]  # a page in the middle of a split request
+    tables[2, (lengths[2] - 1) // 64] = -1     # its last page
+    lengths[3] = tables.shape[1] * 64 + 1      # past the table's capacity
+    lengths[4] = q_len - 6                     # below q_len
+    bad, good = [1, 2, 3, 4], [0, 5]
+    arrays = (problem.query, problem.kv_cache, jnp.asarray(tables), jnp.asarray(lengths))
+
+    def run(fail_closed):
+        return jax.jit(lambda *a: jax_mla.decode(
+            *a, softmax_scale=problem.softmax_scale, backend=SM90, return_lse=True,
+            fail_closed=fail_closed))(*arrays)
+
+    out, lse = run(True)
+    assert np.all(np.asarray(out, np.float32)[bad] == 0)
+    assert np.all(np.isneginf(np.asarray(lse)[bad]))
+    assert_close(out[good], lse[good], *reference(dataclasses.replace(
+        problem, query=problem.query[good], block_tables=problem.block_tables[good],
+        seq_lens=problem.seq_lens[good])))
+    open_out, open_lse = run(False)
+    assert_identical((out[good], lse[good]), (open_out[good], open_lse[good]))
 
 
 def make_step(softmax_scale, output_scale=1.0, chain=True, planned=False):

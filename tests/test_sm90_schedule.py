@@ -1,8 +1,9 @@
 """The sm90 kernel's split-KV schedule, run on the host (``tests/sm90_schedule_check.cu``): the
-same ScheduleView/SegmentWalker code as the decode and combine kernels, for every cost-model
-setting the harness may sweep and for bad lengths, and for a schedule from an Sm90Plan's lengths
-walked with the kernel's (each the plan's or 0). Every KV block of every request must be covered
-once, in order, one segment per part, with distinct partial-result slots."""
+same ScheduleView/SegmentWalker/RequestLengths code as the decode and combine kernels, for every
+cost-model setting the harness may sweep and for bad lengths, failing closed or not, and for a
+schedule from an Sm90Plan's lengths walked with the call's (compared with the plan's by the
+kernels). Every KV block of every request must be covered once, in order, one segment per part,
+with distinct partial-result slots, and each request's length must be the rule's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,38 @@ def schedule_check(tmp_path_factory):
     return binary
 
 
-def cases():
+def kernel_lengths(lengths, planned, capacity, q_len, fail_closed):
+    """The length the kernels give each request (docs/bad-values.md): clamped to [0, capacity];
+    failing closed 0 outside [q_len, capacity]; 0 where it differs from the planned one."""
+    out = np.where(fail_closed & ((lengths < q_len) | (lengths > capacity)), 0,
+                   np.clip(lengths, 0, capacity))
+    return out if planned is None else np.where(lengths != planned, 0, out)
+
+
+def run_cases(schedule_check, cases):
+    """Runs (label, header, lengths, planned) cases; returns {label: (result words, expected
+    lengths)}."""
+    lines = [" ".join(map(str, [*header, *lengths, *(() if planned is None else planned)]))
+             for _, header, lengths, planned in cases]
+    run = subprocess.run([str(schedule_check)], input="\n".join(lines) + "\n",
+                         capture_output=True, text=True, check=True)
+    results = run.stdout.splitlines()
+    assert len(results) == len(cases)
+    expected = [kernel_lengths(lengths, planned if header[-1] == 1 else None,
+                               header[2] * header[3], header[6], header[7])
+                for _, header, lengths, planned in cases]
+    return {case[0]: (result.split(), want)
+            for case, result, want in zip(cases, results, expected)}
+
+
+def check_ok(results):
+    """Every case walked ("ok"), with the rule's lengths."""
+    failures = [(label, words[:8]) for label, (words, want) in results.items()
+                if words[0] != "ok" or [int(w) for w in words[2:]] != list(want)]
+    assert not failures, failures[:5]
+
+
+def cost_model_cases():
     rng = np.random.default_rng(90)
     max_pages, page_size = 40, 64
     capacity = max_pages * page_size
@@ -40,52 +72,48 @@ def cases():
                     lengths[rng.random(batch) < 0.1] = -5
                     lengths[rng.random(batch) < 0.1] = capacity + 100
                     lengths[rng.random(batch) < 0.1] = 0
-                    header = [batch, parts, max_pages, page_size, fixed_cost, min_blocks, 0]
-                    yield (fixed_cost, min_blocks, parts, batch), " ".join(map(str, [*header, *lengths]))
+                    lengths[rng.random(batch) < 0.1] = 1
+                    q_len, fail_closed = int(rng.integers(1, 5)), int(rng.integers(0, 2))
+                    header = [batch, parts, max_pages, page_size, fixed_cost, min_blocks, q_len,
+                              fail_closed, 0]
+                    yield (fixed_cost, min_blocks, parts, batch), header, lengths, None
 
 
 def test_every_block_is_covered_once_for_every_cost_model(schedule_check):
-    labels, lines = zip(*cases())
-    run = subprocess.run([str(schedule_check)], input="\n".join(lines) + "\n", capture_output=True,
-                         text=True, check=True)
-    results = run.stdout.splitlines()
-    assert len(results) == len(labels)
-    failures = [(label, result) for label, result in zip(labels, results) if not result.startswith("ok")]
-    assert not failures, failures[:5]
-    assert sum(int(r.split()[1]) for r in results) > len(labels)  # segments were walked
+    results = run_cases(schedule_check, list(cost_model_cases()))
+    check_ok(results)
+    assert sum(int(words[1]) for words, _ in results.values()) > len(results)  # segments walked
 
 
 def test_one_request_of_4k_tokens_on_66_parts(schedule_check):
     """B=1, L=4k, the default cost model (fixed cost 2, at least 2 blocks a part): 64 blocks in
     32 segments of 2 (the fixed cost fills the first part's units)."""
-    run = subprocess.run([str(schedule_check)], input="1 66 64 64 2 2 0 4096\n",
+    run = subprocess.run([str(schedule_check)], input="1 66 64 64 2 2 1 1 0 4096\n",
                          capture_output=True, text=True, check=True)
-    assert run.stdout.split() == ["ok", "32"]
+    assert run.stdout.split() == ["ok", "32", "4096"]
 
 
 def plan_cases():
-    """A schedule built from planned lengths, walked with each request's planned length or 0 (as
-    Sm90Plan.lengths_for gives the kernel), and as a control with other lengths."""
+    """A schedule built from planned lengths, walked with the call's lengths (each the planned one
+    or another) compared with the planned ones (mode 1), and as a control not compared (mode
+    2)."""
     rng = np.random.default_rng(91)
     max_pages, page_size, capacity = 40, 32, 40 * 32
     for parts in (1, 2, 33, 66, 132):
         for batch in (1, 5, 64, 300):
             planned = rng.integers(-5, capacity + 100, size=batch)
             kept = rng.random(batch) < 0.7
-            header = [batch, parts, max_pages, page_size, 2, 2, 1]
-            for kernel, label in ((np.where(kept, planned, 0), "kept or 0"),
-                                  (np.where(kept, planned, planned + 200), "other")):
-                yield (parts, batch, label), " ".join(map(str, [*header, *kernel, *planned]))
+            lengths = np.where(kept, planned, planned + rng.choice([-1, 200], size=batch, p=[0.3, 0.7]))
+            for fail_closed in (0, 1):
+                for mode in (1, 2):
+                    header = [batch, parts, max_pages, page_size, 2, 2, 2, fail_closed, mode]
+                    yield (parts, batch, fail_closed, mode), header, lengths, planned
 
 
-def test_a_plans_schedule_with_its_lengths_or_0_covers_every_kept_block_once(schedule_check):
-    labels, lines = zip(*plan_cases())
-    run = subprocess.run([str(schedule_check)], input="\n".join(lines) + "\n", capture_output=True,
-                         text=True, check=True)
-    results = dict(zip(labels, run.stdout.splitlines()))
-    kept = {label: r for label, r in results.items() if label[2] == "kept or 0"}
-    assert all(r.startswith("ok") for r in kept.values()), kept
-    # Lengths above the plan's leave blocks uncovered or name parts past the grid: the reason the
-    # kernel is given each planned length or 0.
-    others = [r for label, r in results.items() if label[2] == "other" and label[1] > 1]
-    assert sum(not r.startswith("ok") for r in others) >= len(others) // 2, others
+def test_a_plans_schedule_walked_with_other_lengths_covers_every_kept_block_once(schedule_check):
+    results = run_cases(schedule_check, list(plan_cases()))
+    check_ok({label: r for label, r in results.items() if label[3] == 1})
+    # Lengths above the plan's, not compared with it, leave blocks uncovered or name parts past
+    # the grid: the reason the kernels compare each length with its planned one.
+    others = [words[:3] for label, (words, _) in results.items() if label[3] == 2 and label[1] > 1]
+    assert sum(words[0] != "ok" for words in others) >= len(others) // 2, others

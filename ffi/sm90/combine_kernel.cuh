@@ -37,7 +37,7 @@ struct SplitRequest {
                                                      const ScheduleView& view, int num_parts,
                                                      int b) {
     SplitRequest r;
-    r.n = NumKvBlocks(EffectiveLength(p.seq_lens[b], p.max_pages, p.page_size));
+    r.n = NumKvBlocks(RequestLengths::Of(p).Get(b));
     r.first = r.last = 0;
     if (r.n > 0) {
       r.first = view.PartOf(b, 0);
@@ -129,9 +129,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
   const int boundaries = num_parts - 1;
   if (by_boundary && y >= boundaries) {
     const int b0 = (y - boundaries) * 32;
-    const bool empty = b0 + lane < p.batch &&
-                       NumKvBlocks(EffectiveLength(p.seq_lens[b0 + lane], p.max_pages,
-                                                   p.page_size)) == 0;
+    const bool empty = b0 + lane < p.batch && RequestLengths::Of(p).Get(b0 + lane) == 0;
     const uint32_t empties = __ballot_sync(0xffffffffu, empty);
     GridDependencyWait();
     for (uint32_t mask = empties; mask != 0; mask &= mask - 1) {

@@ -139,6 +139,7 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
     }
     float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
     int limit_t[kRowsT];
+    const bool saw_foreign_page = ThreadSeesForeignPage(p, seg_info, tid);
     StartRegsSegment<Layout>(pipe, smem, p, seg_info, seg, tid, lane, m_t, l_t, limit_t, q_scale);
 
     // This warpgroup's blocks are every other one of the CTA's walk (`it` counts the walk's blocks
@@ -271,6 +272,10 @@ DecodeFp8RegsKernel(const __grid_constant__ CUtensorMap q_map,
       }
     }
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
+    if (SegmentReadsForeignPage(p, saw_foreign_page)) {
+      Zero(keep);
+      Zero(l_all);
+    }
     StoreRegsTiles(args, seg_info, part, wg, wg_tid, lane, keep, l_all, m_all);
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;

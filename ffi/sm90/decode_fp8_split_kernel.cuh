@@ -236,6 +236,7 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
     }
     float m_t[kRowsT], l_t[kRowsT], q_scale[kRowsT];
     int limit_t[kRowsT];
+    const bool saw_foreign_page = ThreadSeesForeignPage(p, seg_info, tid);
     StartRegsSegment<Layout>(pipe, smem, p, seg_info, seg, tid, lane, m_t, l_t, limit_t, q_scale);
     const int n_blocks = seg_info.kv_end - seg_info.kv_begin;
     float l[kRowsT], r_out[2];  // the rows' sums, this warpgroup's groups' running maximum scales
@@ -392,6 +393,10 @@ DecodeFp8SplitKernel(const __grid_constant__ CUtensorMap q_map,
       for (int e = 0; e < kN / 2; ++e) keep[t][e] = o[t][e] * r_out[t / 2];
     }
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
+    if (SegmentReadsForeignPage(p, saw_foreign_page)) {
+      Zero(keep);
+      Zero(l);
+    }
     StoreRegsTiles(args, seg_info, part, wg, wg_tid, lane, keep, l, m_t);
     SM90_TRACE(kTraceStoreEnd, 0);
     it += n_blocks;

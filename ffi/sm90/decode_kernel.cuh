@@ -212,8 +212,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     GridDependencyWait();
     GridDependencyLaunchDependents();
     if (warp == kConsumerThreads / 32 && lane == 0) {
-      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                           p.page_size);
+      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, RequestLengths::Of(p));
       ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease>(
           q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
@@ -223,8 +222,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   GridDependencyLaunchDependents();
   SM90_TRACE(kTraceStart, 0);
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
-  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                       p.page_size);
+  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, RequestLengths::Of(p));
   Segment seg_info;
   // Warp-uniform as far as the compiler knows (broadcast from lane 0), so that the WGMMA
   // descriptors built from it stay in uniform registers.
@@ -297,6 +295,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       l_o[k] = 0.f;
     }
 
+    const bool saw_foreign_page = ThreadSeesForeignPage(p, seg_info, tid);
     Barrier::wait(pipe.QFull(), seg & 1);
     SM90_TRACE(kTraceQuery, 0);
     if constexpr (kFp8 && kScoreN == 16) {
@@ -615,6 +614,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     for (int t = 0; t < kOTiles; ++t) FenceRegisters(o_tiles[t]);
     if (!kEarlyRelease && wg_tid == 0) ReleaseStage<kCluster>(pipe, (it + kStages - 1) % kStages);
     SM90_TRACE(kTraceStoreBegin, seg_info.whole);
+    if (SegmentReadsForeignPage(p, saw_foreign_page)) {
+      Zero(o_tiles);
+      Zero(l_o);
+      l0 = l1 = 0.f;
+    }
 
     if constexpr (kScoreN > 0) {
       // Each warpgroup's owned rows' sums and maxima, published for the other.

@@ -67,6 +67,9 @@ struct DecodeParams {
                              // uint8 [num_pages, page_size, kFp8RowBytes]
   const int32_t* block_tables;  // [batch, max_pages]
   const int32_t* seq_lens;      // [batch]
+  // The lengths the schedule was built from (an Sm90Plan's), int32 [batch]; nullptr when it was
+  // built from seq_lens. A request whose length differs reads nothing (RequestLengths).
+  const int32_t* plan_lens = nullptr;
   // Outputs.
   void* out;                 // bf16 [batch, q_len, num_heads, 512]
   float* lse;                // f32  [batch, q_len, num_heads], natural log
@@ -87,6 +90,11 @@ struct DecodeParams {
   int num_sms;               // multiprocessors to spread the persistent grid over
   bool enable_pdl;           // programmatic dependent launch for the decode and combine kernels
   bool kv_fp8 = false;       // kv_cache is the fp8 cache
+  // Fail closed (jax_mla.decode's fail_closed): a request whose length lies outside [q_len,
+  // max_pages * page_size] reads nothing, and one that reads a block-table entry outside
+  // [0, num_pages) gets out 0 and lse -inf. Otherwise lengths are clamped to the table's capacity
+  // and such pages' tokens are left out.
+  bool fail_closed = false;
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "decode_params.h"
+#include "pipeline.cuh"
 #include "schedule.cuh"
 #include "smem_layout.cuh"
 
@@ -75,6 +76,41 @@ struct BlockLoad {
     return row < n_valid && (row < kHalfN ? half_ok[0] : half_ok[1]);
   }
 };
+
+// Failing closed (DecodeParams::fail_closed), whether this consumer thread's share of the
+// block-table entries that request seg.b reads (those below ceil(seg.len / page_size), every
+// kConsumerThreads-th from tid) holds one that is no page of the cache. Read at a segment's start;
+// SegmentReadsForeignPage combines the threads' answers where the segment's results are stored.
+__device__ __forceinline__ bool ThreadSeesForeignPage(const DecodeParams& p, const Segment& seg,
+                                                      int tid) {
+  if (!p.fail_closed) return false;
+  const int pages = (seg.len + p.page_size - 1) >> PageShift(p);
+  const int32_t* row = p.block_tables + static_cast<long long>(seg.b) * p.max_pages;
+  bool foreign = false;
+#pragma unroll 4
+  for (int i = tid; i < pages; i += kConsumerThreads) foreign |= !PageInRange(p, row[i]);
+  return foreign;
+}
+
+// Failing closed, whether any consumer thread saw a foreign page (ThreadSeesForeignPage): the
+// segment then stores out 0 and lse -inf (Zero on its output and row sums), as does every other
+// segment of the request, so the combine writes the same. Every consumer thread calls it.
+__device__ __forceinline__ bool SegmentReadsForeignPage(const DecodeParams& p, bool thread_saw) {
+  return p.fail_closed && ConsumerSyncAny(thread_saw);
+}
+
+// Sets every value of `values` to 0 (a segment's output and row sums: a row sum of 0 gives lse
+// -inf).
+template <int N>
+__device__ __forceinline__ void Zero(float (&values)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) values[i] = 0.f;
+}
+template <int M, int N>
+__device__ __forceinline__ void Zero(float (&values)[M][N]) {
+#pragma unroll
+  for (int t = 0; t < M; ++t) Zero(values[t]);
+}
 
 // Zeroes the V columns (chunks 0 .. kNumVChunks - 1) of the rows of a stage that were not loaded
 // (or hold tokens past the length), so 0 * NaN can never enter PV. The consumer threads tid share

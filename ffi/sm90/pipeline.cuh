@@ -49,6 +49,18 @@ __device__ __forceinline__ void NamedArrive(int threads, int id) {
 
 __device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kConsumerBarrier); }
 
+// ConsumerSync that also returns whether `pred` holds for any consumer thread (bar.red.or).
+__device__ __forceinline__ bool ConsumerSyncAny(bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}"
+      : "=r"(any)
+      : "r"(static_cast<uint32_t>(pred)), "n"(kConsumerBarrier), "n"(kConsumerThreads)
+      : "memory");
+  return any != 0;
+}
+
 // "Warpgroup wg's latest block is done": wg's 128 threads arrive, the other warpgroup's wait
 // (WaitHandover). Each post is waited for once before the next.
 __device__ __forceinline__ void PostHandover(int wg) {

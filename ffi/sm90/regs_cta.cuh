@@ -56,8 +56,7 @@ __device__ __forceinline__ void RunRegsCta(const CUtensorMap& q_map, const CUten
     GridDependencyWait();
     GridDependencyLaunchDependents();
     if (warp == kConsumerThreads / 32 && tid % 32 == 0) {
-      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                           p.page_size);
+      SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, RequestLengths::Of(p));
       ProduceTiles<1, true, Layout>(q_map, kv_map, args, smem, walker, 0, 0);
     }
     return;
@@ -66,8 +65,7 @@ __device__ __forceinline__ void RunRegsCta(const CUtensorMap& q_map, const CUten
   GridDependencyLaunchDependents();
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   SM90_TRACE(kTraceStart, 0);
-  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, p.seq_lens, p.max_pages,
-                       p.page_size);
+  SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, RequestLengths::Of(p));
   consume(smem, Pipeline::At<Layout>(smem), walker);
   SM90_TRACE(kTraceEnd, 0);
 }

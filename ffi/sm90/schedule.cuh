@@ -31,6 +31,31 @@ __host__ __device__ __forceinline__ int EffectiveLength(int seq_len, int max_pag
 
 __host__ __device__ __forceinline__ int NumKvBlocks(int len) { return (len + kBlockN - 1) / kBlockN; }
 
+// The length a decode and its combine give request b: EffectiveLength(seq_lens[b]), or 0 where
+// seq_lens[b] differs from plan_lens[b] (the schedule was built from other lengths) or, failing
+// closed, lies outside [q_len, capacity]. Never above EffectiveLength, so never more blocks than
+// the schedule has for the request. `load(ptr)` reads one int32 of seq_lens or plan_lens.
+struct RequestLengths {
+  const int32_t* seq_lens;
+  const int32_t* plan_lens;  // nullptr: the schedule was built from seq_lens
+  int max_pages, page_size, q_len;
+  bool fail_closed;
+
+  __host__ __device__ __forceinline__ static RequestLengths Of(const DecodeParams& p) {
+    return {p.seq_lens, p.plan_lens, p.max_pages, p.page_size, p.q_len, p.fail_closed};
+  }
+  template <class Load>
+  __host__ __device__ __forceinline__ int Get(int b, Load load) const {
+    const int len = load(seq_lens + b);
+    if (plan_lens != nullptr && len != load(plan_lens + b)) return 0;
+    const int clamped = EffectiveLength(len, max_pages, page_size);
+    return fail_closed && (len < q_len || len != clamped) ? 0 : clamped;
+  }
+  __host__ __device__ __forceinline__ int Get(int b) const {
+    return Get(b, [](const int32_t* v) { return *v; });
+  }
+};
+
 // A request's cost in schedule units: its KV blocks plus the fixed cost, 0 when it has none.
 __host__ __device__ __forceinline__ int RequestCost(int seq_len, int max_pages, int page_size,
                                                     int fixed_cost) {
@@ -95,7 +120,7 @@ struct Segment {
   int b;
   int kv_begin;
   int kv_end;
-  int len;       // effective length of request b
+  int len;       // request b's length (RequestLengths)
   bool whole;    // the segment is the whole request: write the final output directly
 };
 
@@ -103,14 +128,12 @@ struct Segment {
 //   SegmentWalker w(view, part, ...); Segment s; while (w.Next(s)) {...}
 struct SegmentWalker {
   ScheduleView view;
-  const int32_t* seq_lens;
-  int max_pages, page_size;
+  RequestLengths lengths;
   int x0, x1, b;
 
   __host__ __device__ __forceinline__ SegmentWalker(const ScheduleView& v, int part,
-                                                    const int32_t* lens, int max_pages_,
-                                                    int page_size_)
-      : view(v), seq_lens(lens), max_pages(max_pages_), page_size(page_size_) {
+                                                    const RequestLengths& lens)
+      : view(v), lengths(lens) {
     int total = v.Total();
     long long begin = static_cast<long long>(part) * v.units_per_part;
     long long end = begin + v.units_per_part;
@@ -122,7 +145,7 @@ struct SegmentWalker {
   __host__ __device__ __forceinline__ bool Next(Segment& s) {
     while (b < view.batch && view.prefix[b] < x1) {
       int cur = b++;
-      int len = EffectiveLength(seq_lens[cur], max_pages, page_size);
+      int len = lengths.Get(cur);
       int n = NumKvBlocks(len);
       int first = view.prefix[cur] + view.fixed_cost;
       int kb = x0 - first, ke = x1 - first;
@@ -148,8 +171,8 @@ struct SegmentWalker {
 // the part's first cost unit (its block 0 where that unit is part of the fixed cost) through that
 // request, then the next one, up to max_halves 32-token halves, those with index % m_tiles ==
 // mtile: visit(row, tokens) for each whose page id is in [0, num_pages), tokens being the half's
-// tokens below the request's clamped length, all in that page. load(ptr) reads one int32 of the
-// schedule, seq_lens or block table. Needs batch * max_pages < 2^31 (the block table's index is
+// tokens below the request's length (RequestLengths), all in that page. load(ptr) reads one int32
+// of the schedule, seq_lens, plan_lens or block table. Needs batch * max_pages < 2^31 (the block table's index is
 // an int; the decode calls it with batch <= 16 and ValidShape keeps max_pages * page_size < 2^30).
 template <class Load, class Visit>
 __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams& p, int num_parts,
@@ -166,7 +189,7 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
   const int page_shift = PageShift(p);
   int half = 0;  // halves visited or passed over so far
   for (int b = lo; b < min(lo + 2, p.batch) && half < max_halves; ++b) {
-    const int len = EffectiveLength(load(p.seq_lens + b), p.max_pages, p.page_size);
+    const int len = RequestLengths::Of(p).Get(b, load);
     const int kb = max(x0 - (load(prefix + b) + p.fixed_cost_blocks), 0);
     const int token_begin = kb < NumKvBlocks(len) ? kb * kBlockN : len;
     for (int token0 = token_begin; token0 < len && half < max_halves; token0 += kHalfN, ++half) {
