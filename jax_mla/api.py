@@ -60,11 +60,14 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         ``jax.experimental.checkify.checkify`` and call ``err.throw()`` (docs/bad-values.md).
       fail_closed: give a request whose values are bad (a length outside [q_len, max_pages *
         page_size], a page id it reads outside [0, num_pages), a length other than the plan's)
-        nothing to read, so its out is 0 and its lse -inf on xla, sm90, fa3 and fa2 (trtllm-gen:
-        not run on hardware) (``jax_mla.guard``; inside ``jax.jit`` XLA computes this once per
-        step for all layers; docs/bad-values.md). False skips it for callers that guarantee their
-        values: fa3, fa2 and trtllm-gen then read whatever the values point at (sm90 still
-        gives a request whose length is not its ``Sm90Plan``'s nothing to read).
+        out 0 and lse -inf on xla, sm90, fa3 and fa2 (trtllm-gen: not run on hardware); its
+        pages outside the cache are never read. For xla, fa3, fa2 and trtllm-gen a guard of XLA
+        ops before the kernel gives it nothing to read (``jax_mla.guard``; inside ``jax.jit`` XLA
+        computes it once per step for layers unrolled in Python); the sm90 kernel does it itself
+        (docs/bad-values.md). False skips it for callers that guarantee their values: fa3, fa2
+        and trtllm-gen then read whatever the values point at (sm90 still gives a request whose
+        length is not its ``Sm90Plan``'s nothing to read, and leaves out pages outside the
+        cache).
       kv_scale: for the e4m3 cache only, and required there: the finite float > 0 its values are
         multiplied by (``write_kv``'s). It is folded into the scales: the logits are scaled by
         ``softmax_scale * kv_scale`` and the output by ``output_scale * kv_scale``.

@@ -100,6 +100,9 @@ def guard(block_tables, seq_lens, plan, *, num_pages: int, page_size: int, q_len
     Returns:
       int32 [B] lengths, 0 for unusable requests; ``plan`` with their works emptied.
     """
+    if plan is not None and not isinstance(plan, planning.Plan):
+        raise TypeError(f"the guard takes a jax_mla.Plan or None, got {type(plan).__name__} (the "
+                        "sm90 kernel fails closed itself)")
     usable = usable_requests(block_tables, seq_lens, num_pages=num_pages, page_size=page_size,
                              q_len=q_len, max_len=max_len)
     if plan is not None:

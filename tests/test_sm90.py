@@ -558,11 +558,11 @@ def test_bad_inputs_give_the_defined_result(page_size):
 
 @on_gpu
 @pytest.mark.parametrize("cache", ["bf16", "fp8"])
-@pytest.mark.parametrize("num_heads,q_len", [(16, 1), (16, 2), (128, 1)])
+@pytest.mark.parametrize("num_heads,q_len", [(16, 1), (16, 2), (64, 1), (64, 3), (128, 1)])
 def test_the_kernels_fail_closed_on_split_requests(cache, num_heads, q_len):
     """Failing closed is the kernels' own (no guard runs before sm90), in each kernel: the bf16
-    cache's transposed tiles of 16 and 32 rows and its 64-row tiles, the fp8 cache's
-    register-operand, split and 64-row kernels. A request that reads a page id outside the cache
+    cache's transposed tiles of 16 and 32 rows and its 64-row tiles (one M tile, three, and pairs
+    in clusters), the fp8 cache's register-operand, split and 64-row kernels. A request that reads a page id outside the cache
     gets out 0 and lse -inf also when it is split over many parts and only one of them reads that
     page, as does one whose length lies outside [q_len, capacity]. The others get their results,
     bit for bit those of fail_closed=False (the schedule is the same)."""

@@ -49,14 +49,16 @@ __device__ __forceinline__ void NamedArrive(int threads, int id) {
 
 __device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kConsumerBarrier); }
 
-// ConsumerSync that also returns whether `pred` holds for any consumer thread (bar.red.or).
+// ConsumerSync (the same hardware barrier: CUTLASS's NamedBarrier numbers ids after its reserved
+// ones) that also returns whether `pred` holds for any consumer thread (bar.red.or).
 __device__ __forceinline__ bool ConsumerSyncAny(bool pred) {
+  constexpr uint32_t kId = kConsumerBarrier + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
   uint32_t any;
   asm volatile(
       "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
       " selp.u32 %0, 1, 0, q;\n}"
       : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "n"(kConsumerBarrier), "n"(kConsumerThreads)
+      : "r"(static_cast<uint32_t>(pred)), "n"(kId), "n"(kConsumerThreads)
       : "memory");
   return any != 0;
 }
