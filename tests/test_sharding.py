@@ -308,7 +308,7 @@ def test_a_kernel_limit_on_the_heads_holds_per_device(monkeypatch, partitioner_n
     trace on the global shapes sees 256; the same call on one device raises the limit. sm90's
     kernel is a stand-in here that runs its real shape checks, then the xla backend."""
     def stand_in(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_scale,
-                 kv_lora_rank, schedule):
+                 kv_lora_rank, plan, fail_closed):
         gpu.check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank, softmax_scale)
         checked.append(query.shape[2])
         return xla_backend.decode(query, kv_cache, block_tables, seq_lens,
