@@ -3,10 +3,11 @@
 #   .ci/gpu-h200.sh cmd .ci/sm90-check.sh      (or run it directly: it calls gpu-h200.sh itself)
 # 1. the built FFI library exports JaxMlaSm90Decode
 # 2. python3 -m pytest -q -rs tests/test_sm90.py (JAX_MLA_REQUIRE_GPU=1: nothing may skip)
-# 3. the standalone harness (benchmarks/sm90_harness.cu): nvcc build, then its `check` suite
+# 3. the standalone harness (benchmarks/sm90_harness.cu): nvcc build, then its `check` suite, and
+#    `check` and `check-fp8` failing closed (--fail-closed: bad requests 0 and -inf)
 # 4. compute-sanitizer memcheck on the jax path: one small sm90 decode through jax_mla.decode
-# 5. (part "sanitize") the harness's sanitize suite under memcheck, racecheck and synccheck, with a
-#    -lineinfo build so that reports name source lines
+# 5. (part "sanitize") the harness's sanitize suites (bf16, and both caches failing closed) under
+#    memcheck, racecheck and synccheck, with a -lineinfo build so that reports name source lines
 # 6. (part "time") the harness's timing grid: `time 30 $SM90_TIME_VARIANTS` (default "transposed")
 # Logs go to $OUT (sm90-*.log); a summary table is printed last. SM90_CHECK picks the parts
 # (default "tests,harness,memcheck"; all: "tests,harness,memcheck,sanitize,time"); SM90_HARNESS
@@ -45,6 +46,12 @@ if [[ $parts == *,harness,* && -x "$harness" ]]; then
   # shellcheck disable=SC2086  # flags are words on purpose
   timeout 900 "$harness" check ${SM90_CHECK_FLAGS:-} > "$OUT/sm90-harness-check.log" 2>&1
   status[harness_check]="rc=$? $(tail -1 "$OUT/sm90-harness-check.log")"
+  for suite in check check-fp8; do
+    # shellcheck disable=SC2086
+    timeout 900 "$harness" "$suite" --fail-closed ${SM90_CHECK_FLAGS:-} \
+      > "$OUT/sm90-harness-$suite-fail-closed.log" 2>&1
+    status[harness_${suite//-/_}_fail_closed]="rc=$? $(tail -1 "$OUT/sm90-harness-$suite-fail-closed.log")"
+  done
 fi
 
 # One buffer per allocation (no pool), so memcheck sees the true bounds of every XLA buffer; only
@@ -67,11 +74,16 @@ if [[ $parts == *,sanitize,* ]]; then
   harness_li=${SM90_HARNESS_LINEINFO:-/tmp/sm90_harness_lineinfo}
   build_harness "$harness_li" -lineinfo
   for tool in memcheck racecheck synccheck; do
-    timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$harness_li" sanitize \
-      > "$OUT/san-$tool.log" 2>&1
-    rc=$?
-    status[san_$tool]="rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$tool.log" |
-                                tail -1)"
+    for run in "sanitize" "sanitize --fail-closed" "sanitize-fp8 --fail-closed"; do
+      name="${tool}_${run%% *}"
+      [[ $run == *--fail-closed ]] && name+="_fail_closed"
+      # shellcheck disable=SC2086  # run is words on purpose
+      timeout 600 compute-sanitizer --tool "$tool" --error-exitcode 9 "$harness_li" $run \
+        > "$OUT/san-$name.log" 2>&1
+      rc=$?
+      status[san_$name]="rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/san-$name.log" |
+                                  tail -1)"
+    done
   done
 fi
 
@@ -83,7 +95,10 @@ fi
 
 { echo "| sm90 check | result |"
   echo "|---|---|"
-  for key in symbol pytest harness_build harness_check memcheck san_memcheck san_racecheck \
-             san_synccheck harness_time; do
+  for key in symbol pytest harness_build harness_check harness_check_fail_closed \
+             harness_check_fp8_fail_closed memcheck harness_time; do
     echo "| $key | ${status[$key]:-not run} |"
+  done
+  for key in $(printf '%s\n' "${!status[@]}" | grep '^san_' | sort); do
+    echo "| $key | ${status[$key]} |"
   done; } | tee "$OUT/sm90-summary.md"

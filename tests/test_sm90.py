@@ -803,12 +803,17 @@ def test_inside_an_xla_command_buffer(tmp_path):
 
 
 def sanitize_program() -> None:
-    """One small sm90 decode and its check, for compute-sanitizer (.ci/sm90-check.sh)."""
+    """One small sm90 decode and its check, then the kernels failing closed on split requests
+    with foreign pages on both caches, for compute-sanitizer (.ci/sm90-check.sh)."""
     problem = make_problem(4, batch=3, q_len=2, num_heads=16, page_size=32, dtype=jnp.bfloat16)
     out, lse = sm90(problem)
     error = request_head_error(out, reference(problem)[0])
     print(json.dumps({"output_error": error}))
     assert error < OUT_TOL
+    for cache in ("bf16", "fp8"):
+        for num_heads, q_len in ((16, 1), (16, 2), (64, 3), (128, 1)):
+            test_the_kernels_fail_closed_on_split_requests(cache, num_heads, q_len)
+            print(f"ok failing closed: {cache} cache, {num_heads} heads, q_len {q_len}", flush=True)
 
 
 @on_gpu
