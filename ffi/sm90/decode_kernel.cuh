@@ -25,10 +25,12 @@
 // The kernel is below; PrepareKvTile before it makes a landed block ready for the MMAs, and the
 // pieces both use live in one header per concern (producer, kv_blocks, pipeline, mma, softmax,
 // fp8_convert, epilogue).
-// Safety: only pages whose id is in range and that hold tokens below the (clamped) length are
-// loaded from the cache (with pages of 64 the whole page, its tail included); the shared-memory
-// rows of tokens at or beyond the length or of pages not loaded are zeroed (so 0 * NaN never
-// enters PV) and their scores masked to -inf by select.
+// Safety: only pages whose id is in range and that hold tokens below the request's length
+// (RequestLengths: clamped to the table's capacity, or 0) are loaded from the cache (with pages of
+// 64 the whole page, its tail included); the shared-memory rows of tokens at or beyond the length
+// or of pages not loaded are zeroed (so 0 * NaN never enters PV) and their scores masked to -inf
+// by select. Failing closed, a segment whose request reads a page out of range stores out 0 and
+// lse -inf.
 #pragma once
 
 #include <cuda.h>
