@@ -75,14 +75,16 @@ __device__ __forceinline__ void WaitHandover(int wg) {
 
 __device__ __forceinline__ void WarpgroupSync(int wg) { NamedSync(128, kWarpgroupBarrier + wg); }
 
-// Whether x holds for any thread of warpgroup wg (all its threads call it: a warpgroup barrier).
+// Whether x holds for any thread of warpgroup wg (all its threads call it): WarpgroupSync's
+// hardware barrier, with an OR over the threads (bar.red.or).
 __device__ __forceinline__ bool WarpgroupAny(int wg, bool x) {
+  const uint32_t id = kWarpgroupBarrier + wg + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
   uint32_t any;
   asm volatile(
       "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
       " bar.red.or.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
       : "=r"(any)
-      : "r"(static_cast<uint32_t>(x)), "r"(kWarpgroupBarrier + wg)
+      : "r"(static_cast<uint32_t>(x)), "r"(id)
       : "memory");
   return any != 0;
 }
