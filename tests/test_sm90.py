@@ -575,7 +575,7 @@ def test_the_kernels_fail_closed_on_split_requests(cache, num_heads, q_len):
     tables[2, (lengths[2] - 1) // 64] = -1     # its last page
     lengths[3] = tables.shape[1] * 64 + 1      # past the table's capacity
     lengths[4] = q_len - 6                     # below q_len
-    bad, good = [1, 2, 3, 4], [0, 5]
+    bad, good = np.array([1, 2, 3, 4]), np.array([0, 5])
     arrays = (problem.query, problem.kv_cache, jnp.asarray(tables), jnp.asarray(lengths))
 
     def run(fail_closed):
