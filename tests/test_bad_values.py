@@ -303,6 +303,17 @@ def test_an_sm90_plans_lengths_are_checked_and_its_metadata_refused():
             dataclasses.replace(plan, **change).check_for(lengths, tables, 16)
 
 
+def test_the_guard_refuses_an_sm90_plan():
+    """The sm90 kernel fails closed itself, so an Sm90Plan never reaches the guard; handed one,
+    the guard names what it takes instead of guarding it as a Plan."""
+    lengths = jnp.asarray([40, 17], jnp.int32)
+    plan = jax_mla.Sm90Plan(jnp.zeros((3,), jnp.int32), lengths, 2, 8, 16)
+    with pytest.raises(TypeError, match=r"^the guard takes a jax_mla.Plan or None, got Sm90Plan "
+                                        r"\(the sm90 kernel fails closed itself\)$"):
+        guard.guard(jnp.zeros((2, 8), jnp.int32), lengths, plan, num_pages=40, page_size=16,
+                    q_len=1)
+
+
 @pytest.mark.parametrize("change,message", [
     (dict(seq_lens=jnp.zeros((3,), jnp.int32)), r"plan.seq_lens must be int32 \[4\]"),
     (dict(seq_lens=jnp.zeros((4,), jnp.float32)), r"plan.seq_lens must be int32 \[4\], .* got float32"),
