@@ -100,9 +100,12 @@ __device__ __forceinline__ bool SegmentReadsForeignPage(const DecodeParams& p, b
 }
 
 // Sets every value of `values` to 0 (a segment's output and row sums: a row sum of 0 gives lse
-// -inf).
+// -inf). The empty volatile asm cannot be executed speculatively, so a caller's
+// `if (...) Zero(...)` stays a branch instead of becoming one select per value that every segment
+// executes.
 template <int N>
 __device__ __forceinline__ void Zero(float (&values)[N]) {
+  asm volatile("");
 #pragma unroll
   for (int i = 0; i < N; ++i) values[i] = 0.f;
 }
