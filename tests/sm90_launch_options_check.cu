@@ -194,5 +194,25 @@ int main() {
                   reinterpret_cast<const void*>(&DecodeFp8SplitKernel));
   std::printf("fp8 rows=32 smem %d\n",
               detail::KernelSmemBytes(defaults, true, 32) == Fp8SplitSmemLayout::kBytes);
+  // The schedule as the kernels read it: the wide combine's rows in flight, each kernel's split
+  // cost, and the fewest blocks a part takes with and without a combine in one wave.
+  for (int batch : {2, 3}) {
+    std::printf("combine rows=128,batch=%d 32 rows %d\n", batch,
+                detail::CombineRows32(defaults, 128, batch, 132));
+  }
+  DecodeParams p = ValidParams();
+  for (int score_n : {16, 0}) {
+    for (bool fp8 : {false, true}) {
+      p.kv_fp8 = fp8;
+      const DecodeParams sp = detail::ScheduleAsRead(p, score_n, true);
+      std::printf("schedule score_n=%d,fp8=%d cost %d min %d\n", score_n, fp8,
+                  sp.block_to_split_cost, sp.min_blocks_per_part);
+    }
+  }
+  std::printf("schedule beyond one wave min %d\n",
+              detail::ScheduleAsRead(p, 0, false).min_blocks_per_part);
+  p.min_blocks_per_part = 3;
+  std::printf("schedule min_blocks_per_part=3 min %d\n",
+              detail::ScheduleAsRead(p, 0, true).min_blocks_per_part);
   return 0;
 }

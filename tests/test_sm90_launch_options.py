@@ -35,7 +35,10 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows, and up to 32 where
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
 # elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
-# unless fp8_registers = 0.
+# unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
+# request at 128 rows) fits the 132 SMs; the schedule's split cost is 24 for the fp8 cache's
+# 64-row tiles (score_n 0) and 14 for every other kernel, and parts take one KV block at least
+# with such a combine, two without, or what min_blocks_per_part asks if more.
 DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
             "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
@@ -44,7 +47,11 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=32,batch=33,kv_l2_promotion=256 256",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
-            "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1"]
+            "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1",
+            "combine rows=128,batch=2 32 rows 1", "combine rows=128,batch=3 32 rows 0",
+            "schedule score_n=16,fp8=0 cost 14 min 1", "schedule score_n=16,fp8=1 cost 14 min 1",
+            "schedule score_n=0,fp8=0 cost 14 min 1", "schedule score_n=0,fp8=1 cost 24 min 1",
+            "schedule beyond one wave min 2", "schedule min_blocks_per_part=3 min 3"]
 
 
 def cutlass_include() -> str | None:

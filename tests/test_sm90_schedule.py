@@ -86,11 +86,26 @@ def test_every_block_is_covered_once_for_every_cost_model(schedule_check):
 
 
 def test_one_request_of_4k_tokens_on_66_parts(schedule_check):
-    """B=1, L=4k, the default cost model (fixed cost 2, at least 2 blocks a part): 64 blocks in
-    32 segments of 2 (the fixed cost fills the first part's units)."""
+    """B=1, L=4k, fixed cost 2, at least 2 blocks a part: 64 blocks in 32 segments of 2 (the
+    fixed cost fills the first part's units)."""
     run = subprocess.run([str(schedule_check)], input="1 66 64 64 2 2 1 1 0 4096\n",
                          capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["ok", "32", "4096"]
+
+
+@pytest.mark.parametrize("length, parts, segments", [
+    (1024, 132, 16), (2048, 132, 16), (4096, 132, 32), (8192, 132, 44), (16384, 132, 65),
+    (32768, 132, 86), (16384, 66, 65)])
+def test_a_request_is_split_about_sqrt_of_its_blocks_over_the_split_cost_ways(
+        schedule_check, length, parts, segments):
+    """One request alone (fixed cost 2, min_blocks_per_part 1, the bf16 cache's split cost 14):
+    a part takes q units, q = sqrt(units / 14) rounded, unless the parts need more (ceil(units /
+    parts)): 18 units (1k tokens) give parts of one block, 34 and 66 of two, 130 of three, 258 of
+    four (on 66 parts too: ceil(258 / 66) is 4 as well) and 514 of six, the first part's units
+    also holding the fixed cost."""
+    run = subprocess.run([str(schedule_check)], input=f"1 {parts} 512 64 2 1 1 0 0 {length}\n",
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.split() == ["ok", str(segments), str(length)]
 
 
 def plan_cases():

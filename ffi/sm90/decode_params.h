@@ -50,9 +50,19 @@ static_assert(kConsumerThreads * kConsumerRegisters + kProducerThreads * kProduc
 
 // Schedule cost model (defaults of DecodeParams' schedule fields): a request costs
 // fixed_cost_blocks + (its KV blocks) units; parts get contiguous ranges of ceil(total / parts)
-// units, but never fewer than min_blocks_per_part.
+// units, but never fewer than SplitUnits of the mean cost of a request (schedule.cuh) nor fewer
+// than min_blocks_per_part.
 constexpr int kFixedCostBlocks = 2;
-constexpr int kMinBlocksPerPart = 2;
+constexpr int kMinBlocksPerPart = 1;
+// What a KV block costs a part over what one more split of a request costs the epilogues and the
+// combine (SplitUnits; docs/sm90-kernel.md, "How many parts a request is split over"): for the
+// bf16 cache and the fp8 cache's register-operand kernels, and for the fp8 cache's 64-row tiles,
+// whose blocks also convert the tile.
+constexpr int kBlockToSplitCost = 14;
+constexpr int kBlockToSplitCostFp8Tiles = 24;
+// The fewest blocks a part takes where the combine does not merge in one wave of CTAs (the wide
+// combine with 32 rows in flight): there a split costs more the more requests there are.
+constexpr int kMinBlocksPerPartBeyondOneWave = 2;
 
 // Combine kernels: CombineKernel has one warp per output row; CombineKernelWide has
 // kCombineWarpsPerRow warps per row and kCombineWideRowsPerBlock rows per block.
@@ -98,6 +108,9 @@ struct DecodeParams {
   // The schedule's cost model; the schedule and the decodes that read it must use the same.
   int fixed_cost_blocks = kFixedCostBlocks;  // >= 0
   int min_blocks_per_part = kMinBlocksPerPart;  // >= 1
+  // SplitUnits' cost ratio, read with the schedule by the decode and combine kernels; LaunchDecode
+  // sets it for the kernel it runs (any value >= 1 gives a valid schedule).
+  int block_to_split_cost = kBlockToSplitCost;
 };
 
 // What LaunchDecode passes every decode kernel besides its tensor maps.

@@ -406,6 +406,25 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
   return cudaSuccess;
 }
 
+// Whether CombineKernelWide keeps 32 partial rows in flight per lane: by default where its grid
+// (rows / kCombineWideRowsPerBlock x batch blocks) fits the SMs with one CTA each.
+inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int num_sms) {
+  if (options.combine_rows_in_flight >= 0) return options.combine_rows_in_flight == 32;
+  return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <= num_sms;
+}
+
+// p as the decode and combine kernels read the schedule with it: the split cost of the kernel that
+// runs (score_n as ChooseKernel gives it), and parts of one KV block only where the combine merges
+// in one wave (the wide combine with 32 rows in flight).
+inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_wave_combine) {
+  DecodeParams sp = p;
+  sp.block_to_split_cost = p.kv_fp8 && score_n == 0 ? kBlockToSplitCostFp8Tiles : kBlockToSplitCost;
+  if (!one_wave_combine && sp.min_blocks_per_part < kMinBlocksPerPartBeyondOneWave) {
+    sp.min_blocks_per_part = kMinBlocksPerPartBeyondOneWave;
+  }
+  return sp;
+}
+
 // ChooseKernel's checks alone.
 inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& options) {
   KernelChoice choice;
@@ -437,8 +456,10 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
+  const bool rows_32 = detail::CombineRows32(options, rows, p.batch, p.num_sms);
+  DecodeParams sp = detail::ScheduleAsRead(p, score_n, wide_combine && rows_32);
   DecodeKernelArgs args;
-  args.p = p;
+  args.p = sp;
   args.num_parts = parts;
   args.bf16_partials = bf16_partials;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
@@ -466,21 +487,15 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
                          stream, decode_args, cluster);
   if (err != cudaSuccess || !options.combine) return err;
 
-  DecodeParams cp = p;
   int num_parts = parts;
-  void* combine_args[] = {&cp, &num_parts};
+  void* combine_args[] = {&sp, &num_parts};
   if (wide_combine) {
-    // 32 partial rows in flight per lane where the grid fits the SMs with one CTA each.
-    const int row_blocks = CeilDivInt(rows, kCombineWideRowsPerBlock);
-    const bool rows_32 = options.combine_rows_in_flight < 0
-                             ? static_cast<long long>(row_blocks) * p.batch <= p.num_sms
-                             : options.combine_rows_in_flight == 32;
     const void* combine =
         bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
                       : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
-    return detail::LaunchEx(combine, dim3(row_blocks, p.batch),
+    return detail::LaunchEx(combine, dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
                             dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
                             p.enable_pdl, stream, combine_args);
   }

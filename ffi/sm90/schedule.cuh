@@ -3,10 +3,11 @@
 // Request b has n_b = ceil(L_b / 64) KV blocks (L_b clamped to [0, max_pages * page_size]) and
 // costs F + n_b units (0 when n_b == 0), F = fixed_cost_blocks. ScheduleKernel writes the exclusive
 // prefix S[b] of those costs and the total S[batch]. Part p of the persistent grid owns the cost
-// units [p * Q, (p + 1) * Q) with Q = max(ceil(total / parts), min_blocks_per_part); block k of
-// request b sits at unit S[b] + F + k, so the parts walk contiguous (request, block) ranges
-// and request b is split over parts PartOf(b, 0) .. PartOf(b, n_b - 1). Everything else (each
-// CTA's ranges, each request's split count) is derived from S by the kernels themselves.
+// units [p * Q, (p + 1) * Q) with Q = max(ceil(total / parts), SplitUnits(total / batch),
+// min_blocks_per_part) (UnitsPerPart); block k of request b sits at unit S[b] + F + k, so the
+// parts walk contiguous (request, block) ranges and request b is split over parts
+// PartOf(b, 0) .. PartOf(b, n_b - 1). Everything else (each CTA's ranges, each request's split
+// count) is derived from S by the kernels themselves.
 #pragma once
 
 #include <cstdint>
@@ -74,10 +75,26 @@ __host__ __device__ __forceinline__ int LastAtMost(const int32_t* prefix, int n,
   return lo;
 }
 
-// Q: the cost units of a part, for `total` units over num_parts parts.
-__host__ __device__ __forceinline__ int UnitsPerPart(int total, int num_parts, int min_blocks) {
-  int q = (total + num_parts - 1) / num_parts;
-  return q < min_blocks ? min_blocks : q;
+// The fewest units a part takes where requests cost `units_per_request` on average and a KV block
+// costs a part `block_to_split_cost` times what one more split costs the request: splitting n
+// blocks into n / q parts costs a part q blocks and the request n / q splits, cheapest at q =
+// sqrt(n / block_to_split_cost), here rounded to the nearest integer; at least 1.
+__host__ __device__ __forceinline__ int SplitUnits(int units_per_request, int block_to_split_cost) {
+  int q = 1;
+  // sqrt(units / ratio) >= q + 1/2, i.e. ratio (2 q + 1)^2 <= 4 units: round up to q + 1.
+  while (static_cast<long long>(block_to_split_cost) * (2 * q + 1) * (2 * q + 1) <=
+         4LL * units_per_request) {
+    ++q;
+  }
+  return q;
+}
+
+// Q: the cost units of a part, for the schedule's `total` units over num_parts parts.
+__host__ __device__ __forceinline__ int UnitsPerPart(const DecodeParams& p, int total,
+                                                     int num_parts) {
+  const int q = max((total + num_parts - 1) / num_parts,
+                    SplitUnits(total / max(p.batch, 1), max(p.block_to_split_cost, 1)));
+  return max(q, p.min_blocks_per_part);
 }
 
 struct ScheduleView {
@@ -91,7 +108,7 @@ struct ScheduleView {
     v.prefix = p.schedule;
     v.batch = p.batch;
     v.fixed_cost = p.fixed_cost_blocks;
-    v.units_per_part = UnitsPerPart(v.prefix[p.batch], num_parts, p.min_blocks_per_part);
+    v.units_per_part = UnitsPerPart(p, v.prefix[p.batch], num_parts);
     return v;
   }
   __host__ __device__ __forceinline__ int Total() const { return prefix[batch]; }
@@ -182,7 +199,7 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
   const int32_t* prefix = p.schedule;
   const int total = load(prefix + p.batch);
   if (total <= 0) return;
-  const int per_part = UnitsPerPart(total, num_parts, p.min_blocks_per_part);
+  const int per_part = UnitsPerPart(p, total, num_parts);
   if (part >= CeilDivInt(total, per_part)) return;
   const int x0 = part * per_part;
   const int lo = LastAtMost(prefix, p.batch, x0, load);  // as ScheduleView::FindRequest
