@@ -24,7 +24,8 @@
 //   --cluster2 / --cluster1 (any mode): checks and default timings use LaunchOptions::cluster = 2
 //   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
-//   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run.
+//   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run;
+//   --split-cost N (any mode): LaunchOptions::block_to_split_cost of the default launch.
 //   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
 //   in DecodeKernel's transposed path instead of the register-operand kernels).
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
@@ -60,6 +61,7 @@ using namespace jax_mla::sm90;
 static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timings (--cluster2/1)
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
+static int g_split_cost = -1;  // LaunchOptions::block_to_split_cost ("--split-cost N")
 static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-transposed": 0)
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
@@ -450,11 +452,13 @@ static cudaStream_t CheckStream() {
   return stream;
 }
 
-// LaunchOptions::cluster as --cluster2 / --cluster1 ask for it (unchanged without either flag).
-static void ApplyClusterFlag(LaunchOptions& opt, int q_len, int heads) {
+// LaunchOptions::cluster as --cluster2 / --cluster1 ask for it (unchanged without either flag),
+// and LaunchOptions::block_to_split_cost as --split-cost gives it.
+static void ApplyLaunchFlags(LaunchOptions& opt, int q_len, int heads) {
   if (g_cluster == 1 || (g_cluster == 2 && NumMTiles(q_len, heads) % 2 == 0)) {
     opt.cluster = g_cluster;
   }
+  if (g_split_cost > 0) opt.block_to_split_cost = g_split_cost;
 }
 
 // Whether LaunchDecode runs this problem in 64-row tiles with these options (the tiles that take
@@ -469,7 +473,7 @@ static void RunOnce(const Problem& pb, int copy) {
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
   CHECK_CUDA(cudaGetLastError());
   LaunchOptions opt;
-  ApplyClusterFlag(opt, pb.spec.q_len, pb.spec.heads);
+  ApplyLaunchFlags(opt, pb.spec.q_len, pb.spec.heads);
   opt.transposed_scores = g_transposed;
   opt.fp8_registers = g_fp8_registers;
   opt.wide_combine = g_wide_combine;
@@ -863,7 +867,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
-    if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
+    if (std::string(var.name) == "default") ApplyLaunchFlags(opt, s.q_len, s.heads);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
       DecodeParams p = pb.Params(i % pb.copies);
@@ -1088,10 +1092,12 @@ int main(int argc, char** argv) {
     else if (a == "--fail-closed") g_fail_closed = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
+    else if (a == "--split-cost" && i + 1 < argc) g_split_cost = atoi(argv[++i]);
     else args.push_back(argv[i]);
   }
-  printf("schedule: fixed_cost_blocks %d, min_blocks_per_part %d; fail_closed %d\n", g_fixed_cost,
-         g_min_blocks, g_fail_closed ? 1 : 0);
+  printf("schedule: fixed_cost_blocks %d, min_blocks_per_part %d, block_to_split_cost %d; "
+         "fail_closed %d\n",
+         g_fixed_cost, g_min_blocks, g_split_cost, g_fail_closed ? 1 : 0);
   argc = (int)args.size();
   argv = args.data();
   std::string mode = argc > 1 ? argv[1] : "check";
@@ -1224,7 +1230,7 @@ int main(int argc, char** argv) {
          "[--variants NAME]\n"
          "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
          "--fixed-cost N "
-         "--min-blocks N --fail-closed\n",
+         "--min-blocks N --split-cost N --fail-closed\n",
          argv[0]);
   return 2;
 }

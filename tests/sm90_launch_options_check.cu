@@ -112,6 +112,7 @@ int main() {
   Run("query_misaligned", [](DecodeParams& p, LaunchOptions&) { p.query = placeholder + 8; });
   Run("no_schedule", [](DecodeParams& p, LaunchOptions&) { p.schedule = nullptr; });
   Run("min_blocks_per_part=0", [](DecodeParams& p, LaunchOptions&) { p.min_blocks_per_part = 0; });
+  Run("block_to_split_cost=0", [](DecodeParams&, LaunchOptions& o) { o.block_to_split_cost = 0; });
   Run("fp8,experiment=1", [](DecodeParams& p, LaunchOptions& o) {
     p.kv_fp8 = true;
     o.experiment = 1;
@@ -211,6 +212,8 @@ int main() {
   }
   std::printf("schedule beyond one wave min %d\n",
               detail::ScheduleAsRead(p, 0, false).min_blocks_per_part);
+  std::printf("schedule block_to_split_cost=5 cost %d\n",
+              detail::ScheduleAsRead(p, 0, true, 5).block_to_split_cost);
   p.min_blocks_per_part = 3;
   std::printf("schedule min_blocks_per_part=3 min %d\n",
               detail::ScheduleAsRead(p, 0, true).min_blocks_per_part);

@@ -23,6 +23,7 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0",
          "softmax_scale=0", "query_misaligned", "no_schedule", "min_blocks_per_part=0",
+         "block_to_split_cost=0",
          "fp8,experiment=1", "fp8,late_release", "fp8,cluster=2"]
 
 # The same checks let these through (the arguments of ValidParams, changed as each name says),
@@ -37,8 +38,9 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
 # unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
 # request at 128 rows) fits the 132 SMs; the schedule's split cost is 24 for the fp8 cache's
-# 64-row tiles (score_n 0) and 14 for every other kernel, and parts take one KV block at least
-# with such a combine, two without, or what min_blocks_per_part asks if more.
+# 64-row tiles (score_n 0) and 14 for every other kernel (or what LaunchOptions names), and parts
+# take one KV block at least with such a combine, two without, or what min_blocks_per_part asks if
+# more.
 DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
             "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
@@ -51,7 +53,8 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "combine rows=128,batch=2 32 rows 1", "combine rows=128,batch=3 32 rows 0",
             "schedule score_n=16,fp8=0 cost 14 min 1", "schedule score_n=16,fp8=1 cost 14 min 1",
             "schedule score_n=0,fp8=0 cost 14 min 1", "schedule score_n=0,fp8=1 cost 24 min 1",
-            "schedule beyond one wave min 2", "schedule min_blocks_per_part=3 min 3"]
+            "schedule beyond one wave min 2", "schedule block_to_split_cost=5 cost 5",
+            "schedule min_blocks_per_part=3 min 3"]
 
 
 def cutlass_include() -> str | None:

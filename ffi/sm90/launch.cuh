@@ -60,6 +60,8 @@ struct LaunchOptions {
                               // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
                               // 17-32) instead of DecodeKernel's transposed path: -1 (default)
                               // and 1 yes, 0 no
+  int block_to_split_cost = -1;  // SplitUnits' ratio in the schedule the kernels read: -1
+                                 // (default) the kernel's (ScheduleAsRead), else at least 1
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
                               // requests' results are wrong)
 };
@@ -389,7 +391,8 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 32)) {
+       options.combine_rows_in_flight != 32) ||
+      (options.block_to_split_cost != -1 && options.block_to_split_cost < 1)) {
     return cudaErrorInvalidValue;
   }
 #ifndef JAX_MLA_SM90_EXPERIMENTS
@@ -414,11 +417,15 @@ inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int
 }
 
 // p as the decode and combine kernels read the schedule with it: the split cost of the kernel that
-// runs (score_n as ChooseKernel gives it), and parts of one KV block only where the combine merges
-// in one wave (the wide combine with 32 rows in flight).
-inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_wave_combine) {
+// runs (score_n as ChooseKernel gives it) unless `block_to_split_cost` (LaunchOptions') names one,
+// and parts of one KV block only where the combine merges in one wave (the wide combine with 32
+// rows in flight).
+inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_wave_combine,
+                                   int block_to_split_cost = -1) {
   DecodeParams sp = p;
-  sp.block_to_split_cost = p.kv_fp8 && score_n == 0 ? kBlockToSplitCostFp8Tiles : kBlockToSplitCost;
+  sp.block_to_split_cost = block_to_split_cost > 0       ? block_to_split_cost
+                           : p.kv_fp8 && score_n == 0 ? kBlockToSplitCostFp8Tiles
+                                                      : kBlockToSplitCost;
   if (!one_wave_combine && sp.min_blocks_per_part < kMinBlocksPerPartBeyondOneWave) {
     sp.min_blocks_per_part = kMinBlocksPerPartBeyondOneWave;
   }
@@ -457,7 +464,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
   const bool rows_32 = detail::CombineRows32(options, rows, p.batch, p.num_sms);
-  DecodeParams sp = detail::ScheduleAsRead(p, score_n, wide_combine && rows_32);
+  DecodeParams sp =
+      detail::ScheduleAsRead(p, score_n, wide_combine && rows_32, options.block_to_split_cost);
   DecodeKernelArgs args;
   args.p = sp;
   args.num_parts = parts;
