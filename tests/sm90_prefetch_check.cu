@@ -30,7 +30,7 @@ namespace {
 struct Case {
   std::vector<int32_t> prefix, lens, tables;
   std::vector<int32_t> planned;  // the lengths the schedule was built from; empty: lens
-  int batch, max_pages, page_size, num_pages, num_parts, fixed_cost, min_blocks, q_len;
+  int batch, max_pages, page_size, num_pages, num_parts, fixed_cost, min_blocks, split_cost, q_len;
   bool valid;  // prefix is ScheduleKernel's for these lengths (planned, if given)
   bool fail_closed;
 };
@@ -64,6 +64,7 @@ Case MakeCase(std::mt19937& rng, bool valid) {
   c.num_parts = Pick(rng, {1, 2, 33, 66, 132});
   c.fixed_cost = Pick(rng, {0, 1, 2, 4});
   c.min_blocks = Pick(rng, {1, 2, 3, 8});
+  c.split_cost = Pick(rng, {1, 14, 24, 1000000});
   c.q_len = Pick(rng, {1, 2, 4});
   c.fail_closed = Pick(rng, {0, 1}) == 1;
   c.valid = valid;
@@ -114,6 +115,7 @@ DecodeParams ParamsOf(const Case& c) {
   p.num_pages = c.num_pages;
   p.fixed_cost_blocks = c.fixed_cost;
   p.min_blocks_per_part = c.min_blocks;
+  p.block_to_split_cost = c.split_cost;
   return p;
 }
 

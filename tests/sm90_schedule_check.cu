@@ -11,7 +11,8 @@
 // writes its empty rows). Mode 2 builds the prefix from the planned lengths but walks without them,
 // as a kernel not told the plan's lengths would: the control for why it must be.
 //
-// stdin, one case a line: batch parts max_pages page_size fixed_cost min_blocks q_len fail_closed
+// stdin, one case a line: batch parts max_pages page_size fixed_cost min_blocks split_cost q_len
+// fail_closed
 // mode (0: no plan, 1: planned, 2: planned but not compared), then batch lengths, then with mode
 // 1 or 2 batch planned lengths. stdout, a line a case: "ok SEGMENTS LEN..." (the kernels' length
 // of each request) or "FAIL reason".
@@ -28,7 +29,8 @@
 using namespace jax_mla::sm90;
 
 static std::string Check(int batch, int parts, const RequestLengths& rule,
-                         const std::vector<int32_t>& planned, int fixed_cost, int min_blocks) {
+                         const std::vector<int32_t>& planned, int fixed_cost, int min_blocks,
+                         int split_cost) {
   const int max_pages = rule.max_pages, page_size = rule.page_size;
   std::vector<int> kernel_len(batch);
   for (int b = 0; b < batch; ++b) kernel_len[b] = rule.Get(b);
@@ -41,6 +43,7 @@ static std::string Check(int batch, int parts, const RequestLengths& rule,
   p.batch = batch;
   p.fixed_cost_blocks = fixed_cost;
   p.min_blocks_per_part = min_blocks;
+  p.block_to_split_cost = split_cost;
   const ScheduleView view = ScheduleView::Load(p, parts);
   std::vector<int> next_block(batch, 0), segments_of(batch, 0), last_part(batch, -1);
   std::set<long long> slots;
@@ -97,9 +100,10 @@ static std::string Check(int batch, int parts, const RequestLengths& rule,
 }
 
 int main() {
-  int batch, parts, max_pages, page_size, fixed_cost, min_blocks, q_len, fail_closed, mode;
-  while (std::cin >> batch >> parts >> max_pages >> page_size >> fixed_cost >> min_blocks >> q_len >>
-         fail_closed >> mode) {
+  int batch, parts, max_pages, page_size, fixed_cost, min_blocks, split_cost, q_len, fail_closed,
+      mode;
+  while (std::cin >> batch >> parts >> max_pages >> page_size >> fixed_cost >> min_blocks >>
+         split_cost >> q_len >> fail_closed >> mode) {
     std::vector<int32_t> lens(batch);
     for (int32_t& len : lens) std::cin >> len;
     std::vector<int32_t> planned = lens;
@@ -108,7 +112,8 @@ int main() {
     }
     const RequestLengths rule{lens.data(), mode == 1 ? planned.data() : nullptr, max_pages,
                               page_size, q_len, fail_closed != 0};
-    std::printf("%s\n", Check(batch, parts, rule, planned, fixed_cost, min_blocks).c_str());
+    std::printf("%s\n",
+                Check(batch, parts, rule, planned, fixed_cost, min_blocks, split_cost).c_str());
   }
   return 0;
 }

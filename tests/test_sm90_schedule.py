@@ -47,7 +47,7 @@ def run_cases(schedule_check, cases):
     results = run.stdout.splitlines()
     assert len(results) == len(cases)
     expected = [kernel_lengths(lengths, planned if header[-1] == 1 else None,
-                               header[2] * header[3], header[6], header[7])
+                               header[2] * header[3], header[7], header[8])
                 for _, header, lengths, planned in cases]
     return {case[0]: (result.split(), want)
             for case, result, want in zip(cases, results, expected)}
@@ -65,7 +65,8 @@ def cost_model_cases():
     max_pages, page_size = 40, 64
     capacity = max_pages * page_size
     for fixed_cost in (0, 1, 2, 4):
-        for min_blocks in (1, 2, 3, 8, 64):
+        for min_blocks, split_cost in ((1, 14), (1, 24), (1, 1), (2, 14), (3, 10**6), (8, 14),
+                                       (64, 14)):
             for parts in (1, 2, 33, 66, 132):
                 for batch in (1, 5, 64, 300):
                     lengths = rng.integers(0, capacity + 1, size=batch)
@@ -74,9 +75,9 @@ def cost_model_cases():
                     lengths[rng.random(batch) < 0.1] = 0
                     lengths[rng.random(batch) < 0.1] = 1
                     q_len, fail_closed = int(rng.integers(1, 5)), int(rng.integers(0, 2))
-                    header = [batch, parts, max_pages, page_size, fixed_cost, min_blocks, q_len,
-                              fail_closed, 0]
-                    yield (fixed_cost, min_blocks, parts, batch), header, lengths, None
+                    header = [batch, parts, max_pages, page_size, fixed_cost, min_blocks,
+                              split_cost, q_len, fail_closed, 0]
+                    yield (fixed_cost, min_blocks, split_cost, parts, batch), header, lengths, None
 
 
 def test_every_block_is_covered_once_for_every_cost_model(schedule_check):
@@ -88,7 +89,7 @@ def test_every_block_is_covered_once_for_every_cost_model(schedule_check):
 def test_one_request_of_4k_tokens_on_66_parts(schedule_check):
     """B=1, L=4k, fixed cost 2, at least 2 blocks a part: 64 blocks in 32 segments of 2 (the
     fixed cost fills the first part's units)."""
-    run = subprocess.run([str(schedule_check)], input="1 66 64 64 2 2 1 1 0 4096\n",
+    run = subprocess.run([str(schedule_check)], input="1 66 64 64 2 2 14 1 1 0 4096\n",
                          capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["ok", "32", "4096"]
 
@@ -103,7 +104,8 @@ def test_a_request_is_split_about_sqrt_of_its_blocks_over_the_split_cost_ways(
     parts)): 18 units (1k tokens) give parts of one block, 34 and 66 of two, 130 of three, 258 of
     four (on 66 parts too: ceil(258 / 66) is 4 as well) and 514 of six, the first part's units
     also holding the fixed cost."""
-    run = subprocess.run([str(schedule_check)], input=f"1 {parts} 512 64 2 1 1 0 0 {length}\n",
+    run = subprocess.run([str(schedule_check)],
+                         input=f"1 {parts} 512 64 2 1 14 1 0 0 {length}\n",
                          capture_output=True, text=True, check=True)
     assert run.stdout.split() == ["ok", str(segments), str(length)]
 
@@ -121,7 +123,7 @@ def plan_cases():
             lengths = np.where(kept, planned, planned + rng.choice([-1, 200], size=batch, p=[0.3, 0.7]))
             for fail_closed in (0, 1):
                 for mode in (1, 2):
-                    header = [batch, parts, max_pages, page_size, 2, 2, 2, fail_closed, mode]
+                    header = [batch, parts, max_pages, page_size, 2, 2, 14, 2, fail_closed, mode]
                     yield (parts, batch, fail_closed, mode), header, lengths, planned
 
 

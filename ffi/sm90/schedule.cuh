@@ -199,7 +199,11 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
                                                              Visit visit) {
   const int32_t* prefix = p.schedule;
   const int total = load(prefix + p.batch);
-  if (total <= 0) return;
+  // Read before the dependency wait, the schedule may not be written yet: a total no schedule of
+  // this table can have is not walked (nor given to SplitUnits, whose loop it would lengthen).
+  const long long most_per_request =
+      NumKvBlocks(EffectiveLength(INT32_MAX, p.max_pages, p.page_size)) + p.fixed_cost_blocks;
+  if (total <= 0 || total > p.batch * most_per_request) return;
   const int per_part = UnitsPerPart(p, total, num_parts);
   if (part >= CeilDivInt(total, per_part)) return;
   const int x0 = part * per_part;
