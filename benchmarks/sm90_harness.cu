@@ -25,7 +25,7 @@
 //   where the number of M tiles is even / cluster = 1 everywhere (default: the launcher's choice).
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run;
-//   --split-cost N (any mode): LaunchOptions::block_to_split_cost of the default launch.
+//   --split-cost N (any mode): LaunchOptions::block_to_split_cost of every launch.
 //   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
 //   in DecodeKernel's transposed path instead of the register-operand kernels).
 //   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
@@ -452,12 +452,16 @@ static cudaStream_t CheckStream() {
   return stream;
 }
 
-// LaunchOptions::cluster as --cluster2 / --cluster1 ask for it (unchanged without either flag),
-// and LaunchOptions::block_to_split_cost as --split-cost gives it.
-static void ApplyLaunchFlags(LaunchOptions& opt, int q_len, int heads) {
+// LaunchOptions::cluster as --cluster2 / --cluster1 ask for it (unchanged without either flag).
+static void ApplyClusterFlag(LaunchOptions& opt, int q_len, int heads) {
   if (g_cluster == 1 || (g_cluster == 2 && NumMTiles(q_len, heads) % 2 == 0)) {
     opt.cluster = g_cluster;
   }
+}
+
+// LaunchOptions::block_to_split_cost as --split-cost gives it (unchanged without the flag): the
+// schedule's parts, for every launch of the run.
+static void ApplySplitCostFlag(LaunchOptions& opt) {
   if (g_split_cost > 0) opt.block_to_split_cost = g_split_cost;
 }
 
@@ -473,7 +477,8 @@ static void RunOnce(const Problem& pb, int copy) {
   CHECK_CUDA(LaunchSchedule(p, CheckStream()));
   CHECK_CUDA(cudaGetLastError());
   LaunchOptions opt;
-  ApplyLaunchFlags(opt, pb.spec.q_len, pb.spec.heads);
+  ApplyClusterFlag(opt, pb.spec.q_len, pb.spec.heads);
+  ApplySplitCostFlag(opt);
   opt.transposed_scores = g_transposed;
   opt.fp8_registers = g_fp8_registers;
   opt.wide_combine = g_wide_combine;
@@ -867,7 +872,8 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
-    if (std::string(var.name) == "default") ApplyLaunchFlags(opt, s.q_len, s.heads);
+    if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
+    ApplySplitCostFlag(opt);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
     for (int i = 0; i < 3; ++i) {
       DecodeParams p = pb.Params(i % pb.copies);
