@@ -49,18 +49,23 @@ __device__ __forceinline__ void NamedArrive(int threads, int id) {
 
 __device__ __forceinline__ void ConsumerSync() { NamedSync(kConsumerThreads, kConsumerBarrier); }
 
-// ConsumerSync (the same hardware barrier: CUTLASS's NamedBarrier numbers ids after its reserved
-// ones) that also returns whether `pred` holds for any consumer thread (bar.red.or).
-__device__ __forceinline__ bool ConsumerSyncAny(bool pred) {
-  constexpr uint32_t kId = kConsumerBarrier + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
+// NamedSync over `threads` threads at barrier `id` (CUTLASS's numbering: its NamedBarrier puts ids
+// after its reserved ones) that also returns whether `pred` holds for any of them (bar.red.or).
+__device__ __forceinline__ bool NamedSyncAny(uint32_t threads, uint32_t id, bool pred) {
+  const uint32_t hardware_id = id + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
   uint32_t any;
   asm volatile(
       "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
       " selp.u32 %0, 1, 0, q;\n}"
       : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "n"(kId), "n"(kConsumerThreads)
+      : "r"(static_cast<uint32_t>(pred)), "r"(hardware_id), "r"(threads)
       : "memory");
   return any != 0;
+}
+
+// ConsumerSync that also returns whether `pred` holds for any consumer thread.
+__device__ __forceinline__ bool ConsumerSyncAny(bool pred) {
+  return NamedSyncAny(kConsumerThreads, kConsumerBarrier, pred);
 }
 
 // "Warpgroup wg's latest block is done": wg's 128 threads arrive, the other warpgroup's wait
@@ -75,18 +80,10 @@ __device__ __forceinline__ void WaitHandover(int wg) {
 
 __device__ __forceinline__ void WarpgroupSync(int wg) { NamedSync(128, kWarpgroupBarrier + wg); }
 
-// Whether x holds for any thread of warpgroup wg (all its threads call it): WarpgroupSync's
-// hardware barrier, with an OR over the threads (bar.red.or).
+// Whether x holds for any thread of warpgroup wg (all its threads call it): WarpgroupSync with an
+// OR over the threads.
 __device__ __forceinline__ bool WarpgroupAny(int wg, bool x) {
-  const uint32_t id = kWarpgroupBarrier + wg + cutlass::arch::NamedBarrier::ReservedNamedBarrierCount;
-  uint32_t any;
-  asm volatile(
-      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n"
-      " bar.red.or.pred q, %2, 128, p;\n selp.u32 %0, 1, 0, q;\n}"
-      : "=r"(any)
-      : "r"(static_cast<uint32_t>(x)), "r"(id)
-      : "memory");
-  return any != 0;
+  return NamedSyncAny(128, kWarpgroupBarrier + wg, x);
 }
 
 // The pipeline's barriers in shared memory: the query tile's pair, then for each slot (a KV stage,
