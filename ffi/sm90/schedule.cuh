@@ -202,7 +202,7 @@ __host__ __device__ __forceinline__ void ForEachPrefetchHalf(const DecodeParams&
   // Read before the dependency wait, the schedule may not be written yet: a total no schedule of
   // this table can have is not walked (nor given to SplitUnits, whose loop it would lengthen).
   const long long most_per_request =
-      NumKvBlocks(EffectiveLength(INT32_MAX, p.max_pages, p.page_size)) + p.fixed_cost_blocks;
+      RequestCost(INT32_MAX, p.max_pages, p.page_size, p.fixed_cost_blocks);
   if (total <= 0 || total > p.batch * most_per_request) return;
   const int per_part = UnitsPerPart(p, total, num_parts);
   if (part >= CeilDivInt(total, per_part)) return;
