@@ -215,9 +215,9 @@ CombineKernel(const DecodeParams p, int num_parts) {
 // The same merge with kCombineWarpsPerRow warps per output row, each owning 512 / that many
 // columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
 // over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
-// j + 32, ...) and reduced across the warp in a fixed order; the outputs are accumulated in part
-// order, each lane loading kRowsInFlight partial rows at a time, the first ones before the LSEs
-// are reduced. 32 rows in flight take more registers than several CTAs per SM leave: for grids
+// j + 32, ...), all at once, and reduced across the warp in a fixed order; the outputs are
+// accumulated in part order, each lane loading kRowsInFlight partial rows at a time, the first
+// ones before the LSEs are reduced. 32 rows in flight take more registers than several CTAs per SM leave: for grids
 // that fit the SMs in one wave of one CTA each (LaunchDecode). Deterministic; grid:
 // (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
 // kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are bf16 (the decode's
@@ -269,11 +269,28 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   };
   load_rows(first);
 
-  // Lane j's LSE of split first + j (the common case of at most 32 splits reads each once).
-  const float lse_first = first + lane <= last ? req.part_lse[slot_row(first + lane)] : kNegInf;
-  float max_lse = lse_first;
-  for (int s = first + 32 + lane; s <= last; s += 32) {
-    max_lse = fmaxf(max_lse, req.part_lse[slot_row(s)]);
+  // Lane j's LSEs of splits first + j + 32 g, g < kCombineLseGroups, all read at once (kNegInf
+  // past last), so that the reductions and the weights below wait for one round trip to memory
+  // instead of one per 32 splits; splits beyond them (more parts than an SM90 GPU has SMs) are
+  // read where they are needed.
+  float lse_g[kCombineLseGroups];
+#pragma unroll
+  for (int g = 0; g < kCombineLseGroups; ++g) {
+    const int s = first + 32 * g + lane;
+    lse_g[g] = s <= last ? req.part_lse[slot_row(s)] : kNegInf;
+  }
+  auto lane_lse = [&](int g) {  // this lane's LSE of split first + 32 g + lane (kNegInf past last)
+    const int s = first + 32 * g + lane;
+    if (g >= kCombineLseGroups) return s <= last ? req.part_lse[slot_row(s)] : kNegInf;
+    float v = lse_g[0];
+#pragma unroll
+    for (int i = 1; i < kCombineLseGroups; ++i) v = g == i ? lse_g[i] : v;
+    return v;
+  };
+  const int groups = (last - first) / 32 + 1;
+  float max_lse = lse_g[0];
+  for (int g = 1; g < groups; ++g) {
+    if (first + 32 * g + lane <= last) max_lse = fmaxf(max_lse, lane_lse(g));
   }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
@@ -281,9 +298,9 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
     write(zero, kNegInf);
     return;
   }
-  float sum = __expf(lse_first - max_lse);
-  for (int s = first + 32 + lane; s <= last; s += 32) {
-    sum += __expf(req.part_lse[slot_row(s)] - max_lse);
+  float sum = __expf(lse_g[0] - max_lse);
+  for (int g = 1; g < groups; ++g) {
+    if (first + 32 * g + lane <= last) sum += __expf(lane_lse(g) - max_lse);
   }
 #pragma unroll
   for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
@@ -292,9 +309,7 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   float4 acc = zero;
   for (int base = first; base <= last; base += 32) {
     // Lane j holds the weight of split base + j.
-    const float lse_lane = base == first ? lse_first
-                           : base + lane <= last ? req.part_lse[slot_row(base + lane)]
-                                                 : kNegInf;
+    const float lse_lane = lane_lse((base - first) / 32);
     const float w_lane = __expf(lse_lane - lse);
     for (int sub = 0; sub < 32 && base + sub <= last; sub += kRowsInFlight) {
       if (base + sub != first) load_rows(base + sub);

@@ -67,6 +67,9 @@ constexpr int kMinBlocksPerPartBeyondOneWave = 2;
 // Combine kernels: CombineKernel has one warp per output row; CombineKernelWide has
 // kCombineWarpsPerRow warps per row and kCombineWideRowsPerBlock rows per block.
 constexpr int kCombineRowsPerBlock = 8;
+// CombineKernelWide's LSEs of a request's splits held per lane (32 splits a group): 160 splits,
+// more parts than an SM90 GPU has SMs.
+constexpr int kCombineLseGroups = 5;
 constexpr int kCombineWarpsPerRow = 4;
 constexpr int kCombineWideRowsPerBlock = 2;
 
