@@ -217,8 +217,9 @@ CombineKernel(const DecodeParams p, int num_parts) {
 // over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
 // j + 32, ...), all at once, and reduced across the warp in a fixed order; the outputs are
 // accumulated in part order, each lane loading kRowsInFlight partial rows at a time, the first
-// ones before the LSEs are reduced. 32 rows in flight take more registers than several CTAs per SM leave: for grids
-// that fit the SMs in one wave of one CTA each (LaunchDecode). Deterministic; grid:
+// ones before the LSEs are reduced. 32 rows in flight take more registers than several CTAs per
+// SM leave: for grids that fit the SMs in one wave of one CTA each (LaunchDecode).
+// Deterministic; grid:
 // (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
 // kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are bf16 (the decode's
 // DecodeKernelArgs::bf16_partials), else fp32.
