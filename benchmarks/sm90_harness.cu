@@ -28,10 +28,11 @@
 //   --split-cost N (any mode): LaunchOptions::block_to_split_cost of every launch.
 //   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
 //   in DecodeKernel's transposed path instead of the register-operand kernels).
-//   --plain-scores, --wide-combine, --narrow-combine, --split-release, --whole-release,
-//   --fp32-partials, --bf16-partials (checks only): LaunchOptions' transposed_scores = 0,
-//   wide_combine = 1, wide_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0,
-//   bf16_partials = 1 (in 64-row tiles; the transposed kernels keep the default).
+//   --plain-scores, --wide-combine, --narrow-combine, --staged-combine, --loaded-combine,
+//   --split-release, --whole-release, --fp32-partials, --bf16-partials (checks only):
+//   LaunchOptions' transposed_scores = 0, wide_combine = 1, wide_combine = 0, staged_combine = 1,
+//   staged_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0, bf16_partials = 1
+//   (in 64-row tiles; the transposed kernels keep the default).
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -66,6 +67,8 @@ static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
                                  // "--narrow-combine": 0)
+static int g_staged_combine = -1;  // LaunchOptions::staged_combine of checks ("--staged-combine":
+                                   // 1, "--loaded-combine": 0)
 static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--split-release": 1,
                                   // "--whole-release": 0)
 static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
@@ -482,6 +485,7 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.transposed_scores = g_transposed;
   opt.fp8_registers = g_fp8_registers;
   opt.wide_combine = g_wide_combine;
+  opt.staged_combine = g_staged_combine;
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
@@ -755,7 +759,9 @@ static LaunchOptions With(Set set) {
 
 static std::vector<Variant> CombineVariants() {
   return {{"combine-narrow", With([](LaunchOptions& o) { o.wide_combine = 0; })},
-          {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })}};
+          {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })},
+          {"combine-staged", With([](LaunchOptions& o) { o.staged_combine = 1; })},
+          {"combine-loaded", With([](LaunchOptions& o) { o.staged_combine = 0; })}};
 }
 
 static std::vector<Variant> PartialsVariants() {
@@ -946,6 +952,39 @@ static void PrintDevice() {
          NumParts(prop.multiProcessorCount, 1, 128));
 }
 
+#ifdef JAX_MLA_SM90_TRACE
+// The decode's and the combine's CTAs on one clock (g_kernel_trace): when they started, when their
+// grid dependency wait returned and when they were done, in µs from the first decode CTA's start;
+// the earliest, median and latest CTA of each.
+static void PrintKernelStamps(const std::vector<uint64_t>& stamps) {
+  auto at = [&](int kernel, int cta, int event) {
+    return stamps[(static_cast<size_t>(kernel) * kTraceCtas + cta) * kKernelEvents + event];
+  };
+  uint64_t t0 = ~0ull;
+  for (int c = 0; c < kTraceCtas; ++c) {
+    const uint64_t start = at(kTracedDecode, c, kKernelEntry);
+    if (start != 0) t0 = std::min(t0, start);
+  }
+  const char* kernels[] = {"decode", "combine"};
+  const char* events[] = {"start", "wait returned", "LSEs merged", "first splits accumulated",
+                          "done"};
+  printf("| kernel | event | CTAs | first µs | median µs | last µs |\n");
+  printf("|---|---|---|---|---|---|\n");
+  for (int k = 0; k < kTracedKernels; ++k) {
+    for (int e = 0; e < kKernelEvents; ++e) {
+      std::vector<double> t;
+      for (int c = 0; c < kTraceCtas; ++c) {
+        if (at(k, c, e) != 0) t.push_back((static_cast<double>(at(k, c, e)) - t0) * 1e-3);
+      }
+      if (t.empty()) continue;
+      std::sort(t.begin(), t.end());
+      printf("| %s | %s | %zu | %.2f | %.2f | %.2f |\n", kernels[k], events[e], t.size(), t.front(),
+             t[t.size() / 2], t.back());
+    }
+  }
+}
+#endif
+
 // One decode of the problem with the kernel's event timeline (ffi/sm90/trace.cuh; a build with
 // -DJAX_MLA_SM90_TRACE): where each CTA's time goes, summed per CTA, mean and max over the CTAs.
 static int RunTrace(const CaseSpec& s) {
@@ -959,7 +998,10 @@ static int RunTrace(const CaseSpec& s) {
   for (int i = 0; i < 3; ++i) RunOnce(pb, 0);
   std::vector<int> counts(kTraceCtas, 0);
   CHECK_CUDA(cudaMemcpyToSymbol(g_trace_count, counts.data(), sizeof(int) * kTraceCtas));
+  std::vector<uint64_t> stamps(static_cast<size_t>(kTracedKernels) * kTraceCtas * kKernelEvents, 0);
+  CHECK_CUDA(cudaMemcpyToSymbol(g_kernel_trace, stamps.data(), sizeof(uint64_t) * stamps.size()));
   RunOnce(pb, 0);
+  CHECK_CUDA(cudaMemcpyFromSymbol(stamps.data(), g_kernel_trace, sizeof(uint64_t) * stamps.size()));
   std::vector<TraceRecord> records(static_cast<size_t>(kTraceCtas) * kTraceRecords);
   CHECK_CUDA(cudaMemcpyFromSymbol(counts.data(), g_trace_count, sizeof(int) * kTraceCtas));
   CHECK_CUDA(cudaMemcpyFromSymbol(records.data(), g_trace, sizeof(TraceRecord) * records.size()));
@@ -1025,6 +1067,7 @@ static int RunTrace(const CaseSpec& s) {
     }
     printf("\n");
   }
+  PrintKernelStamps(stamps);
   pb.Free();
   return 0;
 #endif
@@ -1091,6 +1134,8 @@ int main(int argc, char** argv) {
     else if (a == "--fp8-transposed") g_fp8_registers = 0;
     else if (a == "--wide-combine") g_wide_combine = 1;
     else if (a == "--narrow-combine") g_wide_combine = 0;
+    else if (a == "--staged-combine") g_staged_combine = 1;
+    else if (a == "--loaded-combine") g_staged_combine = 0;
     else if (a == "--split-release") g_split_release = 1;
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
@@ -1234,8 +1279,8 @@ int main(int argc, char** argv) {
   printf("usage: %s check | sanitize | check-fp8 | sanitize-fp8 | time [iters] [variants] | "
          "time-fp8 [iters] | clusters | one --B .. --L .. --H .. "
          "[--variants NAME]\n"
-         "flags: --cluster2 --plain-scores --wide-combine --narrow-combine "
-         "--fixed-cost N "
+         "flags: --cluster2 --plain-scores --wide-combine --narrow-combine --staged-combine "
+         "--loaded-combine --fixed-cost N "
          "--min-blocks N --split-cost N --fail-closed\n",
          argv[0]);
   return 2;

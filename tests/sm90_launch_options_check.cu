@@ -87,6 +87,8 @@ int main() {
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
+  Run("staged_combine=2", [](DecodeParams&, LaunchOptions& o) { o.staged_combine = 2; });
+  Run("staged_combine=-2", [](DecodeParams&, LaunchOptions& o) { o.staged_combine = -2; });
   Run("kv_l2_promotion=64", [](DecodeParams&, LaunchOptions& o) { o.kv_l2_promotion = 64; });
   Run("fp8_registers=2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = 2; });
   Run("fp8_registers=-2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = -2; });
@@ -200,6 +202,22 @@ int main() {
   for (int batch : {2, 3}) {
     std::printf("combine rows=128,batch=%d 32 rows %d\n", batch,
                 detail::CombineRows32(defaults, 128, batch, 132));
+  }
+  // The wide combine staged in shared memory where its grid fits the SMs: two bf16 rows or one
+  // fp32 row a block.
+  for (int batch : {2, 3}) {
+    std::printf("staged rows=128,bf16,batch=%d %d\n", batch,
+                detail::UseStagedCombine(defaults, 128, batch, 132, true));
+  }
+  for (int batch : {8, 9}) {
+    std::printf("staged rows=16,f32,batch=%d %d\n", batch,
+                detail::UseStagedCombine(defaults, 16, batch, 132, false));
+  }
+  for (int staged : {0, 1}) {
+    LaunchOptions o;
+    o.staged_combine = staged;
+    std::printf("staged rows=16,f32,batch=9,staged_combine=%d %d\n", staged,
+                detail::UseStagedCombine(o, 16, 9, 132, false));
   }
   DecodeParams p = ValidParams();
   for (int score_n : {16, 0}) {

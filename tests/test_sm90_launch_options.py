@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_combine=-2",
          "split_release=2", "split_release=-2", "bf16_partials=2", "bf16_partials=-2",
          "bf16_partials=1,transposed", "combine_rows_in_flight=16", "combine_rows_in_flight=0",
+         "staged_combine=2", "staged_combine=-2",
          "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "cluster=3", "cluster=0",
          "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0",
@@ -37,10 +38,11 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
 # elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
 # unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
-# request at 128 rows) fits the 132 SMs; the schedule's split cost is 24 for the fp8 cache's
-# 64-row tiles (score_n 0) and 14 for every other kernel (or what LaunchOptions names), and parts
-# take one KV block at least with such a combine, two without, or what min_blocks_per_part asks if
-# more.
+# request at 128 rows) fits the 132 SMs, and is the staged one where its own grid (two bf16 rows
+# or one fp32 row a block) fits them, or where staged_combine says; the schedule's split cost is
+# 24 for the fp8 cache's 64-row tiles (score_n 0) and 14 for every other kernel (or what
+# LaunchOptions names), and parts take one KV block at least with such a combine, two without, or
+# what min_blocks_per_part asks if more.
 DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
             "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
@@ -51,6 +53,10 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1",
             "combine rows=128,batch=2 32 rows 1", "combine rows=128,batch=3 32 rows 0",
+            "staged rows=128,bf16,batch=2 1", "staged rows=128,bf16,batch=3 0",
+            "staged rows=16,f32,batch=8 1", "staged rows=16,f32,batch=9 0",
+            "staged rows=16,f32,batch=9,staged_combine=0 0",
+            "staged rows=16,f32,batch=9,staged_combine=1 1",
             "schedule score_n=16,fp8=0 cost 14 min 1", "schedule score_n=16,fp8=1 cost 14 min 1",
             "schedule score_n=0,fp8=0 cost 14 min 1", "schedule score_n=0,fp8=1 cost 24 min 1",
             "schedule beyond one wave min 2", "schedule block_to_split_cost=5 cost 5",

@@ -19,8 +19,13 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cutlass/arch/barrier.h>
+
 #include "decode_params.h"
+#include "producer.cuh"
 #include "schedule.cuh"
+#include "trace.cuh"
 
 namespace jax_mla {
 namespace sm90 {
@@ -119,6 +124,8 @@ __device__ __forceinline__ float4 Widen(const Bf16x4& v) {
 template <bool kBf16Partials>
 __global__ void __launch_bounds__(kCombineRowsPerBlock * 32)
 CombineKernel(const DecodeParams p, int num_parts) {
+  SM90_TRACE_KERNEL(kTracedCombine, kKernelEntry);
+  SM90_TRACE_KERNEL_EXIT_SCOPE(kTracedCombine);
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows = p.q_len * p.num_heads;
@@ -132,6 +139,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
     const bool empty = b0 + lane < p.batch && RequestLengths::Of(p).Get(b0 + lane) == 0;
     const uint32_t empties = __ballot_sync(0xffffffffu, empty);
     GridDependencyWait();
+    SM90_TRACE_KERNEL(kTracedCombine, kKernelWaited);
     for (uint32_t mask = empties; mask != 0; mask &= mask - 1) {
       WriteEmptyRow(p, rows, b0 + __ffs(mask) - 1, row, lane);
     }
@@ -149,6 +157,7 @@ CombineKernel(const DecodeParams p, int num_parts) {
   SplitRequest req{};
   if (b >= 0) req = SplitRequest::Load(p, view, num_parts, b);
   GridDependencyWait();
+  SM90_TRACE_KERNEL(kTracedCombine, kKernelWaited);
   if (b < 0) return;
   const int first = req.first, last = req.last;
   __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
@@ -212,21 +221,109 @@ CombineKernel(const DecodeParams p, int num_parts) {
   if (lane == 0) *lse_out = lse;
 }
 
+// One warp's view of the LSEs of output row `row` of request b's splits first..last: lane j holds
+// those of splits first + j + 32 g for g < kCombineLseGroups, all read at once (kNegInf past last),
+// so that the reductions wait for one round trip to memory instead of one per 32 splits; splits
+// beyond them (more parts than an SM90 GPU has SMs) are read where they are needed.
+struct RowSplitLses {
+  const float* lse0;  // the LSE of split first; split s's is at lse0 + (s - first) * stride
+  size_t stride;
+  int count, lane;    // count: last - first + 1
+  float held[kCombineLseGroups];
+
+  __device__ __forceinline__ static RowSplitLses Load(const SplitRequest& req, int b, int row,
+                                                      int lane) {
+    RowSplitLses r;
+    r.lse0 = req.part_lse + req.SlotRow(b, req.first, row);
+    r.stride = req.rows_pad;
+    r.count = req.last - req.first + 1;
+    r.lane = lane;
+#pragma unroll
+    for (int g = 0; g < kCombineLseGroups; ++g) r.held[g] = r.Read(32 * g + lane);
+    return r;
+  }
+  __device__ __forceinline__ float Read(int i) const {
+    return i < count ? lse0[i * stride] : -__builtin_huge_valf();
+  }
+  // This lane's LSE of split first + 32 g + lane (kNegInf past last).
+  __device__ __forceinline__ float Get(int g) const {
+    if (g >= kCombineLseGroups) return Read(32 * g + lane);
+    float v = held[0];
+#pragma unroll
+    for (int i = 1; i < kCombineLseGroups; ++i) v = g == i ? held[i] : v;
+    return v;
+  }
+  // The row's LSE over all its splits, the same on every lane, reduced across the warp in a fixed
+  // order; kNegInf where every split is empty.
+  __device__ __forceinline__ float Merged() const {
+    const int groups = (count - 1) / 32 + 1;
+    float max_lse = held[0];
+    for (int g = 1; g < groups; ++g) {
+      if (32 * g + lane < count) max_lse = fmaxf(max_lse, Get(g));
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) {
+      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
+    }
+    if (max_lse == -__builtin_huge_valf()) return max_lse;
+    float sum = __expf(held[0] - max_lse);
+    for (int g = 1; g < groups; ++g) {
+      if (32 * g + lane < count) sum += __expf(Get(g) - max_lse);
+    }
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+    return max_lse + __logf(sum);
+  }
+  // Lane j's weight of split first + 32 g + j in the merge: exp(its LSE - the merged LSE).
+  __device__ __forceinline__ float Weight(int g, float merged) const {
+    return __expf(Get(g) - merged);
+  }
+};
+
+// Where one warp of a wide combine writes its 128 columns (4 a lane, from col0) of output row
+// `row` of request b, and that row's LSE (once per row).
+struct WideRowOutput {
+  __nv_bfloat16* out;
+  float* lse;
+  bool writes_lse;
+
+  __device__ __forceinline__ static WideRowOutput At(const DecodeParams& p, int rows, int b,
+                                                     int row, int col0, bool writes_lse) {
+    const size_t out_row = static_cast<size_t>(b) * rows + row;
+    return {static_cast<__nv_bfloat16*>(p.out) + out_row * kLatentDim + col0, p.lse + out_row,
+            writes_lse};
+  }
+  __device__ __forceinline__ void Write(float4 v, float row_lse) const {
+    *reinterpret_cast<Bf16x4*>(out) =
+        Bf16x4{__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
+    if (writes_lse) *lse = row_lse;
+  }
+  __device__ __forceinline__ void WriteEmpty() const {
+    Write(make_float4(0.f, 0.f, 0.f, 0.f), -__builtin_huge_valf());
+  }
+};
+
+__device__ __forceinline__ void MultiplyAdd(float w, const float4& x, float4& acc) {
+  acc.x = fmaf(w, x.x, acc.x);
+  acc.y = fmaf(w, x.y, acc.y);
+  acc.z = fmaf(w, x.z, acc.z);
+  acc.w = fmaf(w, x.w, acc.w);
+}
+
 // The same merge with kCombineWarpsPerRow warps per output row, each owning 512 / that many
 // columns (4 per lane), for requests split over many parts (few requests: B = 1 splits one request
-// over up to all parts). The splits' LSEs are read by the lanes in parallel (lane j: splits j,
-// j + 32, ...), all at once, and reduced across the warp in a fixed order; the outputs are
-// accumulated in part order, each lane loading kRowsInFlight partial rows at a time, the first
-// ones before the LSEs are reduced. 32 rows in flight take more registers than several CTAs per
-// SM leave: for grids that fit the SMs in one wave of one CTA each (LaunchDecode).
-// Deterministic; grid:
-// (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of kCombineWideRowsPerBlock *
-// kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are bf16 (the decode's
-// DecodeKernelArgs::bf16_partials), else fp32.
+// over up to all parts). The splits' LSEs are read by the lanes in parallel (RowSplitLses) and
+// reduced across the warp in a fixed order; the outputs are accumulated in part order, each lane
+// loading kRowsInFlight partial rows at a time, the first ones before the LSEs are reduced.
+// Deterministic; grid: (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of
+// kCombineWideRowsPerBlock * kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are
+// bf16 (the decode's DecodeKernelArgs::bf16_partials), else fp32.
 template <int kRowsInFlight, bool kBf16Partials>
 __global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
 CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
+  SM90_TRACE_KERNEL(kTracedCombine, kKernelEntry);
+  SM90_TRACE_KERNEL_EXIT_SCOPE(kTracedCombine);
   GridDependencyLaunchDependents();
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int b = blockIdx.y;
@@ -236,24 +333,15 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
   constexpr int kCols = kLatentDim / kCombineWarpsPerRow;  // 128: 4 per lane
   static_assert(kCols == 4 * 32, "one float4 of columns per lane");
   const int col0 = (warp % kCombineWarpsPerRow) * kCols + lane * 4;
-  const bool writes_lse = warp % kCombineWarpsPerRow == 0 && lane == 0;
   const SplitRequest req = SplitRequest::Load(p, ScheduleView::Load(p, num_parts), num_parts, b);
   GridDependencyWait();
+  SM90_TRACE_KERNEL(kTracedCombine, kKernelWaited);
   const int first = req.first, last = req.last;
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
-                       (static_cast<size_t>(b) * rows + row) * kLatentDim + col0;
-  float* lse_out = p.lse + static_cast<size_t>(b) * rows + row;
-  constexpr float kNegInf = -__builtin_huge_valf();
-
-  auto write = [&](float4 v, float lse) {
-    *reinterpret_cast<Bf16x4*>(out) =
-        Bf16x4{__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
-    if (writes_lse) *lse_out = lse;
-  };
-  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  const WideRowOutput output =
+      WideRowOutput::At(p, rows, b, row, col0, warp % kCombineWarpsPerRow == 0 && lane == 0);
 
   if (req.n == 0) {
-    write(zero, kNegInf);
+    output.WriteEmpty();
     return;
   }
   if (first == last) return;
@@ -269,66 +357,163 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
     }
   };
   load_rows(first);
-
-  // Lane j's LSEs of splits first + j + 32 g, g < kCombineLseGroups, all read at once (kNegInf
-  // past last), so that the reductions and the weights below wait for one round trip to memory
-  // instead of one per 32 splits; splits beyond them (more parts than an SM90 GPU has SMs) are
-  // read where they are needed.
-  float lse_g[kCombineLseGroups];
-#pragma unroll
-  for (int g = 0; g < kCombineLseGroups; ++g) {
-    const int s = first + 32 * g + lane;
-    lse_g[g] = s <= last ? req.part_lse[slot_row(s)] : kNegInf;
-  }
-  auto lane_lse = [&](int g) {  // this lane's LSE of split first + 32 g + lane (kNegInf past last)
-    const int s = first + 32 * g + lane;
-    if (g >= kCombineLseGroups) return s <= last ? req.part_lse[slot_row(s)] : kNegInf;
-    float v = lse_g[0];
-#pragma unroll
-    for (int i = 1; i < kCombineLseGroups; ++i) v = g == i ? lse_g[i] : v;
-    return v;
-  };
-  const int groups = (last - first) / 32 + 1;
-  float max_lse = lse_g[0];
-  for (int g = 1; g < groups; ++g) {
-    if (first + 32 * g + lane <= last) max_lse = fmaxf(max_lse, lane_lse(g));
-  }
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, d));
-  if (max_lse == kNegInf) {
-    write(zero, kNegInf);
+  const RowSplitLses lses = RowSplitLses::Load(req, b, row, lane);
+  const float lse = lses.Merged();
+  SM90_TRACE_KERNEL_AFTER(kTracedCombine, kKernelStep1, lse);
+  if (lse == -__builtin_huge_valf()) {
+    output.WriteEmpty();
     return;
   }
-  float sum = __expf(lse_g[0] - max_lse);
-  for (int g = 1; g < groups; ++g) {
-    if (first + 32 * g + lane <= last) sum += __expf(lane_lse(g) - max_lse);
-  }
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
-  const float lse = max_lse + __logf(sum);
 
-  float4 acc = zero;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int base = first; base <= last; base += 32) {
-    // Lane j holds the weight of split base + j.
-    const float lse_lane = lane_lse((base - first) / 32);
-    const float w_lane = __expf(lse_lane - lse);
+    const float w_lane = lses.Weight((base - first) / 32, lse);  // lane j: split base + j
     for (int sub = 0; sub < 32 && base + sub <= last; sub += kRowsInFlight) {
       if (base + sub != first) load_rows(base + sub);
 #pragma unroll
       for (int i = 0; i < kRowsInFlight; ++i) {
         if (base + sub + i <= last) {
-          const float w = __shfl_sync(0xffffffffu, w_lane, sub + i);
-          const float4 x = Widen(v[i]);
-          acc.x = fmaf(w, x.x, acc.x);
-          acc.y = fmaf(w, x.y, acc.y);
-          acc.z = fmaf(w, x.z, acc.z);
-          acc.w = fmaf(w, x.w, acc.w);
+          MultiplyAdd(__shfl_sync(0xffffffffu, w_lane, sub + i), Widen(v[i]), acc);
         }
       }
     }
+    if (base == first) {
+      SM90_TRACE_KERNEL_AFTER(kTracedCombine, kKernelStep2, acc.x + acc.y + acc.z + acc.w);
+    }
   }
   const float f = p.output_scale;
-  write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
+  output.Write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
+}
+
+// How CombineKernelStaged divides the output rows among its blocks: kRowsPerBlock whole rows
+// each, whose partials of one split are contiguous in the workspace and fill one kStagedSlotBytes
+// slot (two bf16 rows or one fp32 row).
+template <bool kBf16Partials>
+struct StagedShape {
+  static constexpr int kRowBytes = kLatentDim * (kBf16Partials ? 2 : 4);
+  static constexpr int kRowsPerBlock = kStagedSlotBytes / kRowBytes;
+  static constexpr int kConsumerWarps = kRowsPerBlock * kCombineWarpsPerRow;
+  static constexpr int kThreads = (kConsumerWarps + 1) * 32;  // and the producer warp
+  static constexpr int kSlots = kStagedGroups * kStagedGroupSplits;
+  static constexpr int kSmemBytes = kSlots * kStagedSlotBytes + 2 * kStagedGroups * 8;
+  static_assert(kRowsPerBlock * kRowBytes == kStagedSlotBytes, "a slot is whole rows");
+  static_assert(kLatentDim == kCombineWarpsPerRow * 128, "4 columns a lane");
+
+  __host__ __device__ static constexpr int GridX(int rows) {
+    return (rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  }
+};
+
+// The wide merge (4 columns a lane, the splits in part order, CombineKernelWide's arithmetic: the
+// same results bit for bit) with the splits' partial rows staged in shared memory by bulk
+// asynchronous copies rather than loaded by each lane: the copy engine brings a block's splits in
+// at a higher rate than its warps' own loads reach (benchmarks/combine_read_probe.cu). A producer
+// warp (the last) copies the block's rows of each split (StagedShape), kStagedGroupSplits to a
+// group, into a ring of kStagedGroups groups of slots, its lanes issuing 32 copies at a time; each
+// group completes on its `full` mbarrier and is handed back on its `empty` one once every consumer
+// warp has read it. The consumer warps read the LSEs and reduce them meanwhile. Grid:
+// (StagedShape::GridX(rows), batch) blocks of StagedShape::kThreads threads and
+// StagedShape::kSmemBytes of dynamic shared memory. kBf16Partials: the partial outputs are bf16
+// (the decode's DecodeKernelArgs::bf16_partials), else fp32.
+template <bool kBf16Partials>
+__global__ void __launch_bounds__(StagedShape<kBf16Partials>::kThreads)
+CombineKernelStaged(const DecodeParams p, int num_parts) {
+  using Shape = StagedShape<kBf16Partials>;
+  constexpr int kGroupsPerIssue = 32 / kStagedGroupSplits;
+  static_assert(32 % kStagedGroupSplits == 0 && kStagedGroups % kGroupsPerIssue == 0,
+                "a group's weights are those of one 32-split batch; a warp issues whole groups");
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  SM90_TRACE_KERNEL(kTracedCombine, kKernelEntry);
+  SM90_TRACE_KERNEL_EXIT_SCOPE(kTracedCombine);
+  GridDependencyLaunchDependents();
+  extern __shared__ __align__(128) uint8_t staged[];  // [kSlots][kStagedSlotBytes], barriers
+  uint64_t* full = reinterpret_cast<uint64_t*>(staged + Shape::kSlots * kStagedSlotBytes);
+  uint64_t* empty = full + kStagedGroups;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int b = blockIdx.y;
+  const int rows = p.q_len * p.num_heads;
+  const int row0 = blockIdx.x * Shape::kRowsPerBlock;
+  if (threadIdx.x == 0) {
+    for (int g = 0; g < kStagedGroups; ++g) {
+      Barrier::init(&full[g], kStagedGroupSplits);
+      Barrier::init(&empty[g], Shape::kConsumerWarps);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  const SplitRequest req = SplitRequest::Load(p, ScheduleView::Load(p, num_parts), num_parts, b);
+  __syncthreads();
+  GridDependencyWait();
+  SM90_TRACE_KERNEL(kTracedCombine, kKernelWaited);
+  const int first = req.first, last = req.last;
+  if (warp == Shape::kConsumerWarps) {
+    // ------------------------------------------------------------------ producer warp
+    // Lane j copies split first + 32 i + j, of group 4 i + j / 8; each slot's lane arrives on its
+    // group's `full` with the slot's bytes (a group of fewer splits: the rest arrive with none).
+    if (req.n == 0 || first == last) return;
+    const uint8_t* part_out = reinterpret_cast<const uint8_t*>(req.part_out);
+    for (int k0 = 0; first + k0 * kStagedGroupSplits <= last; k0 += kGroupsPerIssue) {
+      const int k = k0 + lane / kStagedGroupSplits, g = k % kStagedGroups;
+      const int s = first + k0 * kStagedGroupSplits + lane;
+      if (first + k * kStagedGroupSplits > last) continue;  // no such group
+      if (k >= kStagedGroups) Barrier::wait(&empty[g], (k / kStagedGroups - 1) & 1);
+      const uint32_t bytes = s <= last ? kStagedSlotBytes : 0;
+      Barrier::arrive_and_expect_tx(&full[g], bytes);
+      if (s <= last) {
+        detail::BulkCopyG2S(staged + (g * kStagedGroupSplits + lane % kStagedGroupSplits) *
+                                         kStagedSlotBytes,
+                            part_out + req.SlotRow(b, s, row0) * Shape::kRowBytes, kStagedSlotBytes,
+                            &full[g], static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST));
+      }
+    }
+    return;
+  }
+  // -------------------------------------------------------------------- consumer warps
+  const int row = row0 + warp / kCombineWarpsPerRow;  // rows_pad > row: the slot holds it
+  const int col0 = (warp % kCombineWarpsPerRow) * 128 + lane * 4;
+  const WideRowOutput output =
+      WideRowOutput::At(p, rows, b, row, col0, warp % kCombineWarpsPerRow == 0 && lane == 0);
+  if (req.n == 0) {
+    if (row < rows) output.WriteEmpty();
+    return;
+  }
+  if (first == last) return;
+  const RowSplitLses lses = RowSplitLses::Load(req, b, row, lane);
+  const float lse = lses.Merged();
+  SM90_TRACE_KERNEL_AFTER(kTracedCombine, kKernelStep1, lse);
+  // This lane's 4 columns in a slot.
+  const uint8_t* mine = staged + (warp / kCombineWarpsPerRow) * Shape::kRowBytes +
+                        col0 * static_cast<int>(sizeof(PartialCols<kBf16Partials>)) / 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  float w_lane = 0.f;  // lane j: the weight of split first + 32 (k / 4) + j
+  for (int k = 0; first + k * kStagedGroupSplits <= last; ++k) {
+    const int g = k % kStagedGroups, s0 = first + k * kStagedGroupSplits;
+    if ((s0 - first) % 32 == 0) w_lane = lses.Weight((s0 - first) / 32, lse);
+    Barrier::wait(&full[g], (k / kStagedGroups) & 1);
+    PartialCols<kBf16Partials> v[kStagedGroupSplits];
+#pragma unroll
+    for (int i = 0; i < kStagedGroupSplits; ++i) {
+      v[i] = *reinterpret_cast<const PartialCols<kBf16Partials>*>(
+          mine + (g * kStagedGroupSplits + i) * kStagedSlotBytes);
+    }
+    __syncwarp();
+    if (lane == 0) Barrier::arrive(&empty[g]);
+#pragma unroll
+    for (int i = 0; i < kStagedGroupSplits; ++i) {
+      if (s0 + i <= last) {
+        MultiplyAdd(__shfl_sync(0xffffffffu, w_lane, (s0 - first + i) % 32), Widen(v[i]), acc);
+      }
+    }
+    if (k == 0) {
+      SM90_TRACE_KERNEL_AFTER(kTracedCombine, kKernelStep2, acc.x + acc.y + acc.z + acc.w);
+    }
+  }
+  if (row >= rows) return;
+  if (lse == -__builtin_huge_valf()) {
+    output.WriteEmpty();
+    return;
+  }
+  const float f = p.output_scale;
+  output.Write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
 }
 
 }  // namespace sm90

@@ -190,6 +190,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   uint8_t* smem = smem_raw + ((kSmemAlign - (raw_addr & (kSmemAlign - 1))) & (kSmemAlign - 1));
   const Pipeline pipe = Pipeline::At<Layout>(smem);
 
+  SM90_TRACE_KERNEL(kTracedDecode, kKernelEntry);
   const DecodeParams& p = args.p;
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -223,6 +224,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   GridDependencyWait();
   GridDependencyLaunchDependents();
   SM90_TRACE(kTraceStart, 0);
+  SM90_TRACE_KERNEL(kTracedDecode, kKernelWaited);
   cutlass::arch::warpgroup_reg_alloc<kConsumerRegisters>();
   SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, RequestLengths::Of(p));
   Segment seg_info;
@@ -653,6 +655,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     ++seg;
   }
   SM90_TRACE(kTraceEnd, 0);
+  SM90_TRACE_KERNEL(kTracedDecode, kKernelExit);
   }
   // The peer may still multicast into this CTA or arrive on its barriers until it is done.
   if (kCluster > 1) ClusterSync();

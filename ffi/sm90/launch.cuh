@@ -56,6 +56,10 @@ struct LaunchOptions {
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
                                     // else 8; 8 or 32 always; other values rejected
+  int staged_combine = -1;    // the wide combine's partial rows staged in shared memory by bulk
+                              // copies (CombineKernelStaged) instead of loaded by each lane: -1
+                              // (default) where its grid fits the SMs in one wave, 1 wherever the
+                              // wide combine runs, 0 never
   int fp8_registers = -1;     // the fp8 cache up to 32 query rows in the register-operand
                               // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
                               // 17-32) instead of DecodeKernel's transposed path: -1 (default)
@@ -389,6 +393,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
       options.transposed_scores > 0 || options.wide_combine < -1 || options.wide_combine > 1 ||
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
+      options.staged_combine < -1 || options.staged_combine > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
        options.combine_rows_in_flight != 32) ||
@@ -414,6 +419,30 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
 inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int num_sms) {
   if (options.combine_rows_in_flight >= 0) return options.combine_rows_in_flight == 32;
   return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <= num_sms;
+}
+
+// CombineKernelStaged's instance for the partials' type and its launch shape for `rows` output rows
+// a request.
+struct StagedLaunch {
+  const void* kernel;
+  int grid_x, threads, smem_bytes;
+};
+template <bool kBf16Partials>
+inline StagedLaunch StagedLaunchOf(int rows) {
+  using Shape = StagedShape<kBf16Partials>;
+  return {reinterpret_cast<const void*>(&CombineKernelStaged<kBf16Partials>), Shape::GridX(rows),
+          Shape::kThreads, Shape::kSmemBytes};
+}
+inline StagedLaunch StagedCombine(bool bf16_partials, int rows) {
+  return bf16_partials ? StagedLaunchOf<true>(rows) : StagedLaunchOf<false>(rows);
+}
+
+// Whether the wide combine is CombineKernelStaged: by default where its grid (one block per SM for
+// its shared memory) fits the SMs in one wave.
+inline bool UseStagedCombine(const LaunchOptions& options, int rows, int batch, int num_sms,
+                             bool bf16_partials) {
+  if (options.staged_combine >= 0) return options.staged_combine != 0;
+  return static_cast<long long>(StagedCombine(bf16_partials, rows).grid_x) * batch <= num_sms;
 }
 
 // p as the decode and combine kernels read the schedule with it: the split cost of the kernel that
@@ -497,6 +526,14 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
 
   int num_parts = parts;
   void* combine_args[] = {&sp, &num_parts};
+  if (wide_combine &&
+      detail::UseStagedCombine(options, rows, p.batch, p.num_sms, bf16_partials)) {
+    const detail::StagedLaunch staged = detail::StagedCombine(bf16_partials, rows);
+    err = detail::Prepare(staged.kernel, 1, staged.smem_bytes, &info);
+    if (err != cudaSuccess) return err;
+    return detail::LaunchEx(staged.kernel, dim3(staged.grid_x, p.batch), dim3(staged.threads),
+                            staged.smem_bytes, p.enable_pdl, stream, combine_args);
+  }
   if (wide_combine) {
     const void* combine =
         bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
