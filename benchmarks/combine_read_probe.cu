@@ -92,6 +92,20 @@ struct alignas(8) Bf16x4 {
   __nv_bfloat162 lo, hi;
 };
 
+// Lane j's LSEs of row `row` of splits j, j + 32, j + 64, j + 96 (-1e30 past the last) into lse,
+// and their maximum over the warp.
+__device__ __forceinline__ float LoadRowLses(const Layout& l, int row, int lane, float (&lse)[4]) {
+#pragma unroll
+  for (int g = 0; g < 4; ++g) {
+    const int s = 32 * g + lane;
+    lse[g] = s < l.splits ? l.lse[s * kRowsPad + row] : -1e30f;
+  }
+  float m = fmaxf(fmaxf(lse[0], lse[1]), fmaxf(lse[2], lse[3]));
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  return m;
+}
+
 // kRows output rows per CTA, each by 4 column warps times kGroups split groups: group g
 // accumulates the splits [g S / kGroups, (g + 1) S / kGroups), 32 at a time, with the weights of
 // all S splits (every warp reduces all LSEs), and the groups' sums are added in group order
@@ -130,14 +144,7 @@ __global__ void __launch_bounds__(kRows * 4 * kGroups * 32) Reader(Layout l, flo
     if (s_begin + i < s_end) v[i] = *row_ptr(s_begin + i);
   }
   float lse[4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    const int s = 32 * g + lane;
-    lse[g] = s < l.splits ? l.lse[s * kRowsPad + row] : -1e30f;
-  }
-  float m = fmaxf(fmaxf(lse[0], lse[1]), fmaxf(lse[2], lse[3]));
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  const float m = LoadRowLses(l, row, lane, lse);
   reduced = Now(m);
   acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int base = s_begin; base < s_end; base += 32) {
@@ -225,14 +232,7 @@ __global__ void __launch_bounds__(kRows * 4 * 32) BulkReader(Layout l, float* re
     }
   }
   float lse[4];
-#pragma unroll
-  for (int g = 0; g < 4; ++g) {
-    const int s = 32 * g + lane;
-    lse[g] = s < l.splits ? l.lse[s * kRowsPad + row] : -1e30f;
-  }
-  float m = fmaxf(fmaxf(lse[0], lse[1]), fmaxf(lse[2], lse[3]));
-#pragma unroll
-  for (int d = 16; d > 0; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  const float m = LoadRowLses(l, row, lane, lse);
   const uint64_t reduced = Now(m);
   uint32_t ready = 0;
   while (!ready) {

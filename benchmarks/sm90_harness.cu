@@ -7,6 +7,8 @@
 //                                      # combine's warp-wide request search against FindRequest)
 //   .gpu/sm90_harness sanitize         # small cases, for compute-sanitizer
 //   .gpu/sm90_harness check-fp8 | sanitize-fp8   # the same for the fp8 cache
+//   .gpu/sm90_harness combines-agree[-fp8]  # the staged and the loading wide combine give the
+//                                      # same bytes on every case of the check suite
 //   .gpu/sm90_harness time-fp8 [iters] # the fp8 cache beside the bf16 cache, same problems
 //   .gpu/sm90_harness time [iters] [default|cluster|exp|transposed|combine|release|partials|all]
 //                                      # timing grid (graph replay, rotating caches), with the
@@ -502,26 +504,39 @@ struct CheckResult {
   int checked = 0;
 };
 
+// One decode's outputs (bf16 out and f32 LSE, as bytes: NaN patterns compare too), the output
+// buffers set to 0xFF before it.
+struct Outputs {
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
+
+  static Outputs Of(const Problem& pb) {
+    const size_t rows = static_cast<size_t>(pb.spec.batch) * pb.rows();
+    Outputs o{std::vector<uint16_t>(rows * kLatentDim), std::vector<float>(rows)};
+    CHECK_CUDA(cudaMemset(pb.out, 0xFF, o.out.size() * 2));
+    CHECK_CUDA(cudaMemset(pb.lse, 0xFF, o.lse.size() * 4));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    RunOnce(pb, 0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaMemcpy(o.out.data(), pb.out, o.out.size() * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(o.lse.data(), pb.lse, o.lse.size() * 4, cudaMemcpyDeviceToHost));
+    return o;
+  }
+  bool SameBytes(const Outputs& other) const {
+    return memcmp(out.data(), other.out.data(), out.size() * 2) == 0 &&
+           memcmp(lse.data(), other.lse.data(), lse.size() * 4) == 0;
+  }
+};
+
 static CheckResult Check(Problem& pb, double tol) {
   const CaseSpec& s = pb.spec;
   const int rows = pb.rows();
   const size_t out_elems = (size_t)s.batch * rows * kLatentDim;
-  std::vector<uint16_t> out1(out_elems), out2(out_elems);
-  std::vector<float> lse1((size_t)s.batch * rows), lse2(lse1.size());
-  for (int run = 0; run < 2; ++run) {
-    CHECK_CUDA(cudaMemset(pb.out, 0xFF, out_elems * 2));
-    CHECK_CUDA(cudaMemset(pb.lse, 0xFF, lse1.size() * 4));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    RunOnce(pb, 0);
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(cudaMemcpy(run ? out2.data() : out1.data(), pb.out, out_elems * 2,
-                          cudaMemcpyDeviceToHost));
-    CHECK_CUDA(cudaMemcpy(run ? lse2.data() : lse1.data(), pb.lse, lse1.size() * 4,
-                          cudaMemcpyDeviceToHost));
-  }
+  const Outputs first = Outputs::Of(pb), second = Outputs::Of(pb);
+  const std::vector<uint16_t>& out1 = first.out;
+  const std::vector<float>& lse1 = first.lse;
   CheckResult r;
-  r.deterministic = memcmp(out1.data(), out2.data(), out_elems * 2) == 0 &&
-                    memcmp(lse1.data(), lse2.data(), lse1.size() * 4) == 0;
+  r.deterministic = first.SameBytes(second);
   for (size_t i = 0; i < out_elems; ++i) {
     if (std::isnan(Bf16ToFloat(out1[i]))) { r.nan = true; break; }
   }
@@ -760,8 +775,14 @@ static LaunchOptions With(Set set) {
 static std::vector<Variant> CombineVariants() {
   return {{"combine-narrow", With([](LaunchOptions& o) { o.wide_combine = 0; })},
           {"combine-wide", With([](LaunchOptions& o) { o.wide_combine = 1; })},
-          {"combine-staged", With([](LaunchOptions& o) { o.staged_combine = 1; })},
-          {"combine-loaded", With([](LaunchOptions& o) { o.staged_combine = 0; })}};
+          {"combine-staged", With([](LaunchOptions& o) {
+             o.wide_combine = 1;
+             o.staged_combine = 1;
+           })},
+          {"combine-loaded", With([](LaunchOptions& o) {
+             o.wide_combine = 1;
+             o.staged_combine = 0;
+           })}};
 }
 
 static std::vector<Variant> PartialsVariants() {
@@ -1123,6 +1144,30 @@ static int RunSuite(const std::vector<CaseSpec>& suite, const char* label) {
   return fails ? 1 : 0;
 }
 
+// The staged and the loading wide combine (CombineKernelStaged, CombineKernelWide), each forced
+// wherever the wide combine is forced to run, give the same bytes of out and LSE on every case of
+// the suite: the same arithmetic in the same order.
+static int RunCombinesAgree(const std::vector<CaseSpec>& suite, const char* label) {
+  const int wide = g_wide_combine, staged = g_staged_combine;
+  int differ = 0;
+  for (const auto& s : suite) {
+    Problem pb;
+    pb.Build(s, 1);
+    g_wide_combine = 1;
+    g_staged_combine = 1;
+    const Outputs staged_out = Outputs::Of(pb);
+    g_staged_combine = 0;
+    const bool same = staged_out.SameBytes(Outputs::Of(pb));
+    printf("%-40s %s\n", s.name.c_str(), same ? "same bytes" : "DIFFER");
+    differ += !same;
+    pb.Free();
+  }
+  g_wide_combine = wide;
+  g_staged_combine = staged;
+  printf("%s: %d of %zu cases differ\n", label, differ, suite.size());
+  return differ ? 1 : 0;
+}
+
 int main(int argc, char** argv) {
   setvbuf(stdout, nullptr, _IOLBF, 0);
   std::vector<char*> args;
@@ -1159,6 +1204,10 @@ int main(int argc, char** argv) {
   }
   if (mode == "sanitize") return RunSuite(SanitizeSuite(), "sanitize suite");
   if (mode == "check-fp8") return RunSuite(CheckSuiteFp8(), "fp8 check");
+  if (mode == "combines-agree") return RunCombinesAgree(CheckSuite(), "combines agree");
+  if (mode == "combines-agree-fp8") {
+    return RunCombinesAgree(CheckSuiteFp8(), "fp8 combines agree");
+  }
   if (mode == "sanitize-fp8") return RunSuite(SanitizeSuiteFp8(), "fp8 sanitize suite");
   if (mode == "time-fp8") {
     // Each problem with the bf16 cache, then the same lengths and tables with the fp8 cache.

@@ -219,6 +219,10 @@ int main() {
     std::printf("staged rows=16,f32,batch=9,staged_combine=%d %d\n", staged,
                 detail::UseStagedCombine(o, 16, 9, 132, false));
   }
+  LaunchOptions rows8;
+  rows8.combine_rows_in_flight = 8;
+  std::printf("staged rows=128,bf16,batch=1,combine_rows_in_flight=8 %d\n",
+              detail::UseStagedCombine(rows8, 128, 1, 132, true));
   DecodeParams p = ValidParams();
   for (int score_n : {16, 0}) {
     for (bool fp8 : {false, true}) {

@@ -489,6 +489,8 @@ CombineKernelStaged(const DecodeParams p, int num_parts) {
     const int g = k % kStagedGroups, s0 = first + k * kStagedGroupSplits;
     if ((s0 - first) % 32 == 0) w_lane = lses.Weight((s0 - first) / 32, lse);
     Barrier::wait(&full[g], (k / kStagedGroups) & 1);
+    // CUTLASS's wait and arrive are no compiler barriers: the slot's plain loads stay between them.
+    asm volatile("" ::: "memory");
     PartialCols<kBf16Partials> v[kStagedGroupSplits];
 #pragma unroll
     for (int i = 0; i < kStagedGroupSplits; ++i) {
@@ -496,6 +498,7 @@ CombineKernelStaged(const DecodeParams p, int num_parts) {
           mine + (g * kStagedGroupSplits + i) * kStagedSlotBytes);
     }
     __syncwarp();
+    asm volatile("" ::: "memory");
     if (lane == 0) Barrier::arrive(&empty[g]);
 #pragma unroll
     for (int i = 0; i < kStagedGroupSplits; ++i) {

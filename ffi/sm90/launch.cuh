@@ -55,7 +55,8 @@ struct LaunchOptions {
                               // 0 never
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
                                     // (default) 32 where its grid fits the SMs in one wave,
-                                    // else 8; 8 or 32 always; other values rejected
+                                    // else 8; 8 or 32 always (and the loading kernel unless
+                                    // staged_combine = 1); other values rejected
   int staged_combine = -1;    // the wide combine's partial rows staged in shared memory by bulk
                               // copies (CombineKernelStaged) instead of loaded by each lane: -1
                               // (default) where its grid fits the SMs in one wave, 1 wherever the
@@ -421,28 +422,55 @@ inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int
   return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <= num_sms;
 }
 
-// CombineKernelStaged's instance for the partials' type and its launch shape for `rows` output rows
-// a request.
-struct StagedLaunch {
+// The combine kernel LaunchDecode runs behind the decode, and its launch shape.
+struct CombineLaunch {
   const void* kernel;
-  int grid_x, threads, smem_bytes;
+  dim3 grid, block;
+  int smem_bytes;
 };
+
+// CombineKernelStaged's instance for the partials' type, for `rows` output rows a request.
 template <bool kBf16Partials>
-inline StagedLaunch StagedLaunchOf(int rows) {
+inline CombineLaunch StagedLaunchOf(int rows, int batch) {
   using Shape = StagedShape<kBf16Partials>;
-  return {reinterpret_cast<const void*>(&CombineKernelStaged<kBf16Partials>), Shape::GridX(rows),
-          Shape::kThreads, Shape::kSmemBytes};
+  return {reinterpret_cast<const void*>(&CombineKernelStaged<kBf16Partials>),
+          dim3(Shape::GridX(rows), batch), dim3(Shape::kThreads), Shape::kSmemBytes};
 }
-inline StagedLaunch StagedCombine(bool bf16_partials, int rows) {
-  return bf16_partials ? StagedLaunchOf<true>(rows) : StagedLaunchOf<false>(rows);
+inline CombineLaunch StagedCombine(bool bf16_partials, int rows, int batch) {
+  return bf16_partials ? StagedLaunchOf<true>(rows, batch) : StagedLaunchOf<false>(rows, batch);
 }
 
 // Whether the wide combine is CombineKernelStaged: by default where its grid (one block per SM for
-// its shared memory) fits the SMs in one wave.
+// its shared memory) fits the SMs in one wave, unless `combine_rows_in_flight` names the loading
+// kernel's rows in flight.
 inline bool UseStagedCombine(const LaunchOptions& options, int rows, int batch, int num_sms,
                              bool bf16_partials) {
   if (options.staged_combine >= 0) return options.staged_combine != 0;
-  return static_cast<long long>(StagedCombine(bf16_partials, rows).grid_x) * batch <= num_sms;
+  if (options.combine_rows_in_flight >= 0) return false;
+  return static_cast<long long>(StagedCombine(bf16_partials, rows, 1).grid.x) * batch <= num_sms;
+}
+
+// The combine for these options: the wide one (staged or loading, with 32 or 8 rows in flight) or
+// the narrow one, as the Use* rules above choose.
+inline CombineLaunch ChooseCombine(const LaunchOptions& options, const DecodeParams& p, int rows,
+                                   int parts, bool wide_combine, bool bf16_partials,
+                                   bool rows_32) {
+  if (wide_combine && UseStagedCombine(options, rows, p.batch, p.num_sms, bf16_partials)) {
+    return StagedCombine(bf16_partials, rows, p.batch);
+  }
+  if (wide_combine) {
+    const void* kernel =
+        bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
+                      : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
+                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
+    return {kernel, dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
+            dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0};
+  }
+  return {bf16_partials ? reinterpret_cast<const void*>(&CombineKernel<true>)
+                        : reinterpret_cast<const void*>(&CombineKernel<false>),
+          dim3(CeilDivInt(rows, kCombineRowsPerBlock), CombineGridRows(p.batch, parts)),
+          dim3(kCombineRowsPerBlock * 32), 0};
 }
 
 // p as the decode and combine kernels read the schedule with it: the split cost of the kernel that
@@ -495,6 +523,15 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const bool rows_32 = detail::CombineRows32(options, rows, p.batch, p.num_sms);
   DecodeParams sp =
       detail::ScheduleAsRead(p, score_n, wide_combine && rows_32, options.block_to_split_cost);
+  // Chosen, and its shared memory granted, before the decode is launched: a combine that cannot
+  // launch must not leave a decode behind it.
+  const detail::CombineLaunch combine =
+      detail::ChooseCombine(options, p, rows, parts, wide_combine, bf16_partials, rows_32);
+  if (combine.smem_bytes > 0) {
+    detail::KernelInfo combine_info;
+    err = detail::Prepare(combine.kernel, 1, combine.smem_bytes, &combine_info);
+    if (err != cudaSuccess) return err;
+  }
   DecodeKernelArgs args;
   args.p = sp;
   args.num_parts = parts;
@@ -526,29 +563,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
 
   int num_parts = parts;
   void* combine_args[] = {&sp, &num_parts};
-  if (wide_combine &&
-      detail::UseStagedCombine(options, rows, p.batch, p.num_sms, bf16_partials)) {
-    const detail::StagedLaunch staged = detail::StagedCombine(bf16_partials, rows);
-    err = detail::Prepare(staged.kernel, 1, staged.smem_bytes, &info);
-    if (err != cudaSuccess) return err;
-    return detail::LaunchEx(staged.kernel, dim3(staged.grid_x, p.batch), dim3(staged.threads),
-                            staged.smem_bytes, p.enable_pdl, stream, combine_args);
-  }
-  if (wide_combine) {
-    const void* combine =
-        bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
-                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
-                      : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
-                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
-    return detail::LaunchEx(combine, dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
-                            dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0,
-                            p.enable_pdl, stream, combine_args);
-  }
-  return detail::LaunchEx(bf16_partials ? reinterpret_cast<const void*>(&CombineKernel<true>)
-                                        : reinterpret_cast<const void*>(&CombineKernel<false>),
-                          dim3(CeilDivInt(rows, kCombineRowsPerBlock),
-                               CombineGridRows(p.batch, parts)),
-                          dim3(kCombineRowsPerBlock * 32), 0, p.enable_pdl, stream, combine_args);
+  return detail::LaunchEx(combine.kernel, combine.grid, combine.block, combine.smem_bytes,
+                          p.enable_pdl, stream, combine_args);
 }
 
 }  // namespace sm90
