@@ -404,8 +404,8 @@ struct StagedShape {
   }
 };
 
-// The wide merge (4 columns a lane, the splits in part order, CombineKernelWide's arithmetic: the
-// same results bit for bit) with the splits' partial rows staged in shared memory by bulk
+// The wide merge (4 columns a lane, the splits in part order: CombineKernelWide's arithmetic in
+// the same order, so the same bytes) with the splits' partial rows staged in shared memory by bulk
 // asynchronous copies rather than loaded by each lane: the copy engine brings a block's splits in
 // at a higher rate than its warps' own loads reach (benchmarks/combine_read_probe.cu). A producer
 // warp (the last) copies the block's rows of each split (StagedShape), kStagedGroupSplits to a
