@@ -975,8 +975,8 @@ static void PrintDevice() {
 
 #ifdef JAX_MLA_SM90_TRACE
 // The decode's and the combine's CTAs on one clock (g_kernel_trace): when they started, when their
-// grid dependency wait returned and when they were done, in µs from the first decode CTA's start;
-// the earliest, median and latest CTA of each.
+// grid dependency wait returned, the wide combines' steps and when they were done, in µs from the
+// first decode CTA's start; the earliest, median and latest CTA of each.
 static void PrintKernelStamps(const std::vector<uint64_t>& stamps) {
   auto at = [&](int kernel, int cta, int event) {
     return stamps[(static_cast<size_t>(kernel) * kTraceCtas + cta) * kKernelEvents + event];
