@@ -1,8 +1,6 @@
 // How long the wide combine's reads of the split partials take at B = 1: the probe behind
-// CombineKernelStaged (docs/sm90-kernel.md, "The wide combine's reads staged by bulk copies").
-// Per-CTA stamps of the trace build (sm90_harness trace) put 1.5-2.5 µs between the loading
-// combine's dependency wait and its LSEs and 2-4 µs on each further 32 splits, where an SM reads
-// 64 KB of them.
+// CombineKernelStaged (docs/sm90-kernel.md, "The wide combine's reads staged by bulk copies", has
+// what the trace build's per-CTA stamps and this probe measured).
 //
 // A writer kernel stands in for the decode: CTA (split, M tile) spins for --spin-us (the decode's
 // blocks) and then stores its 64 rows of bf16 partials (64 KB, 16-byte stores) and their LSEs in
