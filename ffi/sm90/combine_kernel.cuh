@@ -298,6 +298,10 @@ struct WideRowOutput {
         Bf16x4{__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
     if (writes_lse) *lse = row_lse;
   }
+  // The merged columns times `scale` (DecodeParams::output_scale).
+  __device__ __forceinline__ void Write(float4 acc, float scale, float row_lse) const {
+    Write(make_float4(acc.x * scale, acc.y * scale, acc.z * scale, acc.w * scale), row_lse);
+  }
   __device__ __forceinline__ void WriteEmpty() const {
     Write(make_float4(0.f, 0.f, 0.f, 0.f), -__builtin_huge_valf());
   }
@@ -381,8 +385,7 @@ CombineKernelWide(const DecodeParams p, int num_parts) {
       SM90_TRACE_KERNEL_AFTER(kTracedCombine, kKernelStep2, acc.x + acc.y + acc.z + acc.w);
     }
   }
-  const float f = p.output_scale;
-  output.Write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
+  output.Write(acc, p.output_scale, lse);
 }
 
 // How CombineKernelStaged divides the output rows among its blocks: kRowsPerBlock whole rows
@@ -515,8 +518,7 @@ CombineKernelStaged(const DecodeParams p, int num_parts) {
     output.WriteEmpty();
     return;
   }
-  const float f = p.output_scale;
-  output.Write(make_float4(acc.x * f, acc.y * f, acc.z * f, acc.w * f), lse);
+  output.Write(acc, p.output_scale, lse);
 }
 
 }  // namespace sm90
