@@ -422,8 +422,8 @@ template <bool kBf16Partials>
 __global__ void __launch_bounds__(StagedShape<kBf16Partials>::kThreads)
 CombineKernelStaged(const DecodeParams p, int num_parts) {
   using Shape = StagedShape<kBf16Partials>;
-  constexpr int kGroupsPerIssue = 32 / kStagedGroupSplits;
-  static_assert(32 % kStagedGroupSplits == 0 && kStagedGroups % kGroupsPerIssue == 0,
+  using Ring = StagedRing;
+  static_assert(32 % kStagedGroupSplits == 0,
                 "a group's weights are those of one 32-split batch; a warp issues whole groups");
   using Barrier = cutlass::arch::ClusterTransactionBarrier;
   SM90_TRACE_KERNEL(kTracedCombine, kKernelEntry);
@@ -450,22 +450,20 @@ CombineKernelStaged(const DecodeParams p, int num_parts) {
   const int first = req.first, last = req.last;
   if (warp == Shape::kConsumerWarps) {
     // ------------------------------------------------------------------ producer warp
-    // Lane j copies split first + 32 i + j, of group 4 i + j / 8; each slot's lane arrives on its
-    // group's `full` with the slot's bytes (a group of fewer splits: the rest arrive with none).
+    // Each slot's lane arrives on its group's `full` with the slot's bytes (a group of fewer
+    // splits: the rest arrive with none).
     if (req.n == 0 || first == last) return;
     const uint8_t* part_out = reinterpret_cast<const uint8_t*>(req.part_out);
-    for (int k0 = 0; first + k0 * kStagedGroupSplits <= last; k0 += kGroupsPerIssue) {
-      const int k = k0 + lane / kStagedGroupSplits, g = k % kStagedGroups;
-      const int s = first + k0 * kStagedGroupSplits + lane;
+    for (int k0 = 0; first + k0 * kStagedGroupSplits <= last; k0 += Ring::kGroupsPerIssue) {
+      const int k = Ring::IssuedGroup(k0, lane), s = first + Ring::IssuedSplit(k0, lane);
       if (first + k * kStagedGroupSplits > last) continue;  // no such group
-      if (k >= kStagedGroups) Barrier::wait(&empty[g], (k / kStagedGroups - 1) & 1);
-      const uint32_t bytes = s <= last ? kStagedSlotBytes : 0;
-      Barrier::arrive_and_expect_tx(&full[g], bytes);
+      if (Ring::WaitsForEmpty(k)) Barrier::wait(&empty[Ring::Group(k)], Ring::EmptyParity(k));
+      Barrier::arrive_and_expect_tx(&full[Ring::Group(k)], s <= last ? kStagedSlotBytes : 0);
       if (s <= last) {
-        detail::BulkCopyG2S(staged + (g * kStagedGroupSplits + lane % kStagedGroupSplits) *
-                                         kStagedSlotBytes,
-                            part_out + req.SlotRow(b, s, row0) * Shape::kRowBytes, kStagedSlotBytes,
-                            &full[g], static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST));
+        detail::BulkCopyG2S(staged + Ring::Slot(k, lane % kStagedGroupSplits) * kStagedSlotBytes,
+                            part_out + req.SlotRow(b, s, row0) * Shape::kRowBytes,
+                            kStagedSlotBytes, &full[Ring::Group(k)],
+                            static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST));
       }
     }
     return;
@@ -489,16 +487,16 @@ CombineKernelStaged(const DecodeParams p, int num_parts) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float w_lane = 0.f;  // lane j: the weight of split first + 32 (k / 4) + j
   for (int k = 0; first + k * kStagedGroupSplits <= last; ++k) {
-    const int g = k % kStagedGroups, s0 = first + k * kStagedGroupSplits;
+    const int g = Ring::Group(k), s0 = first + k * kStagedGroupSplits;
     if ((s0 - first) % 32 == 0) w_lane = lses.Weight((s0 - first) / 32, lse);
-    Barrier::wait(&full[g], (k / kStagedGroups) & 1);
+    Barrier::wait(&full[g], Ring::FullParity(k));
     // CUTLASS's wait and arrive are no compiler barriers: the slot's plain loads stay between them.
     asm volatile("" ::: "memory");
     PartialCols<kBf16Partials> v[kStagedGroupSplits];
 #pragma unroll
     for (int i = 0; i < kStagedGroupSplits; ++i) {
       v[i] = *reinterpret_cast<const PartialCols<kBf16Partials>*>(
-          mine + (g * kStagedGroupSplits + i) * kStagedSlotBytes);
+          mine + Ring::Slot(k, i) * kStagedSlotBytes);
     }
     __syncwarp();
     asm volatile("" ::: "memory");

@@ -78,6 +78,32 @@ constexpr int kStagedSlotBytes = 2048;
 constexpr int kStagedGroupSplits = 8;
 constexpr int kStagedGroups = 8;
 
+// The bookkeeping both sides of CombineKernelStaged's ring share (tests/sm90_staged_ring_check.cu
+// runs it under every interleaving it draws). A request's splits, counted from its first, go in
+// groups of kStagedGroupSplits: group k sits in ring group k % kStagedGroups, and its use number
+// k / kStagedGroups gives the parity of the `full` phase its consumers wait for; from the second
+// use on, the producer first waits for the `empty` phase of the use before. The producer warp
+// issues kGroupsPerIssue groups at a time, lane j copying split 8 k0 + j, of group k0 + j / 8.
+struct StagedRing {
+  static constexpr int kGroupsPerIssue = 32 / kStagedGroupSplits;
+
+  __host__ __device__ static int Groups(int splits) {
+    return (splits + kStagedGroupSplits - 1) / kStagedGroupSplits;
+  }
+  __host__ __device__ static int Group(int k) { return k % kStagedGroups; }
+  // Slot i of group k (i < kStagedGroupSplits), of kStagedGroups * kStagedGroupSplits.
+  __host__ __device__ static int Slot(int k, int i) { return Group(k) * kStagedGroupSplits + i; }
+  __host__ __device__ static uint32_t FullParity(int k) { return (k / kStagedGroups) & 1; }
+  __host__ __device__ static bool WaitsForEmpty(int k) { return k >= kStagedGroups; }
+  __host__ __device__ static uint32_t EmptyParity(int k) { return (k / kStagedGroups - 1) & 1; }
+  __host__ __device__ static int IssuedGroup(int k0, int lane) {
+    return k0 + lane / kStagedGroupSplits;
+  }
+  __host__ __device__ static int IssuedSplit(int k0, int lane) {
+    return k0 * kStagedGroupSplits + lane;
+  }
+};
+
 struct DecodeParams {
   // Inputs.
   const void* query;         // bf16 [batch, q_len, num_heads, 576]
