@@ -478,7 +478,9 @@ CombineKernelStaged(const DecodeParams p, int num_parts) {
     return;
   }
   if (first == last) return;
-  const RowSplitLses lses = RowSplitLses::Load(req, b, row, lane);
+  // A padding row's warp (row >= rows) reads the last row's LSEs, which the decode wrote, and
+  // drops what it merges.
+  const RowSplitLses lses = RowSplitLses::Load(req, b, min(row, rows - 1), lane);
   const float lse = lses.Merged();
   SM90_TRACE_KERNEL_AFTER(kTracedCombine, kKernelStep1, lse);
   // This lane's 4 columns in a slot.
