@@ -28,6 +28,9 @@
 //   --fixed-cost N, --min-blocks N (any mode): the schedule's cost model (DecodeParams'
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run;
 //   --split-cost N (any mode): LaunchOptions::block_to_split_cost of every launch.
+//   --no-pdl (any mode): DecodeParams::enable_pdl = false (no programmatic dependent launch).
+//   --stream (timings): the launches timed on the stream, as XLA issues them, instead of replayed
+//   from a CUDA graph of them.
 //   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
 //   in DecodeKernel's transposed path instead of the register-operand kernels).
 //   --plain-scores, --wide-combine, --narrow-combine, --staged-combine, --loaded-combine,
@@ -65,6 +68,8 @@ static int g_cluster = -1;  // LaunchOptions::cluster of checks and default timi
 static int g_fixed_cost = kFixedCostBlocks;   // "--fixed-cost N"
 static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_split_cost = -1;  // LaunchOptions::block_to_split_cost ("--split-cost N")
+static bool g_pdl = true;      // DecodeParams::enable_pdl ("--no-pdl": false)
+static bool g_stream = false;  // timings launch on the stream instead of replaying a graph
 static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-transposed": 0)
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
@@ -315,7 +320,7 @@ struct Problem {
     p.softmax_scale = 1.0f / sqrtf((float)kHeadDim) / spec.cache_gain;
     p.output_scale = 1.0f;
     p.num_sms = num_sms;
-    p.enable_pdl = true;
+    p.enable_pdl = g_pdl;
     p.kv_fp8 = spec.fp8;
     p.fail_closed = g_fail_closed;
     return p;
@@ -879,7 +884,8 @@ static std::vector<Variant> AllVariants(const std::string& which) {
 }
 
 // Per-layer time: a CUDA graph of one schedule and `iters` decodes rotating among cache copies,
-// replayed 3 times untimed, then the median of 5 timed replays.
+// replayed 3 times untimed, then the median of 5 timed replays (with --stream, the launches issued
+// on the stream instead).
 static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& variants) {
   Problem pb;
   // Rotate among enough copies that the bytes touched per round exceed 4x the L2.
@@ -923,7 +929,14 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     std::vector<float> times;
     for (int rep = 0; rep < 5; ++rep) {
       CHECK_CUDA(cudaEventRecord(e0, stream));
-      CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      if (g_stream) {
+        CHECK_CUDA(LaunchSchedule(pb.Params(0), stream));
+        for (int i = 0; i < iters; ++i) {
+          CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
+        }
+      } else {
+        CHECK_CUDA(cudaGraphLaunch(exec, stream));
+      }
       CHECK_CUDA(cudaEventRecord(e1, stream));
       CHECK_CUDA(cudaEventSynchronize(e1));
       float ms;
@@ -1186,14 +1199,16 @@ int main(int argc, char** argv) {
     else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--bf16-partials") g_bf16_partials = 1;
     else if (a == "--fail-closed") g_fail_closed = true;
+    else if (a == "--no-pdl") g_pdl = false;
+    else if (a == "--stream") g_stream = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else if (a == "--split-cost" && i + 1 < argc) g_split_cost = atoi(argv[++i]);
     else args.push_back(argv[i]);
   }
   printf("schedule: fixed_cost_blocks %d, min_blocks_per_part %d, block_to_split_cost %d; "
-         "fail_closed %d\n",
-         g_fixed_cost, g_min_blocks, g_split_cost, g_fail_closed ? 1 : 0);
+         "fail_closed %d; programmatic dependent launch %d\n",
+         g_fixed_cost, g_min_blocks, g_split_cost, g_fail_closed ? 1 : 0, g_pdl ? 1 : 0);
   argc = (int)args.size();
   argv = args.data();
   std::string mode = argc > 1 ? argv[1] : "check";

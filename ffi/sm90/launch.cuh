@@ -482,7 +482,8 @@ inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_
   DecodeParams sp = p;
   sp.block_to_split_cost = block_to_split_cost > 0       ? block_to_split_cost
                            : p.kv_fp8 && score_n == 0 ? kBlockToSplitCostFp8Tiles
-                                                      : kBlockToSplitCost;
+                           : !p.kv_fp8 && score_n == 16 ? kBlockToSplitCostScores16
+                                                        : kBlockToSplitCost;
   if (!one_wave_combine && sp.min_blocks_per_part < kMinBlocksPerPartBeyondOneWave) {
     sp.min_blocks_per_part = kMinBlocksPerPartBeyondOneWave;
   }
