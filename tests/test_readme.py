@@ -62,11 +62,14 @@ def test_sm90_table_is_the_committed_results_summary():
 
 
 def batches_of(cell: str) -> set[int] | None:
-    """The batches a cell of the README's "auto" table names (None: fa3 at every batch)."""
+    """The batches a cell of the README's "auto" table names: "fa3" (none), "every batch",
+    "from N", "N" or "N-M", or such cells joined by ", "."""
     if cell == "fa3":
         return set()
     if cell == "every batch":
         return set(range(1, 1025))
+    if ", " in cell:
+        return set().union(*(batches_of(part) for part in cell.split(", ")))
     if cell.startswith("from "):
         return set(range(int(cell[5:]), 1025))
     low, _, high = cell.partition("-")
