@@ -15,8 +15,9 @@ at most ``--scan-gib`` GiB:
 - from a JAX profiler trace of back-to-back steps: the GPU's span per step (its first kernel's
   start to its last kernel's end), the time within it that some kernel runs (the union of the
   kernels' intervals: the span less the gaps where the GPU waited for the host, which the
-  tracer's own dispatch cost can open at B = 1) and the summed kernel durations, by kernel name.
-  A trace's steps are told apart by count: every step launches the same kernels.
+  tracer's own dispatch cost can open at B = 1) and the summed kernel durations, by kernel name,
+  with each kernel's median start after the end of the kernel before it (negative where it
+  launched under that kernel, as programmatic dependent launch lets it). A trace's steps are told apart by count: every step launches the same kernels.
 
 Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``), or one of them.
 
@@ -57,7 +58,9 @@ def per_step(events: list[tuple[str, float, float]], steps: int, layers: int) ->
     ``gpu_stream_kernels`` gives them), each the same number of kernels: the median span (first
     kernel's start to last kernel's end), the median busy time (the union of the kernels'
     intervals) and the mean summed kernel time per step, all per layer, and each kernel name's
-    launches per step and median duration."""
+    launches per step, median duration and median start after the end of the kernel before it in
+    its step (negative: launched under it, as programmatic dependent launch allows; None for a
+    step's first kernel)."""
     if steps < 1 or len(events) % steps:
         raise RuntimeError(f"{len(events)} kernels in the trace do not split into {steps} steps "
                            "of the same kernels")
@@ -68,13 +71,19 @@ def per_step(events: list[tuple[str, float, float]], steps: int, layers: int) ->
         last = max(events[i][1] + events[i][2] for i in range(a, b))
         spans.append(last - events[a][1])
         busy.append(busy_us([(start, dur) for _, start, dur in events[a:b]]))
-    by_name = collections.defaultdict(list)
-    for name, _, dur in events[starts[0]:starts[-1]]:
-        by_name[name].append(dur)
+    by_name, leads = collections.defaultdict(list), collections.defaultdict(list)
+    for a, b in zip(starts, starts[1:]):
+        for i in range(a, b):
+            name, start, dur = events[i]
+            by_name[name].append(dur)
+            if i > a:
+                leads[name].append(start - (events[i - 1][1] + events[i - 1][2]))
     return {"span_us": statistics.median(spans) / layers,
             "busy_us": statistics.median(busy) / layers,
             "kernels_us": sum(sum(v) for v in by_name.values()) / steps / layers,
-            "by_name": {name: (len(v) / steps, statistics.median(v)) for name, v in by_name.items()}}
+            "by_name": {name: (len(v) / steps, statistics.median(v),
+                               statistics.median(leads[name]) if leads[name] else None)
+                        for name, v in by_name.items()}}
 
 
 def traced(step, args) -> dict:
@@ -177,9 +186,10 @@ def main(argv: list[str] | None = None):
                 print(f"{row} {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
                       f"{stats['kernels_us']:.1f} |", flush=True)
                 details.append((point, name, graphs, stats["by_name"]))
-    print("\nKernels per step (count, median µs):")
+    print("\nKernels per step (count, median µs, median start after the kernel before it ends):")
     for point, name, graphs, by_name in details:
-        kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" for k, (c, d) in sorted(by_name.items()))
+        kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" + ("" if lead is None else f" {lead:+.1f}")
+                            for k, (c, d, lead) in sorted(by_name.items()))
         print(f"- B={point.B} L={point.L} H={point.H} {name}, command buffers "
               f"{'on' if graphs else 'off'}: {kernels}")
 

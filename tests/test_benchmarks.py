@@ -217,8 +217,9 @@ def test_gpu_stream_kernels_leave_out_host_and_annotation_lines(tmp_path):
 
 def test_step_profile_splits_steps_by_count():
     """Each step is the same number of kernels; a step's span runs to its last kernel's end, idle
-    gaps between steps excluded; its busy time also leaves out the gaps inside it; a trace that
-    does not split evenly is an error."""
+    gaps between steps excluded; its busy time also leaves out the gaps inside it; a kernel's
+    start is also measured from the end of the one before it in its step (negative where it
+    launched under it); a trace that does not split evenly is an error."""
     from benchmarks import step_profile
 
     events = [("Schedule", 0.0, 1.0), ("Decode", 1.0, 10.0), ("Combine", 5.0, 8.0),
@@ -227,7 +228,8 @@ def test_step_profile_splits_steps_by_count():
     assert stats["span_us"] == (13.0 + 15.0) / 2
     assert stats["busy_us"] == (13.0 + 13.0) / 2
     assert stats["kernels_us"] == (19.0 + 21.0) / 2
-    assert stats["by_name"] == {"Schedule": (1.0, 1.0), "Decode": (1.0, 11.0), "Combine": (1.0, 8.0)}
+    assert stats["by_name"] == {"Schedule": (1.0, 1.0, None), "Decode": (1.0, 11.0, 1.0),
+                                "Combine": (1.0, 8.0, -8.0)}
     assert step_profile.per_step(events, 1, layers=2)["span_us"] == 65.0 / 2
     with pytest.raises(RuntimeError, match="7 kernels in the trace do not split into 2 steps"):
         step_profile.per_step(events + [("Decode", 95.0, 1.0)], 2, layers=1)
