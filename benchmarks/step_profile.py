@@ -17,7 +17,8 @@ at most ``--scan-gib`` GiB:
   kernels' intervals: the span less the gaps where the GPU waited for the host, which the
   tracer's own dispatch cost can open at B = 1) and the summed kernel durations, by kernel name,
   with each kernel's median start after the end of the kernel before it (negative where it
-  launched under that kernel, as programmatic dependent launch lets it). A trace's steps are told apart by count: every step launches the same kernels.
+  launched under that kernel, as programmatic dependent launch lets it). A trace's steps are told
+  apart by count: every step launches the same kernels.
 
 Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``), or one of them.
 

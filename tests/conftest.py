@@ -125,6 +125,21 @@ def fp8_problem(problem: Problem, seed: int) -> tuple[Problem, Problem]:
 HAS_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
 
 
+def build_host_check(out_dir, name: str, *flags: str,
+                     gencode: str = "arch=compute_90a,code=sm_90a") -> str:
+    """tests/<name>.cu built by nvcc (C++17, -O1, the repository on the include path, ``flags``)
+    into ``out_dir``, for the host checks of the sm90 kernels' device code; the binary's path.
+    Without nvcc the test is skipped, or fails under JAX_MLA_REQUIRE_GPU."""
+    if shutil.which("nvcc") is None:
+        skip_or_fail(f"building tests/{name}.cu needs nvcc")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    binary = os.path.join(str(out_dir), name)
+    subprocess.run(["nvcc", "-std=c++17", "-O1", f"-I{root}", *flags, "-gencode", gencode,
+                    os.path.join(root, "tests", f"{name}.cu"), "-o", binary], check=True,
+                   capture_output=True)
+    return binary
+
+
 def build_ffi_target(tmp_path_factory, target: str):
     """Builds one CMake target of ffi/ here for sm_90a (needs nvcc and apache-tvm-ffi); its library."""
     if shutil.which("nvcc") is None or not HAS_TVM_FFI:

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import os
 import runpy
-import shutil
 import subprocess
 
 import pytest
-from conftest import skip_or_fail
+from conftest import build_host_check, skip_or_fail
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,19 +72,14 @@ def cutlass_include() -> str | None:
 
 @pytest.mark.parametrize("experiments", [True, False], ids=["harness-build", "library-build"])
 def test_out_of_range_options_and_shapes_are_rejected(tmp_path, experiments):
-    if shutil.which("nvcc") is None:
-        skip_or_fail("building tests/sm90_launch_options_check.cu needs nvcc")
     include = cutlass_include()
     if include is None:
         skip_or_fail("building tests/sm90_launch_options_check.cu needs CUTLASS headers "
                      "(pip install nvidia-cutlass, or set CUTLASS_INCLUDE_DIR)")
-    binary = tmp_path / "sm90_launch_options_check"
-    subprocess.run(["nvcc", "-std=c++17", "-O1", f"-I{ROOT}", f"-I{include}",
-                    *(["-DJAX_MLA_SM90_EXPERIMENTS"] if experiments else []),
-                    "--expt-relaxed-constexpr", "-gencode", "arch=compute_90a,code=compute_90a",
-                    f"{ROOT}/tests/sm90_launch_options_check.cu", "-o", str(binary)], check=True,
-                   capture_output=True)
-    lines = subprocess.run([str(binary)], capture_output=True, text=True, check=True).stdout.splitlines()
+    binary = build_host_check(tmp_path, "sm90_launch_options_check", f"-I{include}",
+                              *(["-DJAX_MLA_SM90_EXPERIMENTS"] if experiments else []),
+                              "--expt-relaxed-constexpr", gencode="arch=compute_90a,code=compute_90a")
+    lines = subprocess.run([binary], capture_output=True, text=True, check=True).stdout.splitlines()
     experiments_only = "passes" if experiments else "fails"
     assert lines == ([f"{case} invalid" for case in CASES] + [f"{case} passes" for case in PASSING]
                      + [f"{case} {experiments_only}" for case in EXPERIMENTS_ONLY] + DEFAULTS), lines

@@ -7,24 +7,13 @@ part's first KV halves."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
-from conftest import skip_or_fail
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from conftest import build_host_check
 
 def test_prefetch_reads_and_ranges_stay_inside_their_buffers(tmp_path):
-    if shutil.which("nvcc") is None:
-        skip_or_fail("building tests/sm90_prefetch_check.cu needs nvcc")
-    binary = tmp_path / "sm90_prefetch_check"
-    subprocess.run(["nvcc", "-std=c++17", "-O1", f"-I{ROOT}", "--expt-relaxed-constexpr",
-                    "-gencode", "arch=compute_90a,code=sm_90a",
-                    f"{ROOT}/tests/sm90_prefetch_check.cu", "-o", str(binary)], check=True,
-                   capture_output=True)
-    run = subprocess.run([str(binary), "4000", "7"], capture_output=True, text=True)
+    binary = build_host_check(tmp_path, "sm90_prefetch_check", "--expt-relaxed-constexpr")
+    run = subprocess.run([binary, "4000", "7"], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-2000:]
     summary = run.stdout.split()
     assert summary[:2] == ["checked", "4000"] and summary[-2:] == ["0", "failures"], run.stdout

@@ -7,26 +7,15 @@ with distinct partial-result slots, and each request's length must be the rule's
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
-from conftest import skip_or_fail
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from conftest import build_host_check
 
 @pytest.fixture(scope="module")
 def schedule_check(tmp_path_factory):
-    if shutil.which("nvcc") is None:
-        skip_or_fail("building tests/sm90_schedule_check.cu needs nvcc")
-    binary = tmp_path_factory.mktemp("sm90_schedule") / "sm90_schedule_check"
-    subprocess.run(["nvcc", "-std=c++17", "-O1", f"-I{ROOT}", "-gencode",
-                    "arch=compute_90a,code=sm_90a", f"{ROOT}/tests/sm90_schedule_check.cu", "-o",
-                    str(binary)], check=True, capture_output=True)
-    return binary
+    return build_host_check(tmp_path_factory.mktemp("sm90_schedule"), "sm90_schedule_check")
 
 
 def kernel_lengths(lengths, planned, capacity, q_len, fail_closed):

@@ -6,25 +6,14 @@ parity, no wait for the slots to be read, one arrival too few) must make it fail
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 
 import pytest
-from conftest import skip_or_fail
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from conftest import build_host_check
 
 @pytest.fixture(scope="module")
 def ring_check(tmp_path_factory):
-    if shutil.which("nvcc") is None:
-        skip_or_fail("building tests/sm90_staged_ring_check.cu needs nvcc")
-    binary = tmp_path_factory.mktemp("sm90_staged_ring") / "sm90_staged_ring_check"
-    subprocess.run(["nvcc", "-std=c++17", "-O1", f"-I{ROOT}", "-gencode",
-                    "arch=compute_90a,code=sm_90a", f"{ROOT}/tests/sm90_staged_ring_check.cu",
-                    "-o", str(binary)], check=True, capture_output=True)
-    return binary
+    return build_host_check(tmp_path_factory.mktemp("sm90_staged_ring"), "sm90_staged_ring_check")
 
 
 def failures(binary, *args) -> tuple[int, list[str]]:

@@ -56,9 +56,9 @@ constexpr int kFixedCostBlocks = 2;
 constexpr int kMinBlocksPerPart = 1;
 // What a KV block costs a part over what one more split of a request costs the epilogues and the
 // combine (SplitUnits; docs/sm90-kernel.md, "How many parts a request is split over"): for the
-// bf16 cache and the fp8 cache's register-operand kernels, for the bf16 cache's transposed kernel
-// of up to 16 query rows (score_n 16), and for the fp8 cache's 64-row tiles, whose blocks also
-// convert the tile.
+// bf16 cache's kernels and the fp8 cache's register-operand kernels; for the bf16 cache's
+// transposed kernel of up to 16 query rows (score_n 16) instead; for the fp8 cache's 64-row
+// tiles, whose blocks also convert the tile.
 constexpr int kBlockToSplitCost = 14;
 constexpr int kBlockToSplitCostScores16 = 12;
 constexpr int kBlockToSplitCostFp8Tiles = 24;
