@@ -68,12 +68,11 @@ def per_step(events: list[tuple[str, float, float]], steps: int, layers: int) ->
     per = len(events) // steps
     starts = list(range(0, len(events) + 1, per))
     spans, busy = [], []
+    by_name, leads = collections.defaultdict(list), collections.defaultdict(list)
     for a, b in zip(starts, starts[1:]):
         last = max(events[i][1] + events[i][2] for i in range(a, b))
         spans.append(last - events[a][1])
         busy.append(busy_us([(start, dur) for _, start, dur in events[a:b]]))
-    by_name, leads = collections.defaultdict(list), collections.defaultdict(list)
-    for a, b in zip(starts, starts[1:]):
         for i in range(a, b):
             name, start, dur = events[i]
             by_name[name].append(dur)
