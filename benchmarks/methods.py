@@ -30,6 +30,10 @@ FI_BACKENDS = ("fa3", "fa2")
 # size; per compile, so one process times the step with and without them.
 GRAPH_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL,WHILE,CONDITIONAL",
                           "xla_gpu_graph_min_graph_size": "1"}
+# No XLA command buffers: every kernel of the step launched on the stream, so programmatic
+# dependent launch overlaps one custom call's last kernel with the next one's first (a custom call
+# captured into a command buffer becomes a child graph, whose edges wait for the whole node).
+NO_GRAPH_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def noplan_subset(pt: Point) -> bool:

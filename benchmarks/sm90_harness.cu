@@ -477,9 +477,9 @@ static void ApplySplitCostFlag(LaunchOptions& opt) {
 
 // Whether LaunchDecode runs this problem in 64-row tiles with these options (the tiles that take
 // bf16_partials = 1), by the launcher's own choice of cluster and transposed path.
-static bool In64RowTiles(const LaunchOptions& opt, const CaseSpec& s) {
-  const int cluster = detail::ClusterSize(opt, s.fp8, NumMTiles(s.q_len, s.heads));
-  return detail::TransposedScoreRows(opt, cluster, s.q_len * s.heads) == 0;
+static bool In64RowTiles(const LaunchOptions& opt, const Problem& pb) {
+  const int cluster = detail::ClusterSize(opt, pb.Params(0));
+  return detail::TransposedScoreRows(opt, cluster, pb.rows()) == 0;
 }
 
 static void RunOnce(const Problem& pb, int copy) {
@@ -496,7 +496,7 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
-  if (g_bf16_partials == 1 && !In64RowTiles(opt, pb.spec)) opt.bf16_partials = -1;
+  if (g_bf16_partials == 1 && !In64RowTiles(opt, pb)) opt.bf16_partials = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaStreamSynchronize(CheckStream()));
@@ -904,7 +904,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
   for (const Variant& var : variants) {
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
-    if (opt.bf16_partials == 1 && !In64RowTiles(opt, s)) continue;
+    if (opt.bf16_partials == 1 && !In64RowTiles(opt, pb)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     ApplySplitCostFlag(opt);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;

@@ -20,10 +20,13 @@ at most ``--scan-gib`` GiB:
   launched under that kernel, as programmatic dependent launch lets it). A trace's steps are told
   apart by count: every step launches the same kernels.
 
-Each with XLA command buffers off and forced on (``GRAPH_COMPILER_OPTIONS``), or one of them.
+Each step compiled with XLA's own command-buffer settings (``default``: XLA captures custom calls
+into command buffers once a graph would hold enough commands), with command buffers off (``off``:
+every kernel launched on the stream) and forced on for every command type and size (``on``,
+``GRAPH_COMPILER_OPTIONS``), or some of them.
 
     .ci/gpu-h200.sh cmd python3 -m benchmarks.step_profile     # on the GPU machine
-    ... step_profile --points "1,4096,128;8,1024,128" --command-buffers off
+    ... step_profile --points "1,4096,128;8,1024,128" --command-buffers off,default
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import types
 import numpy as np
 
 from benchmarks.grid import Point
-from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, layered, scanned
+from benchmarks.methods import (GRAPH_COMPILER_OPTIONS, NO_GRAPH_COMPILER_OPTIONS, decode_with_plan,
+                               layered, scanned)
 from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
 from benchmarks.timing import busy_us, time_jax, traced_gpu_kernels
 
@@ -45,6 +49,9 @@ LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
 METHODS = {"sm90": "sm90", "fa3": "fa3 (auto, host plan)", "sm90-scan": "sm90, scan",
            "sm90-scan-plan": "sm90, scan, sm90_plan"}
 DEFAULT_POINTS = "1,4096,128;1,4096,16"
+# --command-buffers modes: the step's compiler options.
+COMMAND_BUFFER_MODES = {"default": None, "off": NO_GRAPH_COMPILER_OPTIONS,
+                        "on": GRAPH_COMPILER_OPTIONS}
 # time_jax's settings: 7 rounds of about 20 ms of back-to-back calls each (about 20 steps at B = 1).
 WALL_TIMER = types.SimpleNamespace(rounds=7, round_s=0.02, max_method_s=60.0)
 
@@ -110,7 +117,9 @@ def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--points", default=DEFAULT_POINTS, help="B,L,H;... (default %(default)s)")
-    parser.add_argument("--command-buffers", choices=("off", "on", "both"), default="both")
+    parser.add_argument("--command-buffers", default=",".join(COMMAND_BUFFER_MODES),
+                        help="comma-separated, of " + ", ".join(COMMAND_BUFFER_MODES) +
+                        " (default: all)")
     parser.add_argument("--scan-gib", type=float, default=8.0,
                         help="largest stacked caches of the scans, GiB (default %(default)s)")
     parser.add_argument("--methods", default=",".join(METHODS),
@@ -122,7 +131,10 @@ def main(argv: list[str] | None = None):
         raise SystemExit(f"unknown --methods {unknown}; choose from {list(METHODS)}")
     methods_asked = [METHODS[key] for key in keys_asked]
     points = parse_points(args.points)
-    graph_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.command_buffers]
+    modes = [m.strip() for m in args.command_buffers.split(",") if m.strip()]
+    if not modes or set(modes) - set(COMMAND_BUFFER_MODES):
+        raise SystemExit(f"--command-buffers {args.command_buffers!r}: comma-separated, of "
+                         f"{list(COMMAND_BUFFER_MODES)}")
 
     import jax
     import jax.numpy as jnp
@@ -169,15 +181,15 @@ def main(argv: list[str] | None = None):
         for name, build, step_plan, cache_sets in methods:
             if name not in methods_asked:
                 continue
-            for graphs in graph_modes:
-                step = build(GRAPH_COMPILER_OPTIONS if graphs else None)
+            for mode in modes:
+                step = build(COMMAND_BUFFER_MODES[mode])
                 arg_sets = [(query, s, tables, lens, step_plan) for s in cache_sets]
                 jax.block_until_ready(step(*arg_sets[0]))
                 wall_rot = wall_us_per_layer(step, arg_sets) if len(arg_sets) > 1 else None
                 wall_fixed = wall_us_per_layer(step, arg_sets[:1])
                 rotated_text = "-" if wall_rot is None else f"{wall_rot:.1f}"
                 row = (f"| {point.B} | {point.L} | {num_heads} | {name} | "
-                       f"{'on' if graphs else 'off'} | {rotated_text} | {wall_fixed:.1f} |")
+                       f"{mode} | {rotated_text} | {wall_fixed:.1f} |")
                 try:
                     stats = traced(step, arg_sets[0])
                 except RuntimeError as error:  # the profiler's, or a trace that does not split
@@ -185,13 +197,13 @@ def main(argv: list[str] | None = None):
                     continue
                 print(f"{row} {stats['span_us']:.1f} | {stats['busy_us']:.1f} | "
                       f"{stats['kernels_us']:.1f} |", flush=True)
-                details.append((point, name, graphs, stats["by_name"]))
+                details.append((point, name, mode, stats["by_name"]))
     print("\nKernels per step (count, median µs, median start after the kernel before it ends):")
-    for point, name, graphs, by_name in details:
+    for point, name, mode, by_name in details:
         kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" + ("" if lead is None else f" {lead:+.1f}")
                             for k, (c, d, lead) in sorted(by_name.items()))
-        print(f"- B={point.B} L={point.L} H={point.H} {name}, command buffers "
-              f"{'on' if graphs else 'off'}: {kernels}")
+        print(f"- B={point.B} L={point.L} H={point.H} {name}, command buffers {mode}: "
+              f"{kernels}")
 
 
 if __name__ == "__main__":

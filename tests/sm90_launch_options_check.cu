@@ -223,6 +223,23 @@ int main() {
   rows8.combine_rows_in_flight = 8;
   std::printf("staged rows=128,bf16,batch=1,combine_rows_in_flight=8 %d\n",
               detail::UseStagedCombine(rows8, 128, 1, 132, true));
+  // Clusters of two for the bf16 cache's 64-row tiles in an even number of M tiles, where the
+  // block table holds more than 24,576 tokens in all.
+  for (int max_pages : {384, 385}) {
+    for (int heads : {64, 128}) {
+      for (bool fp8 : {false, true}) {
+        DecodeParams c = ValidParams();
+        c.batch = 1;
+        c.q_len = 1;
+        c.num_heads = heads;
+        c.page_size = 64;
+        c.max_pages = max_pages;
+        c.kv_fp8 = fp8;
+        std::printf("cluster rows=%d,fp8=%d,tokens=%d %d\n", heads, fp8, max_pages * 64,
+                    detail::ClusterSize(defaults, c));
+      }
+    }
+  }
   DecodeParams p = ValidParams();
   for (int score_n : {16, 0}) {
     for (bool fp8 : {false, true}) {

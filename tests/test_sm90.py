@@ -487,6 +487,24 @@ def test_matches_the_reference(batch, q_len, num_heads, page_size):
     assert_identical(first, sm90(problem))
 
 
+@pytest.mark.parametrize("num_heads,q_len", [(128, 1), (64, 2), (128, 2)])
+@pytest.mark.parametrize("extra_columns", [0, 400])
+@on_gpu
+def test_both_sides_of_the_cluster_rule(num_heads, q_len, extra_columns):
+    """The 64-row tiles run without clusters up to 24,576 block-table tokens and in clusters of two
+    beyond (ClusterSize, ffi/sm90/launch.cuh): the same requests, their tables widened by garbage
+    columns to take the clusters, match the reference either way."""
+    problem = make_problem(17, batch=3, q_len=q_len, num_heads=num_heads, page_size=64,
+                           max_len=3000, dtype=jnp.bfloat16)
+    padding = np.random.default_rng(5).choice([-1, 10**6, 7], size=(3, extra_columns))
+    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
+    assert (tables.shape[0] * tables.shape[1] * 64 > 24576) == (extra_columns > 0)
+    problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+    first = sm90(problem)
+    assert_close(*first, *reference(problem))
+    assert_identical(first, sm90(problem))
+
+
 @pytest.mark.parametrize("num_heads,q_len", [(128, 1), (16, 2), (32, 4), (1, 1), (3, 3)])
 @on_gpu
 def test_skewed_lengths_and_output_scale(num_heads, q_len):

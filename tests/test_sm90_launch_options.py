@@ -39,9 +39,10 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
 # request at 128 rows) fits the 132 SMs, and is the staged one where its own grid (two bf16 rows
 # or one fp32 row a block) fits them and no rows in flight are named, or where staged_combine
-# says; the schedule's split cost is 24 for the fp8 cache's 64-row tiles (score_n 0), 12 for the
-# bf16 cache's 16-row transposed kernel and 14 for every other kernel (or what LaunchOptions
-# names), and parts take one KV block at least with such
+# says. The bf16 cache's 64-row tiles run in clusters of two in an even number of M tiles where
+# the block table holds more than 24,576 tokens. The schedule's split cost is 24 for the fp8
+# cache's 64-row tiles (score_n 0), 12 for the bf16 cache's 16-row transposed kernel and 14 for
+# every other kernel (or what LaunchOptions names), and parts take one KV block at least with such
 # a combine, two without, or what min_blocks_per_part asks if more.
 DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
@@ -58,6 +59,10 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "staged rows=16,f32,batch=9,staged_combine=0 0",
             "staged rows=16,f32,batch=9,staged_combine=1 1",
             "staged rows=128,bf16,batch=1,combine_rows_in_flight=8 0",
+            "cluster rows=64,fp8=0,tokens=24576 1", "cluster rows=64,fp8=1,tokens=24576 1",
+            "cluster rows=128,fp8=0,tokens=24576 1", "cluster rows=128,fp8=1,tokens=24576 1",
+            "cluster rows=64,fp8=0,tokens=24640 1", "cluster rows=64,fp8=1,tokens=24640 1",
+            "cluster rows=128,fp8=0,tokens=24640 2", "cluster rows=128,fp8=1,tokens=24640 1",
             "schedule score_n=16,fp8=0 cost 12 min 1", "schedule score_n=16,fp8=1 cost 14 min 1",
             "schedule score_n=0,fp8=0 cost 14 min 1", "schedule score_n=0,fp8=1 cost 24 min 1",
             "schedule beyond one wave min 2", "schedule block_to_split_cost=5 cost 5",

@@ -298,13 +298,24 @@ inline int KernelSmemBytes(const LaunchOptions& options, bool fp8, int score_n) 
                      : KernelSmemLayout<true, 0>::kBytes;
 }
 
+// Block tables of at most this many tokens in all (batch x max_pages x page_size) run the 64-row
+// tiles without clusters: the host sees only the table's capacity, and the few KV blocks a part
+// that a small one allows gain less from multicast than the pair costs (docs/sm90-kernel.md,
+// "Clusters at small tables").
+constexpr long long kUnclusteredTableTokens = 24576;
+
 // The cluster size for these options: by default 2 (the M-tile pair multicasting each KV tile)
-// where the bf16 cache's 64-row tiles come in an even number of M tiles and no experiment or late
-// release is asked for. Multicast halves the tiles' traffic out of L2 (docs/sm90-kernel.md,
-// "Power", says when that pays).
-inline int ClusterSize(const LaunchOptions& options, bool fp8, int m_tiles) {
+// where the bf16 cache's 64-row tiles come in an even number of M tiles, the block table holds
+// more than kUnclusteredTableTokens tokens and no experiment or late release is asked for.
+// Multicast halves the tiles' traffic out of L2 (docs/sm90-kernel.md, "Power", says when that
+// pays).
+inline int ClusterSize(const LaunchOptions& options, const DecodeParams& p) {
   if (options.cluster >= 1) return options.cluster;
-  return !fp8 && options.early_release && options.experiment == 0 && m_tiles % 2 == 0 ? 2 : 1;
+  const long long table_tokens = static_cast<long long>(p.batch) * p.max_pages * p.page_size;
+  return !p.kv_fp8 && options.early_release && options.experiment == 0 &&
+                 NumMTiles(p.q_len, p.num_heads) % 2 == 0 && table_tokens > kUnclusteredTableTokens
+             ? 2
+             : 1;
 }
 
 // Whether the bf16 cache's 64-row tiles release each stage in two parts (DecodeKernel's
@@ -404,7 +415,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
 #ifndef JAX_MLA_SM90_EXPERIMENTS
   if (!options.combine) return cudaErrorInvalidValue;
 #endif
-  const int cluster = ClusterSize(options, p.kv_fp8, m_tiles);
+  const int cluster = ClusterSize(options, p);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
   const void* kernel = SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
   const int score_n = TransposedScoreRows(options, cluster, rows);
