@@ -29,8 +29,11 @@
 //   fixed_cost_blocks and min_blocks_per_part) for every check and timing of the run;
 //   --split-cost N (any mode): LaunchOptions::block_to_split_cost of every launch.
 //   --no-pdl (any mode): DecodeParams::enable_pdl = false (no programmatic dependent launch).
-//   --stream (timings): the launches timed on the stream, as XLA issues them, instead of replayed
-//   from a CUDA graph of them.
+//   --stream (timings): the launches timed on the stream, as XLA issues them without command
+//   buffers, instead of replayed from a CUDA graph of them.
+//   --child-graphs (timings): the graph built as XLA's command buffer records custom calls: the
+//   schedule and each layer's decode and combine captured into a graph of their own, added to the
+//   replayed graph as a child node after the one before.
 //   --fp8-transposed (checks only): LaunchOptions::fp8_registers = 0 (the fp8 cache up to 32 rows
 //   in DecodeKernel's transposed path instead of the register-operand kernels).
 //   --plain-scores, --wide-combine, --narrow-combine, --staged-combine, --loaded-combine,
@@ -70,6 +73,7 @@ static int g_min_blocks = kMinBlocksPerPart;  // "--min-blocks N"
 static int g_split_cost = -1;  // LaunchOptions::block_to_split_cost ("--split-cost N")
 static bool g_pdl = true;      // DecodeParams::enable_pdl ("--no-pdl": false)
 static bool g_stream = false;  // timings launch on the stream instead of replaying a graph
+static bool g_child_graphs = false;  // the replayed graph holds each call as a child graph
 static int g_fp8_registers = -1;  // LaunchOptions::fp8_registers of checks ("--fp8-transposed": 0)
 static int g_transposed = -1;  // LaunchOptions::transposed_scores of checks ("--plain-scores": 0)
 static int g_wide_combine = -1;  // LaunchOptions::wide_combine of checks ("--wide-combine": 1,
@@ -883,9 +887,43 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   return v;
 }
 
+// A graph of calls `first` .. `end` - 1 captured from `stream`: call -1 is the schedule, call i >= 0
+// a decode of cache copy i % copies.
+static cudaGraph_t CaptureCalls(const Problem& pb, const LaunchOptions& opt, int first, int end,
+                                cudaStream_t stream) {
+  cudaGraph_t graph;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = first; i < end; ++i) {
+    if (i < 0) CHECK_CUDA(LaunchSchedule(pb.Params(0), stream));
+    else CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
+  }
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  return graph;
+}
+
+// The schedule and `iters` decodes as XLA's command buffer records custom calls: each captured
+// into a graph of its own and added as a child node that depends on the one before, so an edge
+// between two calls waits for all of the earlier call (programmatic dependent launch stays inside
+// each call).
+static cudaGraph_t CaptureAsChildGraphs(const Problem& pb, const LaunchOptions& opt, int iters,
+                                        cudaStream_t stream) {
+  cudaGraph_t parent;
+  CHECK_CUDA(cudaGraphCreate(&parent, 0));
+  cudaGraphNode_t before = nullptr;
+  for (int i = -1; i < iters; ++i) {
+    cudaGraph_t call = CaptureCalls(pb, opt, i, i + 1, stream);
+    cudaGraphNode_t node;
+    CHECK_CUDA(cudaGraphAddChildGraphNode(&node, parent, before ? &before : nullptr,
+                                          before ? 1 : 0, call));
+    CHECK_CUDA(cudaGraphDestroy(call));
+    before = node;
+  }
+  return parent;
+}
+
 // Per-layer time: a CUDA graph of one schedule and `iters` decodes rotating among cache copies,
 // replayed 3 times untimed, then the median of 5 timed replays (with --stream, the launches issued
-// on the stream instead).
+// on the stream instead; with --child-graphs, the graph of child graphs CaptureAsChildGraphs builds).
 static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& variants) {
   Problem pb;
   // Rotate among enough copies that the bytes touched per round exceed 4x the L2.
@@ -914,12 +952,9 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
       CHECK_CUDA(LaunchDecode(p, stream, opt));
     }
     CHECK_CUDA(cudaStreamSynchronize(stream));
-    cudaGraph_t graph;
+    cudaGraph_t graph = g_child_graphs ? CaptureAsChildGraphs(pb, opt, iters, stream)
+                                       : CaptureCalls(pb, opt, -1, iters, stream);
     cudaGraphExec_t exec;
-    CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    CHECK_CUDA(LaunchSchedule(pb.Params(0), stream));
-    for (int i = 0; i < iters; ++i) CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
-    CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
     CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
     for (int warm = 0; warm < 3; ++warm) CHECK_CUDA(cudaGraphLaunch(exec, stream));
     CHECK_CUDA(cudaStreamSynchronize(stream));
@@ -1201,6 +1236,7 @@ int main(int argc, char** argv) {
     else if (a == "--fail-closed") g_fail_closed = true;
     else if (a == "--no-pdl") g_pdl = false;
     else if (a == "--stream") g_stream = true;
+    else if (a == "--child-graphs") g_child_graphs = true;
     else if (a == "--fixed-cost" && i + 1 < argc) g_fixed_cost = atoi(argv[++i]);
     else if (a == "--min-blocks" && i + 1 < argc) g_min_blocks = atoi(argv[++i]);
     else if (a == "--split-cost" && i + 1 < argc) g_split_cost = atoi(argv[++i]);
