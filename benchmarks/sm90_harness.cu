@@ -660,6 +660,9 @@ static std::vector<CaseSpec> CheckSuite() {
   Suite v{{}, 1000};
   v.add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
   v.add("b1-4k-h128-p32", 1, 1, 128, 32, 4096, "fixed");
+  // Three and four requests: the wide combine's 32-row kernel two blocks an SM.
+  v.add("b3-4k-h128", 3, 1, 128, 64, 4096, "uniform");
+  v.add("b4-1k-h128-p32", 4, 1, 128, 32, 1024, "uniform");
   v.add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
   v.add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
   v.add("q2-h128", 4, 2, 128, 64, 4096, "uniform");
@@ -717,6 +720,7 @@ static std::vector<CaseSpec> CheckSuiteFp8() {
   v.add("bad-h16-q2-p32", 6, 2, 16, 32, 3000, "uniform", true);
   v.add("bad-h8-p64", 6, 1, 8, 64, 2000, "uniform", true);
   v.add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
+  v.add("b3-4k-h128", 3, 1, 128, 64, 4096, "uniform");
   v.add("skew-20k-h128-p32", 8, 1, 128, 32, 20000, "skew");
   v.add("b32-4k-h128", 32, 1, 128, 64, 4096, "uniform");
   v.add("h64", 6, 1, 64, 64, 5000, "uniform");
@@ -746,6 +750,7 @@ static std::vector<CaseSpec> SanitizeSuiteFp8() {
   v.add("h32-b8", 8, 1, 32, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
+  v.add("b4-h128", 4, 1, 128, 64, 1000, "uniform");
   v.add("skew-h64", 6, 1, 64, 64, 1500, "skew");
   v.add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
   v.add("bad-h128-q2-p64", 6, 2, 128, 64, 500, "uniform", true);
@@ -759,6 +764,7 @@ static std::vector<CaseSpec> SanitizeSuite() {
   v.add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
   v.add("h8", 3, 1, 8, 64, 500, "uniform");
   v.add("h128-b8", 8, 1, 128, 64, 600, "uniform");
+  v.add("h128-b4", 4, 1, 128, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("bad-b270-h128", 270, 1, 128, 64, 200, "uniform", true);
   // Several segments per CTA on the transposed kernels: the owned rows' statistics handed over

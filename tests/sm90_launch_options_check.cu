@@ -199,9 +199,13 @@ int main() {
               detail::KernelSmemBytes(defaults, true, 32) == Fp8SplitSmemLayout::kBytes);
   // The schedule as the kernels read it: the wide combine's rows in flight, each kernel's split
   // cost, and the fewest blocks a part takes with and without a combine in one wave.
-  for (int batch : {2, 3}) {
-    std::printf("combine rows=128,batch=%d 32 rows %d\n", batch,
-                detail::CombineRows32(defaults, 128, batch, 132));
+  // ... where its grid is resident at once: 64 blocks a request at 128 rows on 132 SMs, one or
+  // two blocks an SM.
+  for (int blocks_per_sm : {1, 2}) {
+    for (int batch : {2 * blocks_per_sm, 2 * blocks_per_sm + 1}) {
+      std::printf("combine rows=128,batch=%d,blocks_per_sm=%d 32 rows %d\n", batch,
+                  blocks_per_sm, detail::CombineRows32(defaults, 128, batch, 132, blocks_per_sm));
+    }
   }
   // The wide combine staged in shared memory where its grid fits the SMs: two bf16 rows or one
   // fp32 row a block.

@@ -37,7 +37,7 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
 # elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
 # unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
-# request at 128 rows) fits the 132 SMs, and is the staged one where its own grid (two bf16 rows
+# request at 128 rows) is resident at once on the 132 SMs, and is the staged one where its own grid (two bf16 rows
 # or one fp32 row a block) fits them and no rows in flight are named, or where staged_combine
 # says. The bf16 cache's 64-row tiles run in clusters of two in an even number of M tiles where
 # the block table holds more than 24,576 tokens. The schedule's split cost is 24 for the fp8
@@ -53,7 +53,10 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1",
-            "combine rows=128,batch=2 32 rows 1", "combine rows=128,batch=3 32 rows 0",
+            "combine rows=128,batch=2,blocks_per_sm=1 32 rows 1",
+            "combine rows=128,batch=3,blocks_per_sm=1 32 rows 0",
+            "combine rows=128,batch=4,blocks_per_sm=2 32 rows 1",
+            "combine rows=128,batch=5,blocks_per_sm=2 32 rows 0",
             "staged rows=128,bf16,batch=2 1", "staged rows=128,bf16,batch=3 0",
             "staged rows=16,f32,batch=8 1", "staged rows=16,f32,batch=9 0",
             "staged rows=16,f32,batch=9,staged_combine=0 0",

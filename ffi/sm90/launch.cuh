@@ -181,7 +181,8 @@ namespace detail {
 struct KernelInfo {
   const void* kernel = nullptr;
   int device = -1;
-  int max_clusters = 0;  // co-resident clusters of kCluster CTAs (0 when kCluster == 1)
+  int max_clusters = 0;   // co-resident clusters of kCluster CTAs (0 when kCluster == 1)
+  int blocks_per_sm = 0;  // blocks resident on one SM at once
 };
 
 // How many clusters of `cluster` CTAs of `kernel` (kThreads threads, smem_bytes of dynamic shared
@@ -203,9 +204,11 @@ inline cudaError_t MaxActiveClusters(const void* kernel, int cluster, int smem_b
 }
 
 // Raises the shared-memory limit once per instantiation and device (function attributes are per
-// device) and, for cluster launches, reads how many clusters fit on the device at once (before any
-// graph capture uses the kernel).
-inline cudaError_t Prepare(const void* kernel, int cluster, int smem_bytes, KernelInfo* info) {
+// device) and reads how many blocks of `threads` threads fit on an SM at once and, for cluster
+// launches, how many clusters fit on the device at once (before any graph capture uses the
+// kernel).
+inline cudaError_t Prepare(const void* kernel, int threads, int cluster, int smem_bytes,
+                           KernelInfo* info) {
   static std::mutex mutex;
   static KernelInfo cache[64];
   int device = 0;
@@ -223,6 +226,9 @@ inline cudaError_t Prepare(const void* kernel, int cluster, int smem_bytes, Kern
   KernelInfo k;
   k.kernel = kernel;
   k.device = device;
+  status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&k.blocks_per_sm, kernel, threads,
+                                                         smem_bytes);
+  if (status != cudaSuccess) return status;
   if (cluster > 1) {
     status = MaxActiveClusters(kernel, cluster, smem_bytes, &k.max_clusters);
     if (status != cudaSuccess) return status;
@@ -426,11 +432,24 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
   return cudaSuccess;
 }
 
+constexpr int kCombineWideThreads = kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32;
+
+// CombineKernelWide's instance for its rows in flight (32 or 8) and the partials' type.
+inline const void* WideCombineKernel(bool rows_32, bool bf16_partials) {
+  return bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
+                       : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
+                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
+}
+
 // Whether CombineKernelWide keeps 32 partial rows in flight per lane: by default where its grid
-// (rows / kCombineWideRowsPerBlock x batch blocks) fits the SMs with one CTA each.
-inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int num_sms) {
+// (rows / kCombineWideRowsPerBlock x batch blocks) is resident at once, `blocks_per_sm` of the
+// 32-row kernel's blocks an SM (docs/sm90-kernel.md, "The wide combine's rows in flight").
+inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int num_sms,
+                          int blocks_per_sm) {
   if (options.combine_rows_in_flight >= 0) return options.combine_rows_in_flight == 32;
-  return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <= num_sms;
+  return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <=
+         static_cast<long long>(num_sms) * blocks_per_sm;
 }
 
 // The combine kernel LaunchDecode runs behind the decode, and its launch shape.
@@ -470,13 +489,9 @@ inline CombineLaunch ChooseCombine(const LaunchOptions& options, const DecodePar
     return StagedCombine(bf16_partials, rows, p.batch);
   }
   if (wide_combine) {
-    const void* kernel =
-        bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
-                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
-                      : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
-                                 : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
-    return {kernel, dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch),
-            dim3(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32), 0};
+    return {WideCombineKernel(rows_32, bf16_partials),
+            dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch), dim3(kCombineWideThreads),
+            0};
   }
   return {bf16_partials ? reinterpret_cast<const void*>(&CombineKernel<true>)
                         : reinterpret_cast<const void*>(&CombineKernel<false>),
@@ -522,7 +537,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int score_n = choice.score_n;
   const int smem_bytes = detail::KernelSmemBytes(options, p.kv_fp8, score_n);
   detail::KernelInfo info;
-  err = detail::Prepare(kernel, cluster, smem_bytes, &info);
+  err = detail::Prepare(kernel, kThreads, cluster, smem_bytes, &info);
   if (err != cudaSuccess) return err;
 
   int parts = NumParts(p.num_sms, p.q_len, p.num_heads);
@@ -532,7 +547,14 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
-  const bool rows_32 = detail::CombineRows32(options, rows, p.batch, p.num_sms);
+  detail::KernelInfo wide_info;  // the 32-row wide combine's, where the wide combine runs
+  if (wide_combine) {
+    err = detail::Prepare(detail::WideCombineKernel(true, bf16_partials),
+                          detail::kCombineWideThreads, 1, 0, &wide_info);
+    if (err != cudaSuccess) return err;
+  }
+  const bool rows_32 =
+      detail::CombineRows32(options, rows, p.batch, p.num_sms, wide_info.blocks_per_sm);
   DecodeParams sp =
       detail::ScheduleAsRead(p, score_n, wide_combine && rows_32, options.block_to_split_cost);
   // Chosen, and its shared memory granted, before the decode is launched: a combine that cannot
@@ -541,7 +563,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
       detail::ChooseCombine(options, p, rows, parts, wide_combine, bf16_partials, rows_32);
   if (combine.smem_bytes > 0) {
     detail::KernelInfo combine_info;
-    err = detail::Prepare(combine.kernel, 1, combine.smem_bytes, &combine_info);
+    err = detail::Prepare(combine.kernel, static_cast<int>(combine.block.x), 1, combine.smem_bytes,
+                          &combine_info);
     if (err != cudaSuccess) return err;
   }
   DecodeKernelArgs args;
