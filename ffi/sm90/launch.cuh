@@ -54,9 +54,9 @@ struct LaunchOptions {
                               // -1 (default) and 1 in 64-row tiles (1 elsewhere is rejected);
                               // 0 never
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
-                                    // (default) 32 where its grid fits the SMs in one wave,
-                                    // else 8; 8 or 32 always (and the loading kernel unless
-                                    // staged_combine = 1); other values rejected
+                                    // (default) 32 where its grid is resident at once
+                                    // (CombineRows32), else 8; 8 or 32 always (and the loading
+                                    // kernel unless staged_combine = 1); other values rejected
   int staged_combine = -1;    // the wide combine's partial rows staged in shared memory by bulk
                               // copies (CombineKernelStaged) instead of loaded by each lane: -1
                               // (default) where its grid fits the SMs in one wave, 1 wherever the
