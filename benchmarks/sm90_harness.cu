@@ -893,16 +893,22 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   return v;
 }
 
-// A graph of calls `first` .. `end` - 1 captured from `stream`: call -1 is the schedule, call i >= 0
-// a decode of cache copy i % copies.
-static cudaGraph_t CaptureCalls(const Problem& pb, const LaunchOptions& opt, int first, int end,
-                                cudaStream_t stream) {
-  cudaGraph_t graph;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+// Launches calls `first` .. `end` - 1 on `stream`: call -1 is the schedule, call i >= 0 a decode of
+// cache copy i % copies.
+static void LaunchCalls(const Problem& pb, const LaunchOptions& opt, int first, int end,
+                        cudaStream_t stream) {
   for (int i = first; i < end; ++i) {
     if (i < 0) CHECK_CUDA(LaunchSchedule(pb.Params(0), stream));
     else CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
   }
+}
+
+// A graph of those calls (LaunchCalls) captured from `stream`.
+static cudaGraph_t CaptureCalls(const Problem& pb, const LaunchOptions& opt, int first, int end,
+                                cudaStream_t stream) {
+  cudaGraph_t graph;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  LaunchCalls(pb, opt, first, end, stream);
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   return graph;
 }
@@ -971,10 +977,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     for (int rep = 0; rep < 5; ++rep) {
       CHECK_CUDA(cudaEventRecord(e0, stream));
       if (g_stream) {
-        CHECK_CUDA(LaunchSchedule(pb.Params(0), stream));
-        for (int i = 0; i < iters; ++i) {
-          CHECK_CUDA(LaunchDecode(pb.Params(i % pb.copies), stream, opt));
-        }
+        LaunchCalls(pb, opt, -1, iters, stream);
       } else {
         CHECK_CUDA(cudaGraphLaunch(exec, stream));
       }
