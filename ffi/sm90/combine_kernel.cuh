@@ -320,10 +320,10 @@ __device__ __forceinline__ void MultiplyAdd(float w, const float4& x, float4& ac
 // reduced across the warp in a fixed order; the outputs are accumulated in part order, each lane
 // loading kRowsInFlight partial rows at a time, the first ones before the LSEs are reduced.
 // Deterministic; grid: (ceil(rows / kCombineWideRowsPerBlock), batch) blocks of
-// kCombineWideRowsPerBlock * kCombineWarpsPerRow warps. kBf16Partials: the partial outputs are
-// bf16 (the decode's DecodeKernelArgs::bf16_partials), else fp32.
+// kCombineWideThreads threads (kCombineWarpsPerRow warps a row). kBf16Partials: the partial
+// outputs are bf16 (the decode's DecodeKernelArgs::bf16_partials), else fp32.
 template <int kRowsInFlight, bool kBf16Partials>
-__global__ void __launch_bounds__(kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32)
+__global__ void __launch_bounds__(kCombineWideThreads)
 CombineKernelWide(const DecodeParams p, int num_parts) {
   static_assert(32 % kRowsInFlight == 0, "a batch of 32 splits is whole loads");
   SM90_TRACE_KERNEL(kTracedCombine, kKernelEntry);

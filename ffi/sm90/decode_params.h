@@ -74,6 +74,7 @@ constexpr int kCombineRowsPerBlock = 8;
 constexpr int kCombineLseGroups = 5;
 constexpr int kCombineWarpsPerRow = 4;
 constexpr int kCombineWideRowsPerBlock = 2;
+constexpr int kCombineWideThreads = kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32;
 // CombineKernelStaged's ring in shared memory: kStagedGroups groups of kStagedGroupSplits slots,
 // each slot one split's rows of a block (StagedShape), and a full and an empty mbarrier per group.
 constexpr int kStagedSlotBytes = 2048;

@@ -432,8 +432,6 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
   return cudaSuccess;
 }
 
-constexpr int kCombineWideThreads = kCombineWideRowsPerBlock * kCombineWarpsPerRow * 32;
-
 // CombineKernelWide's instance for its rows in flight (32 or 8) and the partials' type.
 inline const void* WideCombineKernel(bool rows_32, bool bf16_partials) {
   return bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
@@ -549,8 +547,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
   detail::KernelInfo wide_info;  // the 32-row wide combine's, where the wide combine runs
   if (wide_combine) {
-    err = detail::Prepare(detail::WideCombineKernel(true, bf16_partials),
-                          detail::kCombineWideThreads, 1, 0, &wide_info);
+    err = detail::Prepare(detail::WideCombineKernel(true, bf16_partials), kCombineWideThreads, 1,
+                          0, &wide_info);
     if (err != cudaSuccess) return err;
   }
   const bool rows_32 =
