@@ -303,9 +303,10 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 and more than 64
     heads an H100's, tests/gpu_logs/h100/step-profile-small-batches.log and
     step-profile-combine-32.log) at q_len 1: up to 16 heads or 33-64 at any batch, 17-32 heads up
-    to 4 requests, more than 64 heads up to 4 requests or from 8. From 32 requests (the benchmark): up to 64 heads at q_len 1, up to 32
-    query rows (q_len x heads) below a batch of 512, or more than 64 heads with up to 64 query
-    tokens (batch x q_len) or up to 128 requests at q_len 1."""
+    to 4 requests, more than 64 heads up to 4 requests or from 8. From 32 requests (the
+    benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x heads) below a batch of
+    512, or more than 64 heads with up to 64 query tokens (batch x q_len) or up to 128 requests at
+    q_len 1."""
     if instead_of == XLA:
         return True
     if batch < 32:

@@ -11,6 +11,7 @@ import subprocess
 
 from conftest import build_host_check
 
+
 def test_prefetch_reads_and_ranges_stay_inside_their_buffers(tmp_path):
     binary = build_host_check(tmp_path, "sm90_prefetch_check", "--expt-relaxed-constexpr")
     run = subprocess.run([binary, "4000", "7"], capture_output=True, text=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import build_host_check
 
+
 @pytest.fixture(scope="module")
 def schedule_check(tmp_path_factory):
     return build_host_check(tmp_path_factory.mktemp("sm90_schedule"), "sm90_schedule_check")

@@ -11,6 +11,7 @@ import subprocess
 import pytest
 from conftest import build_host_check
 
+
 @pytest.fixture(scope="module")
 def ring_check(tmp_path_factory):
     return build_host_check(tmp_path_factory.mktemp("sm90_staged_ring"), "sm90_staged_ring_check")
