@@ -804,6 +804,7 @@ static std::vector<Variant> PartialsVariants() {
   return {{"fp32-partials", With([](LaunchOptions& o) { o.bf16_partials = 0; })},
           {"bf16-partials", With([](LaunchOptions& o) { o.bf16_partials = 1; })},
           {"combine-8-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 8; })},
+          {"combine-16-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 16; })},
           {"combine-32-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 32; })}};
 }
 

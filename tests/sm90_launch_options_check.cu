@@ -83,8 +83,8 @@ int main() {
   Run("bf16_partials=2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 2; });
   Run("bf16_partials=-2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = -2; });
   Run("bf16_partials=1,transposed", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 1; });
-  Run("combine_rows_in_flight=16",
-      [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
+  Run("combine_rows_in_flight=12",
+      [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 12; });
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
   Run("staged_combine=2", [](DecodeParams&, LaunchOptions& o) { o.staged_combine = 2; });
@@ -151,6 +151,8 @@ int main() {
   });
   Pass("valid,experiment=1", [](DecodeParams&, LaunchOptions& o) { o.experiment = 1; });
   Pass("valid,no_combine", [](DecodeParams&, LaunchOptions& o) { o.combine = false; });
+  Pass("valid,combine_rows_in_flight=16",
+       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   // The launcher's per-kernel defaults: the KV map's L2 promotion and the fp8 cache's kernel up to
   // 16 rows, "NAME VALUE" a line.
   const LaunchOptions defaults;
@@ -203,8 +205,9 @@ int main() {
   // two blocks an SM.
   for (int blocks_per_sm : {1, 2}) {
     for (int batch : {2 * blocks_per_sm, 2 * blocks_per_sm + 1}) {
-      std::printf("combine rows=128,batch=%d,blocks_per_sm=%d 32 rows %d\n", batch,
-                  blocks_per_sm, detail::CombineRows32(defaults, 128, batch, 132, blocks_per_sm));
+      std::printf("combine rows=128,batch=%d,blocks_per_sm=%d rows in flight %d\n", batch,
+                  blocks_per_sm,
+                  detail::CombineRowsInFlight(defaults, 128, batch, 132, blocks_per_sm));
     }
   }
   // The wide combine staged in shared memory where its grid fits the SMs: two bf16 rows or one

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_combine=-2",
          "split_release=2", "split_release=-2", "bf16_partials=2", "bf16_partials=-2",
-         "bf16_partials=1,transposed", "combine_rows_in_flight=16", "combine_rows_in_flight=0",
+         "bf16_partials=1,transposed", "combine_rows_in_flight=12", "combine_rows_in_flight=0",
          "staged_combine=2", "staged_combine=-2",
          "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "cluster=3", "cluster=0",
          "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
@@ -31,7 +31,7 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
 # refuses those that need them.
 PASSING = ["valid", "valid,h128", "valid,page_size=32,q_len=4", "valid,fp8,h128"]
 EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_registers=0",
-                    "valid,experiment=1", "valid,no_combine"]
+                    "valid,experiment=1", "valid,no_combine", "valid,combine_rows_in_flight=16"]
 
 # The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows, and up to 32 where
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
@@ -53,10 +53,10 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1",
-            "combine rows=128,batch=2,blocks_per_sm=1 32 rows 1",
-            "combine rows=128,batch=3,blocks_per_sm=1 32 rows 0",
-            "combine rows=128,batch=4,blocks_per_sm=2 32 rows 1",
-            "combine rows=128,batch=5,blocks_per_sm=2 32 rows 0",
+            "combine rows=128,batch=2,blocks_per_sm=1 rows in flight 32",
+            "combine rows=128,batch=3,blocks_per_sm=1 rows in flight 8",
+            "combine rows=128,batch=4,blocks_per_sm=2 rows in flight 32",
+            "combine rows=128,batch=5,blocks_per_sm=2 rows in flight 8",
             "staged rows=128,bf16,batch=2 1", "staged rows=128,bf16,batch=3 0",
             "staged rows=16,f32,batch=8 1", "staged rows=16,f32,batch=9 0",
             "staged rows=16,f32,batch=9,staged_combine=0 0",
