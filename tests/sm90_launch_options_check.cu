@@ -135,6 +135,8 @@ int main() {
     p.page_size = 32;
     p.q_len = 4;
   });
+  Pass("valid,combine_rows_in_flight=16",
+       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Pass("valid,fp8,h128", [](DecodeParams& p, LaunchOptions&) {
     p.kv_fp8 = true;
     p.num_heads = 128;
@@ -151,8 +153,6 @@ int main() {
   });
   Pass("valid,experiment=1", [](DecodeParams&, LaunchOptions& o) { o.experiment = 1; });
   Pass("valid,no_combine", [](DecodeParams&, LaunchOptions& o) { o.combine = false; });
-  Pass("valid,combine_rows_in_flight=16",
-       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   // The launcher's per-kernel defaults: the KV map's L2 promotion and the fp8 cache's kernel up to
   // 16 rows, "NAME VALUE" a line.
   const LaunchOptions defaults;
@@ -203,13 +203,14 @@ int main() {
   // cost, and the fewest blocks a part takes with and without a combine in one wave.
   // ... where its grid is resident at once: 64 blocks a request at 128 rows on 132 SMs, one or
   // two blocks an SM.
-  for (int blocks_per_sm : {1, 2}) {
-    for (int batch : {2 * blocks_per_sm, 2 * blocks_per_sm + 1}) {
-      std::printf("combine rows=128,batch=%d,blocks_per_sm=%d rows in flight %d\n", batch,
-                  blocks_per_sm,
-                  detail::CombineRowsInFlight(defaults, 128, batch, 132, blocks_per_sm));
-    }
+  // ... the most of 32 and 16 rows whose kernel's grid is resident at once: 64 blocks a request
+  // at 128 rows on 132 SMs, the 32-row kernel two blocks an SM and the 16-row one three.
+  for (int batch : {4, 5, 6, 7}) {
+    std::printf("combine rows=128,batch=%d rows in flight %d\n", batch,
+                detail::CombineRowsInFlight(defaults, 128, batch, 132, 2, 3));
   }
+  std::printf("combine rows=128,batch=2,one block an SM rows in flight %d\n",
+              detail::CombineRowsInFlight(defaults, 128, 2, 132, 1, 1));
   // The wide combine staged in shared memory where its grid fits the SMs: two bf16 rows or one
   // fp32 row a block.
   for (int batch : {2, 3}) {

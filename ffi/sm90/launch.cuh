@@ -54,9 +54,9 @@ struct LaunchOptions {
                               // -1 (default) and 1 in 64-row tiles (1 elsewhere is rejected);
                               // 0 never
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
-                                    // (default) 32 where its grid is resident at once
-                                    // (CombineRowsInFlight), else 8; 8, 16 (harness builds only)
-                                    // or 32 always (and the loading kernel unless
+                                    // (default) the most of 32 and 16 whose kernel's grid is
+                                    // resident at once (CombineRowsInFlight), else 8; 8, 16 or
+                                    // 32 always (and the loading kernel unless
                                     // staged_combine = 1); other values rejected
   int staged_combine = -1;    // the wide combine's partial rows staged in shared memory by bulk
                               // copies (CombineKernelStaged) instead of loaded by each lane: -1
@@ -420,7 +420,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
     return cudaErrorInvalidValue;
   }
 #ifndef JAX_MLA_SM90_EXPERIMENTS
-  if (!options.combine || options.combine_rows_in_flight == 16) return cudaErrorInvalidValue;
+  if (!options.combine) return cudaErrorInvalidValue;
 #endif
   const int cluster = ClusterSize(options, p);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
@@ -433,16 +433,15 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
   return cudaSuccess;
 }
 
-// CombineKernelWide's instance for its rows in flight (32, 16 or 8; 16 only in the harness's
-// build) and the partials' type.
+// CombineKernelWide's instance for its rows in flight (32, 16 or 8) and the partials' type.
 inline const void* WideCombineKernel(int rows_in_flight, bool bf16_partials) {
   switch (rows_in_flight) {
     case 32:
       return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
                            : reinterpret_cast<const void*>(&CombineKernelWide<32, false>);
     case 16:
-      return bf16_partials ? JAX_MLA_SM90_EXPERIMENT_KERNEL(CombineKernelWide<16, true>)
-                           : JAX_MLA_SM90_EXPERIMENT_KERNEL(CombineKernelWide<16, false>);
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<16, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<16, false>);
     default:
       return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<8, true>)
                            : reinterpret_cast<const void*>(&CombineKernelWide<8, false>);
@@ -450,16 +449,16 @@ inline const void* WideCombineKernel(int rows_in_flight, bool bf16_partials) {
 }
 
 // CombineKernelWide's partial rows in flight per lane: what `combine_rows_in_flight` names, else
-// 32 where its grid (rows / kCombineWideRowsPerBlock x batch blocks) is resident at once,
-// `blocks_per_sm` of the 32-row kernel's blocks an SM (docs/sm90-kernel.md, "The wide combine's
-// rows in flight"), and 8 elsewhere.
+// the most of 32 and 16 whose grid (rows / kCombineWideRowsPerBlock x batch blocks) is resident
+// at once, `blocks_per_sm_32` and `blocks_per_sm_16` of that kernel's blocks an SM
+// (docs/sm90-kernel.md, "The wide combine's rows in flight"), and 8 elsewhere.
 inline int CombineRowsInFlight(const LaunchOptions& options, int rows, int batch, int num_sms,
-                               int blocks_per_sm) {
+                               int blocks_per_sm_32, int blocks_per_sm_16) {
   if (options.combine_rows_in_flight >= 0) return options.combine_rows_in_flight;
-  return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <=
-                 static_cast<long long>(num_sms) * blocks_per_sm
-             ? 32
-             : 8;
+  const long long blocks =
+      static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch;
+  if (blocks <= static_cast<long long>(num_sms) * blocks_per_sm_32) return 32;
+  return blocks <= static_cast<long long>(num_sms) * blocks_per_sm_16 ? 16 : 8;
 }
 
 // The combine kernel LaunchDecode runs behind the decode, and its launch shape.
@@ -557,14 +556,19 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
-  detail::KernelInfo wide_info;  // the 32-row wide combine's, where the wide combine runs
+  // The 32- and 16-row wide combines' occupancy, where the wide combine runs.
+  detail::KernelInfo wide_32, wide_16;
   if (wide_combine) {
     err = detail::Prepare(detail::WideCombineKernel(32, bf16_partials), kCombineWideThreads, 1, 0,
-                          &wide_info);
+                          &wide_32);
+    if (err == cudaSuccess) {
+      err = detail::Prepare(detail::WideCombineKernel(16, bf16_partials), kCombineWideThreads, 1,
+                            0, &wide_16);
+    }
     if (err != cudaSuccess) return err;
   }
-  const int rows_in_flight =
-      detail::CombineRowsInFlight(options, rows, p.batch, p.num_sms, wide_info.blocks_per_sm);
+  const int rows_in_flight = detail::CombineRowsInFlight(
+      options, rows, p.batch, p.num_sms, wide_32.blocks_per_sm, wide_16.blocks_per_sm);
   DecodeParams sp =
       detail::ScheduleAsRead(p, score_n, wide_combine && rows_in_flight == 32,
                              options.block_to_split_cost);
