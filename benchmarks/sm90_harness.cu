@@ -660,9 +660,11 @@ static std::vector<CaseSpec> CheckSuite() {
   Suite v{{}, 1000};
   v.add("b1-4k-h128", 1, 1, 128, 64, 4096, "fixed");
   v.add("b1-4k-h128-p32", 1, 1, 128, 32, 4096, "fixed");
-  // Three and four requests: the wide combine's 32-row kernel two blocks an SM.
+  // Three and four requests: the wide combine's 32-row kernel two blocks an SM; five and six:
+  // its 16-row kernel three blocks an SM.
   v.add("b3-4k-h128", 3, 1, 128, 64, 4096, "uniform");
   v.add("b4-1k-h128-p32", 4, 1, 128, 32, 1024, "uniform");
+  v.add("b6-2k-h128", 6, 1, 128, 64, 2048, "uniform");
   v.add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
   v.add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
   v.add("q2-h128", 4, 2, 128, 64, 4096, "uniform");
@@ -751,6 +753,7 @@ static std::vector<CaseSpec> SanitizeSuiteFp8() {
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
   v.add("b4-h128", 4, 1, 128, 64, 1000, "uniform");
+  v.add("b6-h128", 6, 1, 128, 64, 1000, "uniform");
   v.add("skew-h64", 6, 1, 64, 64, 1500, "skew");
   v.add("q2-h128-p32", 3, 2, 128, 32, 700, "uniform");
   v.add("bad-h128-q2-p64", 6, 2, 128, 64, 500, "uniform", true);
@@ -765,6 +768,7 @@ static std::vector<CaseSpec> SanitizeSuite() {
   v.add("h8", 3, 1, 8, 64, 500, "uniform");
   v.add("h128-b8", 8, 1, 128, 64, 600, "uniform");
   v.add("h128-b4", 4, 1, 128, 64, 600, "uniform");
+  v.add("h128-b5", 5, 1, 128, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("bad-b270-h128", 270, 1, 128, 64, 200, "uniform", true);
   // Several segments per CTA on the transposed kernels: the owned rows' statistics handed over
@@ -804,6 +808,7 @@ static std::vector<Variant> PartialsVariants() {
   return {{"fp32-partials", With([](LaunchOptions& o) { o.bf16_partials = 0; })},
           {"bf16-partials", With([](LaunchOptions& o) { o.bf16_partials = 1; })},
           {"combine-8-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 8; })},
+          {"combine-16-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 16; })},
           {"combine-32-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 32; })}};
 }
 

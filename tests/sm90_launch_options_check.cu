@@ -83,8 +83,8 @@ int main() {
   Run("bf16_partials=2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 2; });
   Run("bf16_partials=-2", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = -2; });
   Run("bf16_partials=1,transposed", [](DecodeParams&, LaunchOptions& o) { o.bf16_partials = 1; });
-  Run("combine_rows_in_flight=16",
-      [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
+  Run("combine_rows_in_flight=12",
+      [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 12; });
   Run("combine_rows_in_flight=0",
       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 0; });
   Run("staged_combine=2", [](DecodeParams&, LaunchOptions& o) { o.staged_combine = 2; });
@@ -135,6 +135,8 @@ int main() {
     p.page_size = 32;
     p.q_len = 4;
   });
+  Pass("valid,combine_rows_in_flight=16",
+       [](DecodeParams&, LaunchOptions& o) { o.combine_rows_in_flight = 16; });
   Pass("valid,fp8,h128", [](DecodeParams& p, LaunchOptions&) {
     p.kv_fp8 = true;
     p.num_heads = 128;
@@ -201,12 +203,14 @@ int main() {
   // cost, and the fewest blocks a part takes with and without a combine in one wave.
   // ... where its grid is resident at once: 64 blocks a request at 128 rows on 132 SMs, one or
   // two blocks an SM.
-  for (int blocks_per_sm : {1, 2}) {
-    for (int batch : {2 * blocks_per_sm, 2 * blocks_per_sm + 1}) {
-      std::printf("combine rows=128,batch=%d,blocks_per_sm=%d 32 rows %d\n", batch,
-                  blocks_per_sm, detail::CombineRows32(defaults, 128, batch, 132, blocks_per_sm));
-    }
+  // ... the most of 32 and 16 rows whose kernel's grid is resident at once: 64 blocks a request
+  // at 128 rows on 132 SMs, the 32-row kernel two blocks an SM and the 16-row one three.
+  for (int batch : {4, 5, 6, 7}) {
+    std::printf("combine rows=128,batch=%d rows in flight %d\n", batch,
+                detail::CombineRowsInFlight(defaults, 128, batch, 132, 2, 3));
   }
+  std::printf("combine rows=128,batch=2,one block an SM rows in flight %d\n",
+              detail::CombineRowsInFlight(defaults, 128, 2, 132, 1, 1));
   // The wide combine staged in shared memory where its grid fits the SMs: two bf16 rows or one
   // fp32 row a block.
   for (int batch : {2, 3}) {

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_combine=-2",
          "split_release=2", "split_release=-2", "bf16_partials=2", "bf16_partials=-2",
-         "bf16_partials=1,transposed", "combine_rows_in_flight=16", "combine_rows_in_flight=0",
+         "bf16_partials=1,transposed", "combine_rows_in_flight=12", "combine_rows_in_flight=0",
          "staged_combine=2", "staged_combine=-2",
          "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "cluster=3", "cluster=0",
          "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
@@ -29,7 +29,8 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
 # The same checks let these through (the arguments of ValidParams, changed as each name says),
 # where the build has the launcher's experiment kernels (the harness's); the FFI library's build
 # refuses those that need them.
-PASSING = ["valid", "valid,h128", "valid,page_size=32,q_len=4", "valid,fp8,h128"]
+PASSING = ["valid", "valid,h128", "valid,page_size=32,q_len=4", "valid,combine_rows_in_flight=16",
+           "valid,fp8,h128"]
 EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_registers=0",
                     "valid,experiment=1", "valid,no_combine"]
 
@@ -37,9 +38,9 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes
 # elsewhere; the fp8 cache runs DecodeFp8RegsKernel up to 16 rows and DecodeFp8SplitKernel at 17-32
 # unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
-# request at 128 rows) is resident at once on the 132 SMs, and is the staged one where its own grid (two bf16 rows
-# or one fp32 row a block) fits them and no rows in flight are named, or where staged_combine
-# says. The bf16 cache's 64-row tiles run in clusters of two in an even number of M tiles where
+# request at 128 rows) is resident at once on the 132 SMs, else 16 where that kernel's is, and is
+# the staged one where its own grid (two bf16 rows or one fp32 row a block) fits them and no rows
+# in flight are named, or where staged_combine says. The bf16 cache's 64-row tiles run in clusters of two in an even number of M tiles where
 # the block table holds more than 24,576 tokens. The schedule's split cost is 24 for the fp8
 # cache's 64-row tiles (score_n 0), 12 for the bf16 cache's 16-row transposed kernel and 14 for
 # every other kernel (or what LaunchOptions names), and parts take one KV block at least with such
@@ -53,10 +54,9 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1",
-            "combine rows=128,batch=2,blocks_per_sm=1 32 rows 1",
-            "combine rows=128,batch=3,blocks_per_sm=1 32 rows 0",
-            "combine rows=128,batch=4,blocks_per_sm=2 32 rows 1",
-            "combine rows=128,batch=5,blocks_per_sm=2 32 rows 0",
+            "combine rows=128,batch=4 rows in flight 32", "combine rows=128,batch=5 rows in flight 16",
+            "combine rows=128,batch=6 rows in flight 16", "combine rows=128,batch=7 rows in flight 8",
+            "combine rows=128,batch=2,one block an SM rows in flight 32",
             "staged rows=128,bf16,batch=2 1", "staged rows=128,bf16,batch=3 0",
             "staged rows=16,f32,batch=8 1", "staged rows=16,f32,batch=9 0",
             "staged rows=16,f32,batch=9,staged_combine=0 0",

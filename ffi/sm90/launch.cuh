@@ -54,9 +54,10 @@ struct LaunchOptions {
                               // -1 (default) and 1 in 64-row tiles (1 elsewhere is rejected);
                               // 0 never
   int combine_rows_in_flight = -1;  // CombineKernelWide's partial rows in flight per lane: -1
-                                    // (default) 32 where its grid is resident at once
-                                    // (CombineRows32), else 8; 8 or 32 always (and the loading
-                                    // kernel unless staged_combine = 1); other values rejected
+                                    // (default) the most of 32 and 16 whose kernel's grid is
+                                    // resident at once (CombineRowsInFlight), else 8; 8, 16 or
+                                    // 32 always (and the loading kernel unless
+                                    // staged_combine = 1); other values rejected
   int staged_combine = -1;    // the wide combine's partial rows staged in shared memory by bulk
                               // copies (CombineKernelStaged) instead of loaded by each lane: -1
                               // (default) where its grid fits the SMs in one wave, 1 wherever the
@@ -414,7 +415,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
       options.staged_combine < -1 || options.staged_combine > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
       (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 32) ||
+       options.combine_rows_in_flight != 16 && options.combine_rows_in_flight != 32) ||
       (options.block_to_split_cost != -1 && options.block_to_split_cost < 1)) {
     return cudaErrorInvalidValue;
   }
@@ -432,22 +433,32 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
   return cudaSuccess;
 }
 
-// CombineKernelWide's instance for its rows in flight (32 or 8) and the partials' type.
-inline const void* WideCombineKernel(bool rows_32, bool bf16_partials) {
-  return bf16_partials ? (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
-                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, true>))
-                       : (rows_32 ? reinterpret_cast<const void*>(&CombineKernelWide<32, false>)
-                                  : reinterpret_cast<const void*>(&CombineKernelWide<8, false>));
+// CombineKernelWide's instance for its rows in flight (32, 16 or 8) and the partials' type.
+inline const void* WideCombineKernel(int rows_in_flight, bool bf16_partials) {
+  switch (rows_in_flight) {
+    case 32:
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<32, false>);
+    case 16:
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<16, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<16, false>);
+    default:
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<8, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<8, false>);
+  }
 }
 
-// Whether CombineKernelWide keeps 32 partial rows in flight per lane: by default where its grid
-// (rows / kCombineWideRowsPerBlock x batch blocks) is resident at once, `blocks_per_sm` of the
-// 32-row kernel's blocks an SM (docs/sm90-kernel.md, "The wide combine's rows in flight").
-inline bool CombineRows32(const LaunchOptions& options, int rows, int batch, int num_sms,
-                          int blocks_per_sm) {
-  if (options.combine_rows_in_flight >= 0) return options.combine_rows_in_flight == 32;
-  return static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch <=
-         static_cast<long long>(num_sms) * blocks_per_sm;
+// CombineKernelWide's partial rows in flight per lane: what `combine_rows_in_flight` names, else
+// the most of 32 and 16 whose grid (rows / kCombineWideRowsPerBlock x batch blocks) is resident
+// at once, `blocks_per_sm_32` and `blocks_per_sm_16` of that kernel's blocks an SM
+// (docs/sm90-kernel.md, "The wide combine's rows in flight"), and 8 elsewhere.
+inline int CombineRowsInFlight(const LaunchOptions& options, int rows, int batch, int num_sms,
+                               int blocks_per_sm_32, int blocks_per_sm_16) {
+  if (options.combine_rows_in_flight >= 0) return options.combine_rows_in_flight;
+  const long long blocks =
+      static_cast<long long>(CeilDivInt(rows, kCombineWideRowsPerBlock)) * batch;
+  if (blocks <= static_cast<long long>(num_sms) * blocks_per_sm_32) return 32;
+  return blocks <= static_cast<long long>(num_sms) * blocks_per_sm_16 ? 16 : 8;
 }
 
 // The combine kernel LaunchDecode runs behind the decode, and its launch shape.
@@ -478,16 +489,16 @@ inline bool UseStagedCombine(const LaunchOptions& options, int rows, int batch, 
   return static_cast<long long>(StagedCombine(bf16_partials, rows, 1).grid.x) * batch <= num_sms;
 }
 
-// The combine for these options: the wide one (staged or loading, with 32 or 8 rows in flight) or
+// The combine for these options: the wide one (staged or loading, with 32, 16 or 8 rows in flight) or
 // the narrow one, as the Use* rules above choose.
 inline CombineLaunch ChooseCombine(const LaunchOptions& options, const DecodeParams& p, int rows,
                                    int parts, bool wide_combine, bool bf16_partials,
-                                   bool rows_32) {
+                                   int rows_in_flight) {
   if (wide_combine && UseStagedCombine(options, rows, p.batch, p.num_sms, bf16_partials)) {
     return StagedCombine(bf16_partials, rows, p.batch);
   }
   if (wide_combine) {
-    return {WideCombineKernel(rows_32, bf16_partials),
+    return {WideCombineKernel(rows_in_flight, bf16_partials),
             dim3(CeilDivInt(rows, kCombineWideRowsPerBlock), p.batch), dim3(kCombineWideThreads),
             0};
   }
@@ -545,20 +556,26 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
-  detail::KernelInfo wide_info;  // the 32-row wide combine's, where the wide combine runs
+  // The 32- and 16-row wide combines' occupancy, where the wide combine runs.
+  detail::KernelInfo wide_32, wide_16;
   if (wide_combine) {
-    err = detail::Prepare(detail::WideCombineKernel(true, bf16_partials), kCombineWideThreads, 1,
-                          0, &wide_info);
+    err = detail::Prepare(detail::WideCombineKernel(32, bf16_partials), kCombineWideThreads, 1, 0,
+                          &wide_32);
+    if (err == cudaSuccess) {
+      err = detail::Prepare(detail::WideCombineKernel(16, bf16_partials), kCombineWideThreads, 1,
+                            0, &wide_16);
+    }
     if (err != cudaSuccess) return err;
   }
-  const bool rows_32 =
-      detail::CombineRows32(options, rows, p.batch, p.num_sms, wide_info.blocks_per_sm);
+  const int rows_in_flight = detail::CombineRowsInFlight(
+      options, rows, p.batch, p.num_sms, wide_32.blocks_per_sm, wide_16.blocks_per_sm);
   DecodeParams sp =
-      detail::ScheduleAsRead(p, score_n, wide_combine && rows_32, options.block_to_split_cost);
+      detail::ScheduleAsRead(p, score_n, wide_combine && rows_in_flight == 32,
+                             options.block_to_split_cost);
   // Chosen, and its shared memory granted, before the decode is launched: a combine that cannot
   // launch must not leave a decode behind it.
   const detail::CombineLaunch combine =
-      detail::ChooseCombine(options, p, rows, parts, wide_combine, bf16_partials, rows_32);
+      detail::ChooseCombine(options, p, rows, parts, wide_combine, bf16_partials, rows_in_flight);
   if (combine.smem_bytes > 0) {
     detail::KernelInfo combine_info;
     err = detail::Prepare(combine.kernel, static_cast<int>(combine.block.x), 1, combine.smem_bytes,
