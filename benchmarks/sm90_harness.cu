@@ -665,6 +665,11 @@ static std::vector<CaseSpec> CheckSuite() {
   v.add("b3-4k-h128", 3, 1, 128, 64, 4096, "uniform");
   v.add("b4-1k-h128-p32", 4, 1, 128, 32, 1024, "uniform");
   v.add("b6-2k-h128", 6, 1, 128, 64, 2048, "uniform");
+  // The 16-row kernel on fp32 partials (two blocks an SM): 17-33 requests of 16 rows and 9-16 of
+  // 32; on bf16 partials at 64 rows 9-12.
+  v.add("b24-4k-h16", 24, 1, 16, 64, 4096, "uniform");
+  v.add("b12-h32-p32", 12, 1, 32, 32, 3000, "uniform");
+  v.add("b10-h64", 10, 1, 64, 64, 3000, "uniform");
   v.add("skew-20k-h16", 8, 1, 16, 64, 20000, "skew");
   v.add("skew-20k-h16-p32", 8, 1, 16, 32, 20000, "skew");
   v.add("q2-h128", 4, 2, 128, 64, 4096, "uniform");
@@ -712,6 +717,8 @@ static std::vector<CaseSpec> CheckSuiteFp8() {
   v.add("h8", 3, 1, 8, 64, 3000, "uniform");
   v.add("h8-p32", 3, 1, 8, 32, 3000, "uniform");
   v.add("b32-4k-h16", 32, 1, 16, 64, 4096, "uniform");
+  v.add("b12-q2-h16", 12, 2, 16, 64, 3000, "uniform");
+  v.add("b10-h64", 10, 1, 64, 64, 3000, "uniform");
   v.add("h32", 5, 1, 32, 64, 2000, "uniform");
   v.add("h8-q4-p32", 3, 4, 8, 32, 2500, "uniform");
   v.add("h8-q3", 4, 3, 8, 64, 700, "uniform");
@@ -750,6 +757,7 @@ static std::vector<CaseSpec> SanitizeSuiteFp8() {
   v.add("q2-h16-p32", 3, 2, 16, 32, 700, "uniform");
   v.add("h8", 3, 1, 8, 64, 500, "uniform");
   v.add("h32-b8", 8, 1, 32, 64, 600, "uniform");
+  v.add("h16-b20", 20, 1, 16, 64, 600, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("b1-h128", 1, 1, 128, 64, 1000, "fixed");
   v.add("b4-h128", 4, 1, 128, 64, 1000, "uniform");
@@ -769,6 +777,8 @@ static std::vector<CaseSpec> SanitizeSuite() {
   v.add("h128-b8", 8, 1, 128, 64, 600, "uniform");
   v.add("h128-b4", 4, 1, 128, 64, 600, "uniform");
   v.add("h128-b5", 5, 1, 128, 64, 600, "uniform");
+  v.add("h16-b20", 20, 1, 16, 64, 600, "uniform");
+  v.add("h64-b10", 10, 1, 64, 64, 500, "uniform");
   v.add("bad-q2-p32", 6, 2, 16, 32, 500, "uniform", true);
   v.add("bad-b270-h128", 270, 1, 128, 64, 200, "uniform", true);
   // Several segments per CTA on the transposed kernels: the owned rows' statistics handed over
