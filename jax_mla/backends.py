@@ -300,10 +300,10 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
     heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
     fa3 where the committed measurements (benchmarks/results/h200-sm90.md) have it faster. Below
-    32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 and more than 64
-    heads an H100's, tests/gpu_logs/h100/step-profile-small-batches.log and
-    step-profile-combine-32.log) at q_len 1: up to 16 heads or 33-64 at any batch, 17-32 heads up
-    to 4 requests, more than 64 heads up to 4 requests or from 8. From 32 requests (the
+    32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 heads and below
+    32 at more than 64 an H100's, tests/gpu_logs/h100/step-profile-small-batches.log,
+    step-profile-combine-32.log and step-profile-combine-16.log) at q_len 1: up to 16 heads, 33-64
+    or more than 64 at any batch, 17-32 heads up to 4 requests. From 32 requests (the
     benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x heads) below a batch of
     512, or more than 64 heads with up to 64 query tokens (batch x q_len) or up to 128 requests at
     q_len 1."""
@@ -312,8 +312,6 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     if batch < 32:
         if q_len != 1:
             return False
-        if num_heads > 64:
-            return batch <= 4 or batch >= 8
         if 16 < num_heads <= 32:
             return batch <= 4
         return True
