@@ -40,11 +40,12 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_register
 # unless fp8_registers = 0. The wide combine keeps 32 rows in flight where its grid (64 blocks a
 # request at 128 rows) is resident at once on the 132 SMs, else 16 where that kernel's is, and is
 # the staged one where its own grid (two bf16 rows or one fp32 row a block) fits them and no rows
-# in flight are named, or where staged_combine says. The bf16 cache's 64-row tiles run in clusters of two in an even number of M tiles where
-# the block table holds more than 24,576 tokens. The schedule's split cost is 24 for the fp8
-# cache's 64-row tiles (score_n 0), 12 for the bf16 cache's 16-row transposed kernel and 14 for
-# every other kernel (or what LaunchOptions names), and parts take one KV block at least with such
-# a combine, two without, or what min_blocks_per_part asks if more.
+# in flight are named, or where staged_combine says. The bf16 cache's 64-row tiles run in clusters
+# of two in an even number of M tiles where the block table holds more than 24,576 tokens. The
+# schedule's split cost is 24 for the fp8 cache's 64-row tiles (score_n 0), 12 for the bf16
+# cache's 16-row transposed kernel and 14 for every other kernel (or what LaunchOptions names), and
+# parts take one KV block at least with a combine of 32 rows in flight, two without, or what
+# min_blocks_per_part asks if more.
 DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
             "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
@@ -54,8 +55,10 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "fp8 rows=16 registers 1", "fp8 rows=16,fp8_registers=0 registers 0",
             "fp8 rows=32 registers 0", "fp8 rows=17 split 1", "fp8 rows=32 split 1",
             "fp8 rows=64 split 0", "fp8 rows=32,fp8_registers=0 split 0", "fp8 rows=32 smem 1",
-            "combine rows=128,batch=4 rows in flight 32", "combine rows=128,batch=5 rows in flight 16",
-            "combine rows=128,batch=6 rows in flight 16", "combine rows=128,batch=7 rows in flight 8",
+            "combine rows=128,batch=4 rows in flight 32",
+            "combine rows=128,batch=5 rows in flight 16",
+            "combine rows=128,batch=6 rows in flight 16",
+            "combine rows=128,batch=7 rows in flight 8",
             "combine rows=128,batch=2,one block an SM rows in flight 32",
             "staged rows=128,bf16,batch=2 1", "staged rows=128,bf16,batch=3 0",
             "staged rows=16,f32,batch=8 1", "staged rows=16,f32,batch=9 0",

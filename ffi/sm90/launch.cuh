@@ -489,8 +489,8 @@ inline bool UseStagedCombine(const LaunchOptions& options, int rows, int batch, 
   return static_cast<long long>(StagedCombine(bf16_partials, rows, 1).grid.x) * batch <= num_sms;
 }
 
-// The combine for these options: the wide one (staged or loading, with 32, 16 or 8 rows in flight) or
-// the narrow one, as the Use* rules above choose.
+// The combine for these options: the wide one (staged or loading, with 32, 16 or 8 rows in
+// flight) or the narrow one, as the Use* rules above choose.
 inline CombineLaunch ChooseCombine(const LaunchOptions& options, const DecodeParams& p, int rows,
                                    int parts, bool wide_combine, bool bf16_partials,
                                    int rows_in_flight) {
