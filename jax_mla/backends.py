@@ -302,16 +302,18 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     fa3 where the committed measurements (benchmarks/results/h200-sm90.md) have it faster. Below
     32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 heads and below
     32 at more than 64 an H100's, tests/gpu_logs/h100/step-profile-small-batches.log,
-    step-profile-combine-32.log and step-profile-combine-16.log) at q_len 1: up to 16 heads, 33-64
-    or more than 64 at any batch, 17-32 heads up to 4 requests. From 32 requests (the
-    benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x heads) below a batch of
-    512, or more than 64 heads with up to 64 query tokens (batch x q_len) or up to 128 requests at
-    q_len 1."""
+    step-profile-combine-32.log and step-profile-combine-16.log) at q_len 1: up to 16 heads or
+    33-64 at any batch, 17-32 heads up to 4 requests, more than 64 heads at any batch but 7. From
+    32 requests (the benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x heads)
+    below a batch of 512, or more than 64 heads with up to 64 query tokens (batch x q_len) or up to
+    128 requests at q_len 1."""
     if instead_of == XLA:
         return True
     if batch < 32:
         if q_len != 1:
             return False
+        if num_heads > 64:
+            return batch != 7
         if 16 < num_heads <= 32:
             return batch <= 4
         return True
