@@ -201,13 +201,16 @@ int main() {
               detail::KernelSmemBytes(defaults, true, 32) == Fp8SplitSmemLayout::kBytes);
   // The schedule as the kernels read it: the wide combine's rows in flight, each kernel's split
   // cost, and the fewest blocks a part takes with and without a combine in one wave.
-  // ... where its grid is resident at once: 64 blocks a request at 128 rows on 132 SMs, one or
-  // two blocks an SM.
   // ... the most of 32 and 16 rows whose kernel's grid is resident at once: 64 blocks a request
-  // at 128 rows on 132 SMs, the 32-row kernel two blocks an SM and the 16-row one three.
+  // at 128 rows on 132 SMs, the 32-row kernel two blocks an SM and the 16-row one three (bf16
+  // partials); 8 blocks a request at 16 rows, one and two blocks an SM (fp32 partials).
   for (int batch : {4, 5, 6, 7}) {
     std::printf("combine rows=128,batch=%d rows in flight %d\n", batch,
                 detail::CombineRowsInFlight(defaults, 128, batch, 132, 2, 3));
+  }
+  for (int batch : {16, 17, 33, 34}) {
+    std::printf("combine rows=16,batch=%d,fp32 rows in flight %d\n", batch,
+                detail::CombineRowsInFlight(defaults, 16, batch, 132, 1, 2));
   }
   std::printf("combine rows=128,batch=2,one block an SM rows in flight %d\n",
               detail::CombineRowsInFlight(defaults, 128, 2, 132, 1, 1));
