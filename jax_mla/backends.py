@@ -300,8 +300,8 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
     heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
     fa3 where the committed measurements (benchmarks/results/h200-sm90.md) have it faster. Below
-    32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 heads and below
-    32 at more than 64 an H100's, tests/gpu_logs/h100/step-profile-small-batches.log,
+    32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 heads and 1 to 8
+    at more than 64 an H100's, tests/gpu_logs/h100/step-profile-small-batches.log,
     step-profile-combine-32.log and step-profile-combine-16.log) at q_len 1: up to 16 heads or
     33-64 at any batch, 17-32 heads up to 4 requests, more than 64 heads at any batch but 7. From
     32 requests (the benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x heads)
