@@ -950,7 +950,8 @@ static cudaGraph_t CaptureAsChildGraphs(const Problem& pb, const LaunchOptions& 
 
 // Per-layer time: a CUDA graph of one schedule and `iters` decodes rotating among cache copies,
 // replayed 3 times untimed, then the median of 5 timed replays (with --stream, the launches issued
-// on the stream instead; with --child-graphs, the graph of child graphs CaptureAsChildGraphs builds).
+// on the stream instead; with --child-graphs, the graph of child graphs CaptureAsChildGraphs
+// builds).
 static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& variants) {
   Problem pb;
   // Rotate among enough copies that the bytes touched per round exceed 4x the L2.
