@@ -971,6 +971,8 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     LaunchOptions opt = var.options;
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, pb)) continue;
+    // The fp8 cache's kernels have no experiments, clusters or late release (launch.cuh).
+    if (s.fp8 && (opt.experiment != 0 || opt.cluster == 2 || !opt.early_release)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     ApplySplitCostFlag(opt);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
