@@ -47,7 +47,8 @@ from benchmarks.environment import environment, utc_now
 from benchmarks.grid import GRIDS, Point, parse_point_filters, point_matches, split_pieces
 from benchmarks.methods import (DRY_DEFAULT_METHODS, FI_BACKENDS, GPU_DEFAULT_METHODS, GPU_ONLY_METHODS,
                                 METHODS, estimate_cost_s, method_applies)
-from benchmarks.problem import GIB, L2_BYTES, Layout, cache_count, make_layout, work
+from benchmarks.problem import (GIB, L2_BYTES, Layout, cache_count, make_layout, use_floor_model,
+                                work)
 from benchmarks.progress import Progress
 from benchmarks.results import default_out, load_results, merge_record, save_results, summary_line
 
@@ -246,6 +247,10 @@ def main(argv=None) -> int:
             return 2
 
     env = environment(args.dry_run, torch)
+    # Records' floors from here on divide by this GPU's measured rates (the H200's if unmeasured).
+    model = use_floor_model(env["gpu"])
+    env.update(floor_model=model.gpu, peak_flops=model.flops_per_s,
+               peak_bytes_per_s=model.bytes_per_s)
     out_path = args.out or default_out(env, args.dry_run)
     data = load_results(out_path)
     if data.get("env") and data["env"].get("gpu") not in (None, env["gpu"]):

@@ -7,7 +7,7 @@ import os
 import platform
 import subprocess
 
-from benchmarks.problem import L2_BYTES, PEAK_BYTES, PEAK_FLOPS
+from benchmarks.problem import L2_BYTES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,7 +60,7 @@ def environment(dry_run: bool, torch_mod) -> dict:
            "jax_platform": jax.default_backend(), "dry_run": dry_run,
            "torch": getattr(torch_mod, "__version__", None) if torch_mod else _dist_version("torch"),
            "flashinfer": _dist_version("flashinfer-python"), "triton": _dist_version("triton"),
-           "peak_flops": PEAK_FLOPS, "peak_bytes_per_s": PEAK_BYTES, "l2_bytes": L2_BYTES,
+           "l2_bytes": L2_BYTES,
            "gpu": None, "driver": None, "cuda": None}
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"])
     if smi:

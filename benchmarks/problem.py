@@ -17,10 +17,23 @@ import numpy as np
 
 from benchmarks.grid import Point
 
-# The floor model: an H200's dense bf16 matmul rate (FLOP/s), device copy rate (B/s) and L2 size.
-PEAK_FLOPS = 790e12
-PEAK_BYTES = 4.3e12
-L2_BYTES = 60e6
+@dataclasses.dataclass(frozen=True)
+class FloorModel:
+    """The floor's two rates on one GPU, as ``python -m benchmarks.floor_rates`` measures them:
+    dense bf16 matmul (FLOP/s) and device copy (bytes read plus bytes written per second)."""
+
+    gpu: str
+    flops_per_s: float
+    bytes_per_s: float
+
+
+# The GPUs this project measured (docs/performance.md, "The floor"); the first is the default.
+FLOOR_MODELS = (FloorModel("NVIDIA H200", 790e12, 4.3e12),
+                FloorModel("NVIDIA H100 80GB HBM3", 796e12, 3.03e12))
+PEAK_FLOPS = FLOOR_MODELS[0].flops_per_s
+PEAK_BYTES = FLOOR_MODELS[0].bytes_per_s
+L2_BYTES = 60e6  # the H200's L2 (the H100's 50 MB is smaller, so its rotation suffices there too)
+_floor_model = FLOOR_MODELS[0]
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
@@ -114,18 +127,32 @@ def make_layout(pt: Point, base_seed: int) -> Layout:
     return Layout(pt, seed, lengths, pages.astype(np.int32), tables, int(pages.sum()))
 
 
+def floor_model(gpu: str | None) -> FloorModel:
+    """The measured floor model of the GPU named ``gpu`` (nvidia-smi's name), else the default's."""
+    return next((m for m in FLOOR_MODELS if m.gpu == gpu), FLOOR_MODELS[0])
+
+
+def use_floor_model(gpu: str | None) -> FloorModel:
+    """Makes ``work`` divide by ``gpu``'s floor model from now on, and returns it."""
+    global _floor_model
+    _floor_model = floor_model(gpu)
+    return _floor_model
+
+
 def work(layout: Layout, cache_row_bytes: int = HEAD_DIM * 2) -> dict:
     """FLOPs, bytes and the floor of one decode call (one layer) on a cache of ``cache_row_bytes``
-    a token (bf16 by default; FP8_ROW_BYTES for the fp8 cache)."""
+    a token (bf16 by default; FP8_ROW_BYTES for the fp8 cache), by the floor model in use
+    (``use_floor_model``; the H200's unless a run named another GPU)."""
     pt = layout.point
     tokens = int(layout.lengths.astype(np.int64).sum())
     flops = 2 * (HEAD_DIM + KV_LORA_RANK) * pt.H * pt.q_len * tokens
     nbytes = tokens * cache_row_bytes + pt.B * pt.q_len * pt.H * (HEAD_DIM + KV_LORA_RANK) * 2
-    floor_s = max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES)
+    compute_s = flops / _floor_model.flops_per_s
+    memory_s = nbytes / _floor_model.bytes_per_s
     return {"sum_len": tokens, "mean_len": tokens / pt.B, "max_len": int(layout.lengths.max()),
             "flops": flops, "bytes": nbytes, "intensity": flops / nbytes,
-            "floor_us": floor_s * 1e6,
-            "floor_bound": "compute" if flops / PEAK_FLOPS >= nbytes / PEAK_BYTES else "memory"}
+            "floor_us": max(compute_s, memory_s) * 1e6,
+            "floor_bound": "compute" if compute_s >= memory_s else "memory"}
 
 
 def cache_count(layout: Layout, budget_bytes: float, l2_bytes: float = L2_BYTES) -> int:

@@ -35,6 +35,11 @@ METHODS = {
 }
 
 
+def peaks(env: dict) -> tuple[float, float]:
+    """The floor model's FLOP/s and bytes/s the run recorded (runs before it did: the H200's)."""
+    return env.get("peak_flops") or PEAK_FLOPS, env.get("peak_bytes_per_s") or PEAK_BYTES
+
+
 def label(r: dict) -> str:
     return f"H={r['H']} B={r['B']} L={fmt_len(r['L'])} q={r['q_len']} p={r['page_size']}"
 
@@ -329,8 +334,9 @@ def markdown(env: dict, rows: list[dict], png_name: str | None, sources: list[st
     lines.append(f"| sources | {', '.join(os.path.basename(s) for s in sources)} |")
     if env.get("note"):
         lines.append(f"| note | {env['note']} |")
-    lines += ["", f"Floor per layer: max(FLOPs / {PEAK_FLOPS / 1e12:.0f} TFLOP/s, bytes / "
-              f"{PEAK_BYTES / 1e12:.1f} TB/s), FLOPs = 2·(576+512)·H·q·Σlen, bytes = Σlen·576·2 + "
+    peak_flops, peak_bytes = peaks(env)
+    lines += ["", f"Floor per layer: max(FLOPs / {peak_flops / 1e12:.0f} TFLOP/s, bytes / "
+              f"{peak_bytes / 1e12:.1f} TB/s), FLOPs = 2·(576+512)·H·q·Σlen, bytes = Σlen·576·2 + "
               "B·q·H·(576+512)·2. Every time is µs per decode call (one layer), median.", ""]
 
     lines += ["## Goals (computed from the data)", ""]
@@ -409,10 +415,11 @@ def roofline(env: dict, rows: list[dict], path: str) -> bool:
         print(f"warning: no PNG ({e}); pip install matplotlib", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(9, 6), dpi=110)
-    ridge = PEAK_FLOPS / PEAK_BYTES
+    peak_flops, peak_bytes = peaks(env)
+    ridge = peak_flops / peak_bytes
     xs = [0.5, ridge, 2000]
-    ax.plot(xs, [min(PEAK_FLOPS, x * PEAK_BYTES) / 1e12 for x in xs], color="black", lw=1.5,
-            label=f"roofline ({PEAK_FLOPS / 1e12:.0f} TFLOP/s, {PEAK_BYTES / 1e12:.1f} TB/s)")
+    ax.plot(xs, [min(peak_flops, x * peak_bytes) / 1e12 for x in xs], color="black", lw=1.5,
+            label=f"roofline ({peak_flops / 1e12:.0f} TFLOP/s, {peak_bytes / 1e12:.1f} TB/s)")
     markers = {"jax_mla": ("o", "C0"), "flashinfer": ("x", "C1"), "flashinfer_graph": ("+", "C2"),
                "xla_naive": ("s", "C3"), "jax_mla_xla": ("^", "C4")}
     ys_all = []
@@ -431,7 +438,7 @@ def roofline(env: dict, rows: list[dict], path: str) -> bool:
     ax.set_xlabel("arithmetic intensity (FLOP / byte of ideal traffic)")
     ax.set_ylabel("achieved TFLOP/s")
     low = min(ys_all + [1.0]) / 2
-    ax.set_ylim(max(low, 1e-6), PEAK_FLOPS / 1e12 * 2)
+    ax.set_ylim(max(low, 1e-6), peak_flops / 1e12 * 2)
     ax.set_xlim(0.5, 2000)
     title = f"MLA decode roofline: {env.get('gpu', '?')}"
     if env.get("dry_run"):

@@ -140,6 +140,27 @@ def test_layout_floor_and_rotation():
     assert sorted(set(flat)) == list(range(n))
 
 
+def test_floor_model_follows_the_gpu():
+    """A run's floors divide by its GPU's measured rates; a GPU not measured gets the H200's."""
+    memory_bound = problem.make_layout(grid.Point(B=32, L=16384, H=16, q_len=1, page_size=64), 0)
+    compute_bound = problem.make_layout(grid.Point(B=32, L=4096, H=128, q_len=1, page_size=64), 0)
+    try:
+        assert problem.use_floor_model(None) is problem.FLOOR_MODELS[0]
+        h200 = problem.work(memory_bound)["floor_us"]
+        assert problem.work(compute_bound)["floor_bound"] == "compute"
+        h100 = problem.use_floor_model("NVIDIA H100 80GB HBM3")
+        assert (h100.flops_per_s, h100.bytes_per_s) == (796e12, 3.03e12)
+        assert problem.work(memory_bound)["floor_us"] == pytest.approx(h200 * 4.3 / 3.03)
+        # 128 heads at q_len 1 (about 230 FLOP/byte here) is past the H100's ridge of 263.
+        assert problem.work(compute_bound)["floor_bound"] == "memory"
+        assert problem.use_floor_model("NVIDIA A100-SXM4-80GB") is problem.FLOOR_MODELS[0]
+        assert problem.work(memory_bound)["floor_us"] == h200
+    finally:
+        problem.use_floor_model(None)
+    assert report.peaks({}) == (790e12, 4.3e12)  # runs recorded before the model was
+    assert report.peaks({"peak_flops": 796e12, "peak_bytes_per_s": 3.03e12}) == (796e12, 3.03e12)
+
+
 def test_report_planner_tables(tmp_path):
     """The host- vs device-schedule and whole-step tables and the planner goals, on GPU-shaped
     records (what a GPU run writes; numbers made up so both verdicts occur)."""
