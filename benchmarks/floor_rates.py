@@ -4,8 +4,8 @@
 
 Device copy: bytes read plus bytes written per second by ``Tensor.copy_`` of 4 GiB. Dense bf16
 matmul: FLOP/s of an 8192 x 8192 x 8192 product. Each is the best of five rounds of 20 calls timed
-by CUDA events. ``benchmarks/problem.py``'s model holds the H200's (4.3 TB/s, 790 TFLOP/s);
-benchmarks/results/h100-sm90.md uses an H100's.
+by CUDA events. ``benchmarks/problem.py``'s ``FLOOR_MODELS`` holds the H100 80GB HBM3's rates,
+which this measured, and the H200's, measured before it was written.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import numpy as np
 
 from benchmarks.grid import Point
 
+
 @dataclasses.dataclass(frozen=True)
 class FloorModel:
     """The floor's two rates on one GPU, as ``python -m benchmarks.floor_rates`` measures them:
@@ -32,8 +33,8 @@ FLOOR_MODELS = (FloorModel("NVIDIA H200", 790e12, 4.3e12),
                 FloorModel("NVIDIA H100 80GB HBM3", 796e12, 3.03e12))
 PEAK_FLOPS = FLOOR_MODELS[0].flops_per_s
 PEAK_BYTES = FLOOR_MODELS[0].bytes_per_s
+_floor_model = FLOOR_MODELS[0]  # work's; use_floor_model sets it
 L2_BYTES = 60e6  # the H200's L2 (the H100's 50 MB is smaller, so its rotation suffices there too)
-_floor_model = FLOOR_MODELS[0]
 KV_LORA_RANK = 512
 ROPE_DIM = 64
 HEAD_DIM = KV_LORA_RANK + ROPE_DIM
