@@ -243,7 +243,8 @@ class Bench:
                                             f"GiB > --naive-mem-gib {args.naive_mem_gib}")
             return True
         if method in self.slowdown:
-            predicted = work(run.layout)["floor_us"] * 1e-6 * self.slowdown[method] * layers
+            predicted = (work(run.layout, model=args.floor_model)["floor_us"] * 1e-6
+                         * self.slowdown[method] * layers)
             if predicted > args.max_call_s:
                 run.record[f"{method}_skip"] = (f"predicted {predicted:.1f} s per call (x"
                                                 f"{self.slowdown[method]:.0f} the floor) > --max-call-s")
@@ -304,7 +305,8 @@ class Bench:
         record = run.record
         try:
             fp8_run.ref, record["check_ref_fp8"] = reference(fp8_run)
-            record["fp8_floor_us"] = work(run.layout, FP8_ROW_BYTES)["floor_us"]
+            fp8_work = work(run.layout, FP8_ROW_BYTES, self.args.floor_model)
+            record["fp8_floor_us"] = fp8_work["floor_us"]
             first_rows = self.time_layers(fp8_run, "jax_mla_sm90_fp8",
                                           m.layered(_sm90_backend_layer, self.args.layers), None,
                                           self.args.layers)
@@ -396,7 +398,7 @@ class Bench:
         import jax
 
         record = run.record
-        w = work(run.layout)
+        w = work(run.layout, model=self.args.floor_model)
         call_args = [(run.q, s, run.tables, run.lens, plan) for s in m.rotation_sets(run.caches, layers)]
         t0 = time.perf_counter()
         first = fn(*call_args[0])

@@ -47,8 +47,8 @@ from benchmarks.environment import environment, utc_now
 from benchmarks.grid import GRIDS, Point, parse_point_filters, point_matches, split_pieces
 from benchmarks.methods import (DRY_DEFAULT_METHODS, FI_BACKENDS, GPU_DEFAULT_METHODS, GPU_ONLY_METHODS,
                                 METHODS, estimate_cost_s, method_applies)
-from benchmarks.problem import (GIB, L2_BYTES, Layout, cache_count, make_layout, use_floor_model,
-                                work)
+from benchmarks.problem import (FLOOR_MODELS, GIB, L2_BYTES, Layout, cache_count, floor_model,
+                                make_layout, work)
 from benchmarks.progress import Progress
 from benchmarks.results import default_out, load_results, merge_record, save_results, summary_line
 
@@ -118,6 +118,7 @@ def parse_args(argv=None):
     if ":" in args.grid:  # --grid full:2/4 is --grid full --piece 2/4
         args.grid, args.piece = args.grid.split(":", 1)
     args.l2_bytes = args.l2_mb * 1e6
+    args.floor_model = FLOOR_MODELS[0]  # main sets the GPU's once it is known
     if args.grid not in GRIDS:
         p.error(f"--grid must be one of {sorted(GRIDS)}")
     default = DRY_DEFAULT_METHODS if args.dry_run else GPU_DEFAULT_METHODS
@@ -161,7 +162,8 @@ def list_points(args, points, layouts, costs) -> None:
     for pt in points:
         lay = layouts[pt]
         n = cache_count(lay, args.mem_budget_gib * GIB, args.l2_bytes)
-        print(f"  {pt.label:32s} est {costs[pt]:6.1f}s  floor {work(lay)['floor_us']:9.1f}us  "
+        floor_us = work(lay, model=args.floor_model)["floor_us"]
+        print(f"  {pt.label:32s} est {costs[pt]:6.1f}s  floor {floor_us:9.1f}us  "
               f"{n:3d} caches x {lay.cache_bytes / 2**20:9.1f} MiB")
     if args.grid == "full" and not args.piece:
         for n in (2, 3, 4, 6):
@@ -223,7 +225,8 @@ def pending(args, points, data, out_path) -> list[Point]:
 def new_record(layout: Layout, args) -> dict:
     return {"key": layout.point.key, **dataclasses.asdict(layout.point), "seed": layout.seed,
             "max_pages": layout.max_pages, "num_pages": layout.num_pages,
-            "cache_bytes": layout.cache_bytes, "layers": args.layers, **work(layout),
+            "cache_bytes": layout.cache_bytes, "layers": args.layers,
+            **work(layout, model=args.floor_model),
             "methods_done": [], "errors": {}, "measured": utc_now()}
 
 
@@ -247,8 +250,8 @@ def main(argv=None) -> int:
             return 2
 
     env = environment(args.dry_run, torch)
-    # Records' floors from here on divide by this GPU's measured rates (the H200's if unmeasured).
-    model = use_floor_model(env["gpu"])
+    # Records' floors divide by this GPU's measured rates (the H200's if unmeasured).
+    args.floor_model = model = floor_model(env["gpu"])
     env.update(floor_model=model.gpu, peak_flops=model.flops_per_s,
                peak_bytes_per_s=model.bytes_per_s)
     out_path = args.out or default_out(env, args.dry_run)

@@ -56,7 +56,7 @@ def method_applies(method: str, pt: Point, args) -> bool:
 
 def estimate_cost_s(layout: Layout, methods: list[str], args) -> float:
     """Estimated seconds to measure a point (to split the grid into pieces, for --time-limit)."""
-    floor_s = work(layout)["floor_us"] * 1e-6
+    floor_s = work(layout, model=args.floor_model)["floor_us"] * 1e-6
     n = max(1, cache_count(layout, args.mem_budget_gib * GIB, args.l2_bytes))
     cost = 3.0 + n * layout.cache_bytes / 20e9  # setup, random fill, reference check
     for m in methods:

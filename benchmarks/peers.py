@@ -356,7 +356,7 @@ class FlashInferTimer:
         if not timed:
             return
         best = min(timed, key=lambda b: record[f"flashinfer_{b}_us"])
-        w = work(run.layout)
+        w = work(run.layout, model=self.args.floor_model)
         us = record[f"flashinfer_{best}_us"]
         record["flashinfer_torch_us"] = us
         record["flashinfer_torch_backend"] = best

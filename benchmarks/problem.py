@@ -33,7 +33,6 @@ FLOOR_MODELS = (FloorModel("NVIDIA H200", 790e12, 4.3e12),
                 FloorModel("NVIDIA H100 80GB HBM3", 796e12, 3.03e12))
 PEAK_FLOPS = FLOOR_MODELS[0].flops_per_s
 PEAK_BYTES = FLOOR_MODELS[0].bytes_per_s
-_floor_model = FLOOR_MODELS[0]  # work's; use_floor_model sets it
 L2_BYTES = 60e6  # the H200's L2 (the H100's 50 MB is smaller, so its rotation suffices there too)
 KV_LORA_RANK = 512
 ROPE_DIM = 64
@@ -133,23 +132,17 @@ def floor_model(gpu: str | None) -> FloorModel:
     return next((m for m in FLOOR_MODELS if m.gpu == gpu), FLOOR_MODELS[0])
 
 
-def use_floor_model(gpu: str | None) -> FloorModel:
-    """Makes ``work`` divide by ``gpu``'s floor model from now on, and returns it."""
-    global _floor_model
-    _floor_model = floor_model(gpu)
-    return _floor_model
-
-
-def work(layout: Layout, cache_row_bytes: int = HEAD_DIM * 2) -> dict:
+def work(layout: Layout, cache_row_bytes: int = HEAD_DIM * 2,
+         model: FloorModel = FLOOR_MODELS[0]) -> dict:
     """FLOPs, bytes and the floor of one decode call (one layer) on a cache of ``cache_row_bytes``
-    a token (bf16 by default; FP8_ROW_BYTES for the fp8 cache), by the floor model in use
-    (``use_floor_model``; the H200's unless a run named another GPU)."""
+    a token (bf16 by default; FP8_ROW_BYTES for the fp8 cache), by ``model``'s rates (a run's:
+    ``args.floor_model``, its GPU's)."""
     pt = layout.point
     tokens = int(layout.lengths.astype(np.int64).sum())
     flops = 2 * (HEAD_DIM + KV_LORA_RANK) * pt.H * pt.q_len * tokens
     nbytes = tokens * cache_row_bytes + pt.B * pt.q_len * pt.H * (HEAD_DIM + KV_LORA_RANK) * 2
-    compute_s = flops / _floor_model.flops_per_s
-    memory_s = nbytes / _floor_model.bytes_per_s
+    compute_s = flops / model.flops_per_s
+    memory_s = nbytes / model.bytes_per_s
     return {"sum_len": tokens, "mean_len": tokens / pt.B, "max_len": int(layout.lengths.max()),
             "flops": flops, "bytes": nbytes, "intensity": flops / nbytes,
             "floor_us": max(compute_s, memory_s) * 1e6,

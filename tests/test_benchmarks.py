@@ -51,6 +51,10 @@ def test_dry_run_writes_schema(dry_run):
     data = json.loads(out.read_text())
     assert ENV_KEYS <= set(data["env"]), sorted(data["env"])
     assert data["env"]["dry_run"] is True and data["env"]["jax_platform"] == "cpu"
+    # The floor model the records divide by: the default's on a GPU not measured (here, none).
+    default = problem.FLOOR_MODELS[0]
+    assert (data["env"]["floor_model"], data["env"]["peak_flops"],
+            data["env"]["peak_bytes_per_s"]) == (default.gpu, default.flops_per_s, default.bytes_per_s)
     assert data["records"], "no records"
     for record in data["records"]:
         assert RECORD_KEYS <= set(record), sorted(RECORD_KEYS - set(record))
@@ -144,19 +148,18 @@ def test_floor_model_follows_the_gpu():
     """A run's floors divide by its GPU's measured rates; a GPU not measured gets the H200's."""
     memory_bound = problem.make_layout(grid.Point(B=32, L=16384, H=16, q_len=1, page_size=64), 0)
     compute_bound = problem.make_layout(grid.Point(B=32, L=4096, H=128, q_len=1, page_size=64), 0)
-    try:
-        assert problem.use_floor_model(None) is problem.FLOOR_MODELS[0]
-        h200 = problem.work(memory_bound)["floor_us"]
-        assert problem.work(compute_bound)["floor_bound"] == "compute"
-        h100 = problem.use_floor_model("NVIDIA H100 80GB HBM3")
-        assert (h100.flops_per_s, h100.bytes_per_s) == (796e12, 3.03e12)
-        assert problem.work(memory_bound)["floor_us"] == pytest.approx(h200 * 4.3 / 3.03)
-        # 128 heads at q_len 1 (about 230 FLOP/byte here) is past the H100's ridge of 263.
-        assert problem.work(compute_bound)["floor_bound"] == "memory"
-        assert problem.use_floor_model("NVIDIA A100-SXM4-80GB") is problem.FLOOR_MODELS[0]
-        assert problem.work(memory_bound)["floor_us"] == h200
-    finally:
-        problem.use_floor_model(None)
+    assert problem.floor_model(None) is problem.FLOOR_MODELS[0]
+    assert problem.floor_model("NVIDIA A100-SXM4-80GB") is problem.FLOOR_MODELS[0]
+    h200 = problem.work(memory_bound)["floor_us"]
+    assert problem.work(memory_bound, model=problem.floor_model("NVIDIA H200"))["floor_us"] == h200
+    assert problem.work(compute_bound)["floor_bound"] == "compute"
+    h100 = problem.floor_model("NVIDIA H100 80GB HBM3")
+    assert (h100.flops_per_s, h100.bytes_per_s) == (796e12, 3.03e12)
+    assert problem.work(memory_bound, model=h100)["floor_us"] == pytest.approx(h200 * 4.3 / 3.03)
+    # 128 heads at q_len 1 (about 230 FLOP/byte here) is past the H100's ridge of 263.
+    assert problem.work(compute_bound, model=h100)["floor_bound"] == "memory"
+    # Before main knows the GPU (cost estimates, --list) a run divides by the default's.
+    assert decode.parse_args(["--dry-run"]).floor_model is problem.FLOOR_MODELS[0]
     assert report.peaks({}) == (790e12, 4.3e12)  # runs recorded before the model was
     assert report.peaks({"peak_flops": 796e12, "peak_bytes_per_s": 3.03e12}) == (796e12, 3.03e12)
 
