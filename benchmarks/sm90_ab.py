@@ -8,7 +8,7 @@ time beside them (a branch with a variant, say):
         # .gpu/sm90_harness{,_base,_lineinfo}, and .gpu/sm90_harness_NAME from REV
 
 then on the GPU machine (carry .gpu), the new build's checks and sanitizers, and the builds timed
-point by point, alternating, over several passes:
+point by point, alternating (every other pass in reverse order), over several passes:
 
     python -m benchmarks.sm90_ab run [--checks] [--passes 2] [--points "B,L,H,q_len,iters,dist;..."]
                                      [--variants NAME,...]
@@ -325,9 +325,12 @@ def run(points: list[tuple[str, ...]], passes: int, with_checks: bool, flags: li
     if with_checks:
         print("\n".join(checks(out_dir, flags)), flush=True)
     lines = []
-    for _ in range(passes):
+    for number in range(passes):
+        # Every other pass in reverse order, so that no build always runs first at a point (a
+        # sustained run warms the board, and the next one at the same point pays for it).
+        in_order = builds if number % 2 == 0 else builds[::-1]
         for point in points:
-            for binary, label in builds:
+            for binary, label in in_order:
                 lines += harness_rows(binary, label, point, flags)
     with open(os.path.join(out_dir, "sm90-ab.log"), "w") as f:
         f.write("\n".join(lines) + "\n")

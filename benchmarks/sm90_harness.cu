@@ -1342,7 +1342,7 @@ int main(int argc, char** argv) {
   if (mode == "clusters") {
     // How many clusters of n CTAs of the 64-row bf16 decode kernel (one CTA per SM) the device
     // holds at once, n = 1..16 (above 8 a non-portable cluster size).
-    const void* kernel = detail::SelectKernel(LaunchOptions(), 2, 128, false, 2);
+    const void* kernel = detail::SelectKernel(LaunchOptions(), 2, 128, false);
     const int smem = detail::KernelSmemBytes(LaunchOptions(), false, 0);
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));

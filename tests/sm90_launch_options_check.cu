@@ -147,6 +147,10 @@ int main() {
     o.cluster = 1;
     o.early_release = false;
   });
+  Pass("valid,h128,split_release=1", [](DecodeParams& p, LaunchOptions& o) {
+    p.num_heads = 128;
+    o.split_release = 1;
+  });
   Pass("valid,fp8,fp8_registers=0", [](DecodeParams& p, LaunchOptions& o) {
     p.kv_fp8 = true;
     o.fp8_registers = 0;
@@ -181,21 +185,21 @@ int main() {
   LaunchOptions transposed;
   transposed.fp8_registers = 0;
   std::printf("fp8 rows=16 registers %d\n",
-              detail::SelectKernel(defaults, 1, 16, true, 1) ==
+              detail::SelectKernel(defaults, 1, 16, true) ==
                   reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
   std::printf("fp8 rows=16,fp8_registers=0 registers %d\n",
-              detail::SelectKernel(transposed, 1, 16, true, 1) ==
+              detail::SelectKernel(transposed, 1, 16, true) ==
                   reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
   std::printf("fp8 rows=32 registers %d\n",
-              detail::SelectKernel(defaults, 1, 32, true, 1) ==
+              detail::SelectKernel(defaults, 1, 32, true) ==
                   reinterpret_cast<const void*>(&DecodeFp8RegsKernel));
   for (int rows : {17, 32, 64}) {
     std::printf("fp8 rows=%d split %d\n", rows,
-                detail::SelectKernel(defaults, 1, rows, true, NumMTiles(1, rows)) ==
+                detail::SelectKernel(defaults, 1, rows, true) ==
                     reinterpret_cast<const void*>(&DecodeFp8SplitKernel));
   }
   std::printf("fp8 rows=32,fp8_registers=0 split %d\n",
-              detail::SelectKernel(transposed, 1, 32, true, 1) ==
+              detail::SelectKernel(transposed, 1, 32, true) ==
                   reinterpret_cast<const void*>(&DecodeFp8SplitKernel));
   std::printf("fp8 rows=32 smem %d\n",
               detail::KernelSmemBytes(defaults, true, 32) == Fp8SplitSmemLayout::kBytes);

@@ -306,6 +306,23 @@ def test_sm90_ab_table_sets_the_builds_side_by_side_per_point():
         sm90_ab.parse_points("1,4096,128")
 
 
+def test_sm90_ab_runs_every_other_pass_in_reverse_order(tmp_path, monkeypatch):
+    """No build always runs first at a point: the second pass times the builds in reverse."""
+    from benchmarks import sm90_ab
+
+    calls = []
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(sm90_ab.os.path, "exists", lambda path: True)
+    monkeypatch.setattr(sm90_ab, "harness_rows",
+                        lambda binary, label, point, flags: calls.append((label, point[0])) or [])
+    sm90_ab.run([("1", "4096", "128", "1", "10", "fixed"), ("4", "4096", "128", "1", "10", "fixed")],
+                passes=2, with_checks=False, flags=[], variants=["other"])
+    assert calls == [("base", "1"), ("new", "1"), ("other", "1"),
+                     ("base", "4"), ("new", "4"), ("other", "4"),
+                     ("other", "1"), ("new", "1"), ("base", "1"),
+                     ("other", "4"), ("new", "4"), ("base", "4")]
+
+
 def test_sm90_ab_times_other_builds_beside_base():
     """A build named by --variants gets its own times and its ratio to base, after new's; a point
     one build missed shows "-", and one it missed a pass of compares means; a table printed

@@ -218,10 +218,10 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
 
 # DecodeKernel<kEarlyRelease, kSkip, kCluster, kScoreN, kFp8, kSplitRelease> instantiations the
 # default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel): the transposed kernels up to 16
-# and 32 rows, the 64-row tiles of one M tile, of an odd number (split release) and of M-tile
-# pairs (clusters of two, split release), and the fp8 cache's 64-row tiles.
+# and 32 rows, the 64-row tiles without clusters and in M-tile pairs (clusters of two), each stage
+# released whole, and the fp8 cache's 64-row tiles.
 DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0), (1, 0, 1, 32, 0, 0), (1, 0, 1, 0, 0, 0),
-                          (1, 0, 1, 0, 0, 1), (1, 0, 2, 0, 0, 1), (1, 0, 1, 0, 1, 0)}
+                          (1, 0, 2, 0, 0, 0), (1, 0, 1, 0, 1, 0)}
 
 
 def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_path):

@@ -31,7 +31,8 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
 # refuses those that need them.
 PASSING = ["valid", "valid,h128", "valid,page_size=32,q_len=4", "valid,combine_rows_in_flight=16",
            "valid,fp8,h128"]
-EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,fp8,fp8_registers=0",
+EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,h128,split_release=1",
+                    "valid,fp8,fp8_registers=0",
                     "valid,experiment=1", "valid,no_combine"]
 
 # The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows, and up to 32 where

@@ -49,7 +49,7 @@ struct LaunchOptions {
                               // CombineKernel: -1 (default) where requests are split over many
                               // parts (UseWideCombine), 1 always, 0 never
   int split_release = -1;     // DecodeKernel's kSplitRelease in the bf16 cache's 64-row tiles:
-                              // -1 (default) with two or more M tiles, 1 always, 0 never
+                              // 1 always; -1 (default) and 0 never
   int bf16_partials = -1;     // split requests' partial outputs in bf16 instead of fp32:
                               // -1 (default) and 1 in 64-row tiles (1 elsewhere is rejected);
                               // 0 never
@@ -326,11 +326,9 @@ inline int ClusterSize(const LaunchOptions& options, const DecodeParams& p) {
 }
 
 // Whether the bf16 cache's 64-row tiles release each stage in two parts (DecodeKernel's
-// kSplitRelease): by default where a part has two or more M tiles, whose CTAs share each KV tile.
-inline bool UseSplitRelease(const LaunchOptions& options, int m_tiles) {
-  if (options.split_release >= 0) return options.split_release != 0;
-  return m_tiles >= 2;
-}
+// kSplitRelease): only where asked for. By default each stage goes back whole (docs/sm90-kernel.md,
+// "The stage released whole").
+inline bool UseSplitRelease(const LaunchOptions& options) { return options.split_release == 1; }
 
 #ifdef JAX_MLA_SM90_EXPERIMENTS
 #define JAX_MLA_SM90_EXPERIMENT_KERNEL(...) reinterpret_cast<const void*>(&__VA_ARGS__)
@@ -341,8 +339,7 @@ inline bool UseSplitRelease(const LaunchOptions& options, int m_tiles) {
 // The decode kernel for these options, rows and cache format; nullptr for a combination that has
 // none (the fp8 cache has no experiments, clusters or late release) or whose kernel this build
 // leaves out (JAX_MLA_SM90_EXPERIMENT_KERNEL).
-inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8,
-                                int m_tiles) {
+inline const void* SelectKernel(const LaunchOptions& options, int cluster, int rows, bool fp8) {
   if (fp8) {
     if (cluster != 1 || options.experiment != 0 || !options.early_release) return nullptr;
     const int score_n = TransposedScoreRows(options, cluster, rows);
@@ -364,16 +361,16 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   if (cluster == 2) {
     if (!options.early_release) return nullptr;
     switch (options.experiment) {
-      case 0: return UseSplitRelease(options, m_tiles)
-                         ? reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, false, true>)
-                         : JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 2>);
+      case 0: return UseSplitRelease(options)
+                         ? JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 2, 0, false, true>)
+                         : reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2>);
       case 7: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 7, 2>);
       default: return nullptr;
     }
   }
-  if (options.early_release && UseSplitRelease(options, m_tiles)) {
+  if (options.early_release && UseSplitRelease(options)) {
     switch (options.experiment) {
-      case 0: return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, false, true>);
+      case 0: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 1, 0, false, true>);
       case 32: return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 32, 1, 0, false, true>);
       default: break;
     }
@@ -424,7 +421,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
 #endif
   const int cluster = ClusterSize(options, p);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  const void* kernel = SelectKernel(options, cluster, rows, p.kv_fp8, m_tiles);
+  const void* kernel = SelectKernel(options, cluster, rows, p.kv_fp8);
   const int score_n = TransposedScoreRows(options, cluster, rows);
   if (kernel == nullptr || (options.bf16_partials == 1 && score_n != 0)) {
     return cudaErrorInvalidValue;
