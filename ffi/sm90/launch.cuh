@@ -388,6 +388,24 @@ inline const void* SelectKernel(const LaunchOptions& options, int cluster, int r
   }
 }
 
+// CombineKernelWide's instance for its rows in flight and the partials' type; nullptr for rows in
+// flight it has no instance for (other than 32, 16 and 8).
+inline const void* WideCombineKernel(int rows_in_flight, bool bf16_partials) {
+  switch (rows_in_flight) {
+    case 32:
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<32, false>);
+    case 16:
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<16, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<16, false>);
+    case 8:
+      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<8, true>)
+                           : reinterpret_cast<const void*>(&CombineKernelWide<8, false>);
+    default:
+      return nullptr;
+  }
+}
+
 // What LaunchDecode launches for a problem and its options.
 struct KernelChoice {
   int rows = 0;        // query rows, q_len * num_heads
@@ -411,8 +429,8 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
       options.staged_combine < -1 || options.staged_combine > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
-      (options.combine_rows_in_flight != -1 && options.combine_rows_in_flight != 8 &&
-       options.combine_rows_in_flight != 16 && options.combine_rows_in_flight != 32) ||
+      (options.combine_rows_in_flight != -1 &&
+       WideCombineKernel(options.combine_rows_in_flight, false) == nullptr) ||
       (options.block_to_split_cost != -1 && options.block_to_split_cost < 1)) {
     return cudaErrorInvalidValue;
   }
@@ -428,21 +446,6 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
   }
   *choice = {rows, m_tiles, cluster, score_n, kernel};
   return cudaSuccess;
-}
-
-// CombineKernelWide's instance for its rows in flight (32, 16 or 8) and the partials' type.
-inline const void* WideCombineKernel(int rows_in_flight, bool bf16_partials) {
-  switch (rows_in_flight) {
-    case 32:
-      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<32, true>)
-                           : reinterpret_cast<const void*>(&CombineKernelWide<32, false>);
-    case 16:
-      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<16, true>)
-                           : reinterpret_cast<const void*>(&CombineKernelWide<16, false>);
-    default:
-      return bf16_partials ? reinterpret_cast<const void*>(&CombineKernelWide<8, true>)
-                           : reinterpret_cast<const void*>(&CombineKernelWide<8, false>);
-  }
 }
 
 // CombineKernelWide's partial rows in flight per lane: what `combine_rows_in_flight` names, else
