@@ -31,8 +31,6 @@ class FloorModel:
 # The GPUs this project measured (docs/performance.md, "The floor"); the first is the default.
 FLOOR_MODELS = (FloorModel("NVIDIA H200", 790e12, 4.3e12),
                 FloorModel("NVIDIA H100 80GB HBM3", 796e12, 3.03e12))
-PEAK_FLOPS = FLOOR_MODELS[0].flops_per_s
-PEAK_BYTES = FLOOR_MODELS[0].bytes_per_s
 L2_BYTES = 60e6  # the H200's L2 (the H100's 50 MB is smaller, so its rotation suffices there too)
 KV_LORA_RANK = 512
 ROPE_DIM = 64

@@ -20,7 +20,7 @@ import sys
 import tomllib
 
 from benchmarks.grid import fmt_len
-from benchmarks.problem import PEAK_BYTES, PEAK_FLOPS
+from benchmarks.problem import FLOOR_MODELS
 from benchmarks.results import load_merged
 
 GOALS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "goals.toml")
@@ -37,7 +37,9 @@ METHODS = {
 
 def peaks(env: dict) -> tuple[float, float]:
     """The floor model's FLOP/s and bytes/s the run recorded (runs before it did: the H200's)."""
-    return env.get("peak_flops") or PEAK_FLOPS, env.get("peak_bytes_per_s") or PEAK_BYTES
+    default = FLOOR_MODELS[0]
+    return (env.get("peak_flops") or default.flops_per_s,
+            env.get("peak_bytes_per_s") or default.bytes_per_s)
 
 
 def label(r: dict) -> str:
