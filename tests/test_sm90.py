@@ -362,8 +362,8 @@ def test_output_scale_is_applied_once(monkeypatch):
 
 @pytest.mark.parametrize("batch,q_len,num_heads,prefers", [
     (32, 1, 64, True), (32, 1, 8, True), (512, 1, 16, True), (31, 1, 16, True), (32, 1, 128, True),
-    (64, 1, 128, True), (32, 2, 128, True), (128, 1, 128, True), (129, 1, 128, False),
-    (256, 1, 128, False), (128, 2, 128, False),
+    (64, 1, 128, True), (32, 2, 128, True), (128, 1, 128, True), (129, 1, 128, True),
+    (256, 1, 128, True), (512, 1, 128, True), (33, 2, 128, False), (128, 2, 128, False),
     (31, 1, 128, True), (128, 2, 16, True), (32, 4, 8, True), (511, 2, 16, True),
     (512, 2, 16, False), (128, 2, 32, False), (32, 2, 64, False), (1, 1, 16, True),
     (2, 1, 8, True), (4, 1, 64, True), (8, 1, 32, False), (17, 1, 32, False), (8, 1, 128, True),
@@ -393,13 +393,14 @@ def test_auto_offers_sm90_only_without_a_plan(monkeypatch, fake_hopper):
 
 def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatch):
     """With "auto" resolving to fa3 and no plan, the kernel that runs follows the shard's shape:
-    sm90 for 32 requests of 16 or of 128 heads and for 8 of 16, fa3 for 256 requests of 128
+    sm90 for 32 and 256 requests of 128 heads and for 32 and 8 of 16, fa3 for 7 requests of 128
     heads, for 8 of 32 and for a page size sm90 does not take (stand-in kernels record which one
     ran), and ``backend_for`` names it."""
     ran = record_kernel_runs(monkeypatch, ("fa3", SM90, "xla"))
     for batch, num_heads, page_size, expected in ((32, 16, 64, SM90), (32, 128, 64, SM90),
-                                                  (256, 128, 64, "fa3"), (8, 16, 64, SM90),
-                                                  (8, 32, 64, "fa3"), (32, 16, 16, "fa3")):
+                                                  (256, 128, 64, SM90), (7, 128, 64, "fa3"),
+                                                  (8, 16, 64, SM90), (8, 32, 64, "fa3"),
+                                                  (32, 16, 16, "fa3")):
         problem = make_problem(5, batch=batch, q_len=1, num_heads=num_heads, page_size=page_size,
                                max_len=100, dtype=jnp.bfloat16)
         ran.clear()
