@@ -350,8 +350,8 @@ def test_progress_redraws_on_a_terminal_and_writes_a_few_plain_lines_to_a_log():
 
 def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
     """On an SM90 GPU "auto" runs the fp8 cache on sm90 per device where the pages hold 32 or 64
-    tokens, else on xla; the bf16 cache on sm90 where it is the faster one at 16 heads, else on
-    fa3 (then with a plan)."""
+    tokens, else on xla; the bf16 cache on sm90 where it is the faster one for the shard's heads
+    and batch, else on fa3 (then with a plan)."""
     from jax_mla import backends
 
     monkeypatch.setattr(backends, "available_backends",
@@ -371,5 +371,7 @@ def test_the_backend_line_names_what_each_device_runs_on_hopper(monkeypatch):
     assert runs("fp8", 16, tp=1) == "xla"
     assert runs("bf16", 64, tp=1, batch=64) == "sm90"
     assert runs("bf16", 16, tp=1, batch=64) == "fa3"  # a page size sm90 does not take
-    assert runs("bf16", 64, tp=1, batch=256, config=model.CONFIGS["v3"]) == "fa3"  # fa3 faster
-    assert runs("bf16", 64, tp=4, batch=256, config=model.CONFIGS["v3"]) == "sm90"  # 32 heads
+    v3 = model.CONFIGS["v3"]  # 128 heads
+    assert runs("bf16", 64, tp=1, batch=256, config=v3) == "sm90"
+    assert runs("bf16", 64, tp=1, batch=7, config=v3) == "fa3"  # fa3 faster at 7 requests
+    assert runs("bf16", 64, tp=2, batch=7, config=v3) == "sm90"  # 64 heads

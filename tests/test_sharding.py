@@ -419,15 +419,15 @@ def test_unsharded_calls_skip_the_wrapper():
 
 
 def test_backend_for_names_what_each_shard_runs(monkeypatch):
-    """With heads split over 4 devices "auto" chooses on the shard: 256 requests of 128 heads keep
-    fa3 on one device, but each device's 32 heads take sm90 (stand-in kernels record which ran),
+    """With heads split over 2 devices "auto" chooses on the shard: 7 requests of 128 heads keep
+    fa3 on one device, but each device's 64 heads take sm90 (stand-in kernels record which ran),
     and backend_for, given the sharded arrays, names it."""
     ran = record_kernel_runs(monkeypatch, ("fa3", "sm90"))
-    mesh = cpu_mesh((1, 4))
-    query = put(mesh, jnp.zeros((256, 1, 128, 576), jnp.bfloat16), None, None, "tp", None)
+    mesh = cpu_mesh((2, 2))  # the query's batch is not split over "data"
+    query = put(mesh, jnp.zeros((7, 1, 128, 576), jnp.bfloat16), None, None, "tp", None)
     cache = put(mesh, jnp.zeros((4, 64, 576), jnp.bfloat16))
-    table = put(mesh, jnp.zeros((256, 1), jnp.int32))
-    lengths = put(mesh, jnp.full((256,), 10, jnp.int32))
+    table = put(mesh, jnp.zeros((7, 1), jnp.int32))
+    lengths = put(mesh, jnp.full((7,), 10, jnp.int32))
     assert jax_mla.backend_for(query, cache, table) == "sm90"
     unsharded = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (query, cache, table)]
     assert jax_mla.backend_for(*unsharded) == "fa3"
