@@ -89,9 +89,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
                                                         softmax_scale * kv_scale)
         output_scale = validation.check_finite_scale("output_scale * kv_scale",
                                                      output_scale * kv_scale)
-    for name, flag in (("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    return_lse, checks, fail_closed = (validation.check_bool(name, flag) for name, flag in (
+        ("return_lse", return_lse), ("checks", checks), ("fail_closed", fail_closed)))
     chosen, alternative = choose_backend(backend, plan, query, kv_cache)
     if isinstance(plan, sm90_planning.Sm90Plan):  # it fits every shard alike: check it here
         plan.check_for(seq_lens, block_tables, kv_cache.shape[1])

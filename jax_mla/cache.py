@@ -84,10 +84,10 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     """Write ``T`` tokens into the paged cache and return the updated cache.
 
     Args:
-      kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim] of a floating dtype, where the rows
-        are cast to its dtype (for the e4m3 cache, float8_e4m3fn: divided by ``kv_scale`` first,
-        ``e4m3_cache.quantize``), or the fp8 cache (uint8 [num_pages, page_size, row_bytes]),
-        where they are quantised (``fp8_cache.quantize_rows``).
+      kv_cache: [num_pages, page_size, kv_lora_rank + rope_dim] of a floating dtype of 16 bits or
+        more, where the rows are cast to its dtype (for the e4m3 cache, float8_e4m3fn: divided by
+        ``kv_scale`` first, ``e4m3_cache.quantize``), or the fp8 cache (uint8 [num_pages,
+        page_size, row_bytes]), where they are quantised (``fp8_cache.quantize_rows``).
       latent: [T, kv_lora_rank], the normalised latent ``c_kv``.
       k_rope: [T, rope_dim], the rotated RoPE key.
       slot_mapping: int32 [T], ``page * page_size + offset``; negative slots are padding and are
@@ -105,6 +105,7 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     """
     validation.check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank)
     kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
+    kv_cache = jnp.asarray(kv_cache)  # a NumPy cache too (decode takes one)
     num_pages, page_size, row_size = kv_cache.shape
     num_slots = num_pages * page_size
     if fp8_cache.is_fp8_cache(kv_cache):
@@ -134,4 +135,11 @@ def torch_view(array: jax.Array):
     """
     from jax_mla.cache_view import CacheView
 
+    if isinstance(array, jax.core.Tracer) or not isinstance(array, jax.Array):
+        raise TypeError(f"array must be a concrete jax.Array (outside jax.jit), got "
+                        f"{type(array).__name__}")
+    if len(array.devices()) != 1:
+        raise ValueError(f"array must live on one device (DLPack exports a single buffer), got an "
+                         f"array on {len(array.devices())} devices: take the view of one shard, "
+                         f"array.addressable_shards[i].data")
     return CacheView(array)

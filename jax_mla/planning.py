@@ -232,6 +232,9 @@ def gpu_sm_count(caller: str, device=None) -> int:
     ``caller`` builds the schedule on a CUDA GPU and this process has none."""
     from jax_mla import gpu
 
+    if device is not None and (not isinstance(device, jax.Device) or device.platform != "gpu"):
+        raise ValueError(f"device must be a CUDA jax.Device (e.g. jax.devices('gpu')[0]), got "
+                         f"{device!r}")
     try:
         return gpu.sm_count(device)
     except RuntimeError as error:  # jax.devices("gpu") where JAX has no CUDA backend

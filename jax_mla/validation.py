@@ -63,8 +63,17 @@ def check_rank(name: str, x, rank: int, layout: str) -> tuple[int, ...]:
 
 
 def check_floating(name: str, x) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    """A floating dtype of at least 16 bits (8-bit floats are cache formats, not values)."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits < 16:
+        raise TypeError(f"{name} must have a floating dtype of at least 16 bits (bfloat16, float16, "
+                        f"float32), got {x.dtype}")
+
+
+def check_bool(name: str, value) -> bool:
+    """``value``, a Python or NumPy bool, as a bool."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
 
 
 def check_int32(name: str, x) -> None:
@@ -100,7 +109,11 @@ def static_float(name: str, value) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating,
                                                                      np.integer)):
         raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite in float64, got an int of "
+                         f"{len(str(abs(int(value))))} digits") from None
 
 
 def as_float32(value: float) -> np.float32:
@@ -128,9 +141,12 @@ def check_positive_scale(name: str, value) -> float:
 
 def check_cache_dtype(kv_cache) -> None:
     """A cache is floating (a plain cache) or uint8 (the fp8 cache, docs/fp8-cache.md)."""
-    if not (fp8_cache.is_fp8_cache(kv_cache) or jnp.issubdtype(kv_cache.dtype, jnp.floating)):
-        raise TypeError(f"kv_cache must have a floating dtype, or uint8 for an fp8 cache "
-                        f"(docs/fp8-cache.md), got {kv_cache.dtype}")
+    plain = (jnp.issubdtype(kv_cache.dtype, jnp.floating)
+             and jnp.finfo(kv_cache.dtype).bits >= 16)
+    if not (plain or fp8_cache.is_fp8_cache(kv_cache) or e4m3_cache.is_e4m3_cache(kv_cache)):
+        raise TypeError(f"kv_cache must have a floating dtype of at least 16 bits, uint8 for an fp8 "
+                        f"cache or float8_e4m3fn for an e4m3 cache (docs/fp8-cache.md), got "
+                        f"{kv_cache.dtype}")
 
 
 def check_fp8_row_size(kv_cache, kv_lora_rank: int, rope_dim: int, widths: str) -> None:
@@ -143,17 +159,32 @@ def check_fp8_row_size(kv_cache, kv_lora_rank: int, rope_dim: int, widths: str) 
                          f"{tuple(kv_cache.shape)}")
 
 
-def split_head_dim(head_dim: int, kv_lora_rank: int | None) -> tuple[int, int]:
-    """(kv_lora_rank, rope_dim) for a cached row of ``head_dim`` channels."""
+def split_head_dim(head_dim: int, kv_lora_rank: int | None,
+                   source: str = "the head dim") -> tuple[int, int]:
+    """(kv_lora_rank, rope_dim) for a cached row of ``head_dim`` channels, read from ``source``
+    (e.g. "query's last dim")."""
     if kv_lora_rank is None:
+        if head_dim <= DEFAULT_ROPE_DIM:
+            raise ValueError(
+                f"{source} must exceed the default rope_dim {DEFAULT_ROPE_DIM} (kv_lora_rank "
+                f"defaults to it less {DEFAULT_ROPE_DIM}; pass kv_lora_rank= for another split), "
+                f"got {head_dim}")
         kv_lora_rank = head_dim - DEFAULT_ROPE_DIM
     kv_lora_rank = check_int("kv_lora_rank", kv_lora_rank, minimum=None)
     if not 0 < kv_lora_rank < head_dim:
         raise ValueError(
-            f"kv_lora_rank must be in (0, {head_dim}) for a head dim of {head_dim} "
+            f"kv_lora_rank must be in (0, {head_dim}) for {source} {head_dim} "
             f"(kv_lora_rank + rope_dim), got {kv_lora_rank}"
         )
     return kv_lora_rank, head_dim - kv_lora_rank
+
+
+def check_cache_sizes(kv_cache) -> None:
+    """A cache has at least one page of at least one token."""
+    for dim, name in ((0, "num_pages"), (1, "page_size")):
+        if kv_cache.shape[dim] < 1:
+            raise ValueError(f"kv_cache's {name} (dim {dim}) must be >= 1, got kv_cache shape "
+                             f"{tuple(kv_cache.shape)}")
 
 
 def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
@@ -188,10 +219,7 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
         raise ValueError(f"query's q_len (dim 1) must be >= 1, got query shape {tuple(query.shape)}")
     if num_heads < 1:
         raise ValueError(f"query's num_heads (dim 2) must be >= 1, got query shape {tuple(query.shape)}")
-    if page_size < 1:
-        raise ValueError(
-            f"kv_cache's page_size (dim 1) must be >= 1, got kv_cache shape {tuple(kv_cache.shape)}"
-        )
+    check_cache_sizes(kv_cache)
     if block_tables.shape[0] != batch:
         raise ValueError(
             f"block_tables must have shape [batch={batch}, max_pages], got {tuple(block_tables.shape)}"
@@ -200,7 +228,7 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
         raise ValueError(f"block_tables must have at least one page column, got {tuple(block_tables.shape)}")
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape [batch={batch}], got {tuple(seq_lens.shape)}")
-    kv_lora_rank, rope_dim = split_head_dim(head_dim, kv_lora_rank)
+    kv_lora_rank, rope_dim = split_head_dim(head_dim, kv_lora_rank, "query's last dim")
     if fp8:
         check_fp8_row_size(kv_cache, kv_lora_rank, rope_dim,
                            f"query's head dim {head_dim} (kv_lora_rank {kv_lora_rank} + rope_dim "
@@ -218,19 +246,23 @@ def check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank=None):
     check_floating("latent", latent)
     check_floating("k_rope", k_rope)
     check_int32("slot_mapping", slot_mapping)
+    check_cache_sizes(kv_cache)
     if k_rope.shape[0] != num_tokens:
         raise ValueError(f"k_rope must have shape [num_tokens={num_tokens}, rope_dim], got {tuple(k_rope.shape)}")
     if slot_mapping.shape[0] != num_tokens:
         raise ValueError(f"slot_mapping must have shape [num_tokens={num_tokens}], got {tuple(slot_mapping.shape)}")
     widths = f"latent {tuple(latent.shape)}, k_rope {tuple(k_rope.shape)}"
     if fp8_cache.is_fp8_cache(kv_cache):
+        if latent_dim < 1 or rope_dim < 1:
+            raise ValueError(f"latent and k_rope must each have a last dim >= 1 (kv_lora_rank and "
+                             f"rope_dim), got {widths}")
         if kv_lora_rank is not None and check_int("kv_lora_rank", kv_lora_rank) != latent_dim:
             raise ValueError(f"latent's last dim must be kv_lora_rank={kv_lora_rank}, got {widths}")
         check_fp8_row_size(kv_cache, latent_dim, rope_dim,
                            f"kv_lora_rank {latent_dim} (latent's last dim) and rope_dim {rope_dim} "
                            "(k_rope's last dim)")
         return latent_dim, rope_dim
-    expected_rank, expected_rope = split_head_dim(head_dim, kv_lora_rank)
+    expected_rank, expected_rope = split_head_dim(head_dim, kv_lora_rank, "kv_cache's last dim")
     if (latent_dim, rope_dim) != (expected_rank, expected_rope):
         swapped = (rope_dim, latent_dim) == (expected_rank, expected_rope)
         raise ValueError(

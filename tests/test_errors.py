@@ -33,7 +33,18 @@ DECODE_ERRORS = [
     (dict(kv_cache=KV[..., :520]), ValueError, r"kv_cache's last dim must equal query's last dim 576"),
     (dict(query=Q.astype(jnp.bfloat16)), TypeError, r"same dtype.*bfloat16.*float32"),
     (dict(query=Q.astype(jnp.int32), kv_cache=KV.astype(jnp.int32)), TypeError,
-     r"query must have a floating dtype, got int32"),
+     r"query must have a floating dtype of at least 16 bits \(bfloat16, float16, float32\), got "
+     r"int32"),
+    (dict(query=Q.astype(jnp.float8_e5m2), kv_cache=KV.astype(jnp.float8_e5m2)), TypeError,
+     r"query must have a floating dtype of at least 16 bits .*got float8_e5m2"),
+    (dict(kv_cache=KV[:0]), ValueError,
+     r"kv_cache's num_pages \(dim 0\) must be >= 1, got kv_cache shape \(0, 16, 576\)"),
+    (dict(query=Q[..., :64], kv_cache=KV[..., :64]), ValueError,
+     r"query's last dim must exceed the default rope_dim 64 \(kv_lora_rank defaults to it less 64; "
+     r"pass kv_lora_rank= for another split\), got 64"),
+    (dict(softmax_scale=10 ** 400), ValueError,
+     r"softmax_scale must be finite in float64, got an int of 401 digits"),
+    (dict(fail_closed="yes"), TypeError, r"fail_closed must be a bool, got str"),
     (dict(block_tables=BT.astype(jnp.int16)), TypeError, r"block_tables must have dtype int32, got int16"),
     (dict(seq_lens=SL.astype(jnp.uint32)), TypeError, r"seq_lens must have dtype int32, got uint32"),
     (dict(block_tables=BT[:1]), ValueError, r"block_tables must have shape \[batch=2, max_pages\]"),
@@ -52,7 +63,8 @@ DECODE_ERRORS = [
     (dict(backend="flashmla"), ValueError, r"unknown backend 'flashmla'.*available here: \[.*'xla'\]"),
     (dict(backend="fa3"), ValueError, r"backend 'fa3' needs an NVIDIA GPU.*available here: \['xla'\]"),
     (dict(backend="trtllm-gen"), ValueError, r"'trtllm-gen' needs an NVIDIA GPU"),
-    (dict(kv_lora_rank=576), ValueError, r"kv_lora_rank must be in \(0, 576\)"),
+    (dict(kv_lora_rank=576), ValueError, r"kv_lora_rank must be in \(0, 576\) for query's last dim "
+                                         r"576"),
     (dict(return_lse=1), TypeError, r"return_lse must be a bool"),
     (dict(query=[[1.0]]), TypeError, r"query must be an array, got list"),
     (dict(plan=object()), TypeError, r"plan must be None, 'device' or a jax_mla.Plan"),
@@ -129,6 +141,15 @@ WRITE_ERRORS = [
                                          r"\[num_tokens, rope_dim=128\]"),
     (dict(kv_lora_rank=512.0), TypeError, r"kv_lora_rank must be an int, got float"),
     (dict(latent=LATENT.astype(jnp.int32)), TypeError, r"latent must have a floating dtype"),
+    (dict(k_rope=ROPE.astype(jnp.float8_e4m3fn)), TypeError,
+     r"k_rope must have a floating dtype of at least 16 bits .*got float8_e4m3fn"),
+    (dict(kv_cache=CACHE.astype(jnp.float8_e5m2)), TypeError,
+     r"kv_cache must have a floating dtype of at least 16 bits, uint8 for an fp8 cache or "
+     r"float8_e4m3fn for an e4m3 cache .*got float8_e5m2"),
+    (dict(kv_cache=CACHE[:, :0]), ValueError, r"kv_cache's page_size \(dim 1\) must be >= 1"),
+    (dict(kv_cache=CACHE[:0]), ValueError, r"kv_cache's num_pages \(dim 0\) must be >= 1"),
+    (dict(kv_cache=CACHE[..., :32], latent=LATENT[:, :16], k_rope=ROPE[:, :16]), ValueError,
+     r"kv_cache's last dim must exceed the default rope_dim 64 .*got 32"),
 ]
 
 
@@ -159,6 +180,23 @@ def test_write_kv_takes_another_split_when_named():
     out = jax_mla.write_kv(CACHE, LATENT[:, :448] + 1, ROPE.repeat(2, axis=1) + 2, SLOTS.at[1].set(1),
                            kv_lora_rank=448)
     assert float(out[0, 1, 447]) == 1 and float(out[0, 1, 448]) == 2
+
+
+def test_flags_may_be_numpy_bools():
+    out, lse = call(return_lse=np.bool_(True), fail_closed=np.bool_(False), checks=np.bool_(False))
+    assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 1, 16)
+
+
+def test_write_kv_takes_a_numpy_cache_as_decode_does():
+    out = jax_mla.write_kv(np.zeros(CACHE.shape, np.float32), LATENT + 1, ROPE + 2, SLOTS)
+    assert isinstance(out, jax.Array) and float(out[0, 0, 0]) == 1 and float(out[0, 0, 512]) == 2
+
+
+@pytest.mark.parametrize("device", [jax.devices("cpu")[0], "cuda:0"])
+def test_a_host_plan_names_a_device_that_is_not_a_gpu(device):
+    with pytest.raises(ValueError, match=r"device must be a CUDA jax.Device \(e.g. "
+                                         r"jax.devices\('gpu'\)\[0\]\), got "):
+        jax_mla.plan(np.array([5]), num_heads=4, max_pages=3, device=device)
 
 
 def test_integer_sizes_may_be_numpy_integers():

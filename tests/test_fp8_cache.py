@@ -181,7 +181,11 @@ LATENT, ROPE = jnp.zeros((3, 512), jnp.float32), jnp.zeros((3, 64), jnp.float32)
      r"\(docs/fp8-cache.md\), got kv_cache shape \(4, 8, 600\)"),
     (dict(latent=LATENT[:, :500]), ValueError, r"needs kv_lora_rank to be a multiple of 128 .*, got 500"),
     (dict(kv_cache=CACHE.astype(jnp.int16)), TypeError,
-     r"kv_cache must have a floating dtype, or uint8 for an fp8 cache \(docs/fp8-cache.md\), got int16"),
+     r"kv_cache must have a floating dtype of at least 16 bits, uint8 for an fp8 cache or "
+     r"float8_e4m3fn for an e4m3 cache \(docs/fp8-cache.md\), got int16"),
+    (dict(kv_cache=CACHE[..., :528], k_rope=ROPE[:, :0]), ValueError,
+     r"latent and k_rope must each have a last dim >= 1 \(kv_lora_rank and rope_dim\), got latent "
+     r"\(3, 512\), k_rope \(3, 0\)"),
     (dict(kv_lora_rank=256), ValueError,
      r"latent's last dim must be kv_lora_rank=256, got latent \(3, 512\), k_rope \(3, 64\)"),
 ])
@@ -294,8 +298,10 @@ FP8, _ = fp8_problem(DECODE, 0)
     (dict(kv_lora_rank=448), ValueError, r"an fp8 cache needs kv_lora_rank to be a multiple of "
                                           r"128 .*, got 448"),
     (dict(kv_cache=FP8.kv_cache.astype(jnp.int8)), TypeError,
-     r"kv_cache must have a floating dtype, or uint8 for an fp8 cache"),
+     r"kv_cache must have a floating dtype of at least 16 bits, uint8 for an fp8 cache"),
     (dict(query=DECODE.query.astype(jnp.int32)), TypeError, r"query must have a floating dtype"),
+    (dict(query=DECODE.query.astype(jnp.float8_e4m3fn)), TypeError,
+     r"query must have a floating dtype of at least 16 bits .*got float8_e4m3fn"),
 ])
 def test_decode_rejects(overrides, error, message):
     args = dict(query=FP8.query, kv_cache=FP8.kv_cache, block_tables=FP8.block_tables,

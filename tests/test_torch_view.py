@@ -34,6 +34,33 @@ def donate(cache: jax.Array) -> jax.Array:
     return jax.jit(lambda c: c.at[0, 0, 0].set(1), donate_argnums=0)(cache)
 
 
+@pytest.mark.parametrize("array,message", [
+    (np.zeros((2, 3)), r"array must be a concrete jax.Array \(outside jax.jit\), got ndarray"),
+    (None, r"array must be a concrete jax.Array \(outside jax.jit\), got NoneType"),
+])
+def test_the_view_takes_a_jax_array(array, message):
+    with pytest.raises(TypeError, match=message):
+        jax_mla.torch_view(array)
+
+
+def test_the_view_is_taken_outside_jit():
+    with pytest.raises(TypeError, match=r"array must be a concrete jax.Array \(outside jax.jit\), "
+                                        r"got .*Tracer"):
+        jax.jit(jax_mla.torch_view)(jnp.zeros(3))
+
+
+def test_the_view_takes_an_array_on_one_device():
+    devices = jax.devices("cpu")
+    if len(devices) < 2:
+        pytest.skip("needs 2 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count)")
+    mesh = jax.sharding.Mesh(np.array(devices[:2]), ("d",))
+    sharded = jax.device_put(jnp.zeros((4, 3)), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("d")))
+    with pytest.raises(ValueError, match=r"array must live on one device .*got an array on 2 "
+                                         r"devices: take the view of one shard"):
+        jax_mla.torch_view(sharded)
+
+
 def test_the_view_shares_the_buffer():
     cache = filled_cache()
     view = jax_mla.torch_view(cache)
