@@ -61,7 +61,11 @@ def capability(device=None) -> tuple[int, int]:
 
 def sm_count(device=None) -> int:
     """Streaming multiprocessors of ``device`` (default: the first CUDA device)."""
-    device = device or jax.devices("gpu")[0]
+    if device is None:
+        device = jax.devices("gpu")[0]
+    elif not isinstance(device, jax.Device) or device.platform != "gpu":
+        raise ValueError(f"device must be a CUDA jax.Device (e.g. jax.devices('gpu')[0]), got "
+                         f"{device!r}")
     return int(device.core_count)
 
 

@@ -85,13 +85,8 @@ def sm90_plan(seq_lens, *, max_pages: int, page_size: int) -> Sm90Plan:
       where sm90 does not run (no Hopper GPU or no sm90 handler in the library), or for a page
       size or table capacity it does not take.
     """
-    validation.check_rank("seq_lens", seq_lens, 1, "[batch]")
-    validation.check_int32("seq_lens", seq_lens)
+    batch = validation.check_plan_lengths(seq_lens)
     max_pages, page_size = validation.check_sizes(max_pages=max_pages, page_size=page_size)
-    batch = seq_lens.shape[0]
-    if batch < 1:
-        raise ValueError("seq_lens must hold at least one request, got shape "
-                         f"{tuple(seq_lens.shape)}")
     gpu.check_sm90_table(batch, max_pages, page_size)
     try:
         backends.resolve(backends.SM90, backends.platform_of(seq_lens))

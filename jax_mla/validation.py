@@ -179,6 +179,16 @@ def split_head_dim(head_dim: int, kv_lora_rank: int | None,
     return kv_lora_rank, head_dim - kv_lora_rank
 
 
+def check_plan_lengths(seq_lens) -> int:
+    """A planner's ``seq_lens``, int32 [B] with B >= 1; returns B."""
+    check_rank("seq_lens", seq_lens, 1, "[batch]")
+    check_int32("seq_lens", seq_lens)
+    if seq_lens.shape[0] < 1:
+        raise ValueError(f"seq_lens must hold at least one request, got shape "
+                         f"{tuple(seq_lens.shape)}")
+    return seq_lens.shape[0]
+
+
 def check_cache_sizes(kv_cache) -> None:
     """A cache has at least one page of at least one token."""
     for dim, name in ((0, "num_pages"), (1, "page_size")):

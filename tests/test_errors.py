@@ -211,6 +211,8 @@ def test_integer_sizes_may_be_numpy_integers():
     (jnp.ones((2, 2), jnp.int32), {}, ValueError, r"seq_lens must have rank 1 \(\[batch\]\)"),
     (jnp.ones((2,), jnp.float32), {}, TypeError, r"seq_lens must have dtype int32, got float32"),
     (jnp.ones((2,), jnp.int32), dict(num_heads=0), ValueError, r"num_heads must be >= 1, got 0"),
+    (jnp.ones((0,), jnp.int32), {}, ValueError,
+     r"seq_lens must hold at least one request, got shape \(0,\)"),
     (jnp.ones((2,), jnp.int32), dict(q_len=1.0), TypeError, r"q_len must be an int, got float"),
 ])
 def test_device_plan_rejects(seq_lens, kwargs, error, message):
