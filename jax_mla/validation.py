@@ -238,6 +238,10 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
         raise ValueError(f"block_tables must have at least one page column, got {tuple(block_tables.shape)}")
     if seq_lens.shape[0] != batch:
         raise ValueError(f"seq_lens must have shape [batch={batch}], got {tuple(seq_lens.shape)}")
+    capacity = block_tables.shape[1] * page_size
+    if capacity >= 2**31:
+        raise ValueError(f"block_tables' capacity max_pages * page_size must be < 2**31 tokens (the "
+                         f"lengths are int32), got {block_tables.shape[1]} * {page_size} = {capacity}")
     kv_lora_rank, rope_dim = split_head_dim(head_dim, kv_lora_rank, "query's last dim")
     if fp8:
         check_fp8_row_size(kv_cache, kv_lora_rank, rope_dim,
@@ -257,6 +261,10 @@ def check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank=None):
     check_floating("k_rope", k_rope)
     check_int32("slot_mapping", slot_mapping)
     check_cache_sizes(kv_cache)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    if num_slots >= 2**31:
+        raise ValueError(f"kv_cache's num_pages * page_size must be < 2**31 token slots (slot_mapping "
+                         f"is int32), got kv_cache shape {tuple(kv_cache.shape)}")
     if k_rope.shape[0] != num_tokens:
         raise ValueError(f"k_rope must have shape [num_tokens={num_tokens}, rope_dim], got {tuple(k_rope.shape)}")
     if slot_mapping.shape[0] != num_tokens:

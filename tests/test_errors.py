@@ -182,6 +182,23 @@ def test_write_kv_takes_another_split_when_named():
     assert float(out[0, 1, 447]) == 1 and float(out[0, 1, 448]) == 2
 
 
+def test_int32_limits_are_named_without_allocating():
+    """Tables and written caches past int32 are refused at trace time (shapes only, no memory)."""
+    def struct(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    with pytest.raises(ValueError, match=r"block_tables' capacity max_pages \* page_size must be "
+                                         r"< 2\*\*31 tokens \(the lengths are int32\), got 32768 \* "
+                                         r"65536 = 2147483648"):
+        jax.eval_shape(lambda *a: jax_mla.decode(*a, softmax_scale=0.1), struct((1, 1, 4, 576)),
+                       struct((4, 2**16, 576)), struct((1, 2**15), jnp.int32),
+                       struct((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"kv_cache's num_pages \* page_size must be < 2\*\*31 token "
+                                         r"slots \(slot_mapping is int32\)"):
+        jax.eval_shape(jax_mla.write_kv, struct((2**31, 16, 576)), struct((1, 512)),
+                       struct((1, 64)), struct((1,), jnp.int32))
+
+
 def test_flags_may_be_numpy_bools():
     out, lse = call(return_lse=np.bool_(True), fail_closed=np.bool_(False), checks=np.bool_(False))
     assert out.shape == (2, 1, 16, 512) and lse.shape == (2, 1, 16)
