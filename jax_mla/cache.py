@@ -69,8 +69,7 @@ def _float_dtype(dtype) -> jnp.dtype:
         name = jnp.dtype(dtype)
     except TypeError:
         name = repr(dtype)
-    if isinstance(name, str) or not (name == e4m3_cache.DTYPE or (
-            jnp.issubdtype(name, jnp.floating) and name.itemsize >= 2)):
+    if isinstance(name, str) or not (name == e4m3_cache.DTYPE or validation.is_value_float(name)):
         raise TypeError(f"dtype must be a floating dtype of 16 bits or more (bfloat16, float16, "
                         f"float32), float8_e4m3fn for the e4m3 cache with one scale, or "
                         f"{fp8_cache.FP8!r} for the fp8 cache with per-group scales "

@@ -62,9 +62,14 @@ def check_rank(name: str, x, rank: int, layout: str) -> tuple[int, ...]:
     return shape
 
 
+def is_value_float(dtype) -> bool:
+    """Whether ``dtype`` is floating of at least 16 bits: what values and plain caches hold (8-bit
+    floats are cache formats: the e4m3 cache's float8_e4m3fn, and no other)."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize >= 2
+
+
 def check_floating(name: str, x) -> None:
-    """A floating dtype of at least 16 bits (8-bit floats are cache formats, not values)."""
-    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).bits < 16:
+    if not is_value_float(x.dtype):
         raise TypeError(f"{name} must have a floating dtype of at least 16 bits (bfloat16, float16, "
                         f"float32), got {x.dtype}")
 
@@ -140,10 +145,10 @@ def check_positive_scale(name: str, value) -> float:
 
 
 def check_cache_dtype(kv_cache) -> None:
-    """A cache is floating (a plain cache) or uint8 (the fp8 cache, docs/fp8-cache.md)."""
-    plain = (jnp.issubdtype(kv_cache.dtype, jnp.floating)
-             and jnp.finfo(kv_cache.dtype).bits >= 16)
-    if not (plain or fp8_cache.is_fp8_cache(kv_cache) or e4m3_cache.is_e4m3_cache(kv_cache)):
+    """A cache is floating of at least 16 bits (a plain cache), uint8 (the fp8 cache) or
+    float8_e4m3fn (the e4m3 cache; docs/fp8-cache.md)."""
+    if not (is_value_float(kv_cache.dtype) or fp8_cache.is_fp8_cache(kv_cache)
+            or e4m3_cache.is_e4m3_cache(kv_cache)):
         raise TypeError(f"kv_cache must have a floating dtype of at least 16 bits, uint8 for an fp8 "
                         f"cache or float8_e4m3fn for an e4m3 cache (docs/fp8-cache.md), got "
                         f"{kv_cache.dtype}")
