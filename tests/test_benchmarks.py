@@ -51,10 +51,12 @@ def test_dry_run_writes_schema(dry_run):
     data = json.loads(out.read_text())
     assert ENV_KEYS <= set(data["env"]), sorted(data["env"])
     assert data["env"]["dry_run"] is True and data["env"]["jax_platform"] == "cpu"
-    # The floor model the records divide by: the default's on a GPU not measured (here, none).
-    default = problem.FLOOR_MODELS[0]
+    # The floor model the records divide by: the machine's GPU's (a dry run on a GPU machine still
+    # reports its GPU), the default's where that GPU was not measured or there is none.
+    model = problem.floor_model(data["env"]["gpu"])
+    assert model in problem.FLOOR_MODELS
     assert (data["env"]["floor_model"], data["env"]["peak_flops"],
-            data["env"]["peak_bytes_per_s"]) == (default.gpu, default.flops_per_s, default.bytes_per_s)
+            data["env"]["peak_bytes_per_s"]) == (model.gpu, model.flops_per_s, model.bytes_per_s)
     assert data["records"], "no records"
     for record in data["records"]:
         assert RECORD_KEYS <= set(record), sorted(RECORD_KEYS - set(record))

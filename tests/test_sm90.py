@@ -839,8 +839,9 @@ def sanitize_program() -> None:
 
 @on_gpu
 @pytest.mark.parametrize("batch,num_heads,expected", [(32, 16, SM90), (32, 128, SM90),
-                                                       (128, 128, SM90), (256, 128, "fa3"),
-                                                       (8, 16, SM90), (8, 32, "fa3")])
+                                                       (128, 128, SM90), (256, 128, SM90),
+                                                       (7, 128, "fa3"), (8, 16, SM90),
+                                                       (8, 32, "fa3")])
 def test_auto_without_a_plan_is_the_kernel_the_rule_names(batch, num_heads, expected):
     """Bit for bit the named backend's result (plan=None), under jit."""
     problem = make_problem(41, batch=batch, q_len=1, num_heads=num_heads, page_size=64,
