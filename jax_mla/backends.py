@@ -199,9 +199,24 @@ def _is_cuda(platform: str) -> bool:
     return platform in ("gpu", "cuda")
 
 
+# JAX's platform names ("cuda" and "rocm" are the GPU plugins' own).
+PLATFORMS = ("cpu", "gpu", "cuda", "rocm", "tpu", "metal")
+
+
 def available_backends(platform: str | None = None) -> list[str]:
-    """Backends that can run on ``platform`` (default: JAX's default platform), best first."""
-    platform = platform or jax.default_backend()
+    """Backends that can run on ``platform`` (default: JAX's default platform), best first.
+
+    ``platform``: one of ``PLATFORMS``, in any case; a TypeError for a non-str, a ValueError for
+    another name (a misspelt one would otherwise report only xla)."""
+    if platform is None:
+        platform = jax.default_backend()
+    elif not isinstance(platform, str):
+        raise TypeError(f"platform must be a str, one of {list(PLATFORMS)}, or None (JAX's default "
+                        f"platform), got {type(platform).__name__}")
+    elif platform.lower() not in PLATFORMS:
+        raise ValueError(f"platform must be one of {list(PLATFORMS)} (any case) or None, got "
+                         f"{platform!r}")
+    platform = platform.lower()
     if not _is_cuda(platform) or gpu.runtime_missing() is not None:
         return runnable_on(None)
     return [name for name in runnable_on(gpu.capability()) if BY_NAME[name].missing() is None]

@@ -137,8 +137,20 @@ def torch_view(array: jax.Array):
     if isinstance(array, jax.core.Tracer) or not isinstance(array, jax.Array):
         raise TypeError(f"array must be a concrete jax.Array (outside jax.jit), got "
                         f"{type(array).__name__}")
+    if _bit_width(array.dtype) < 8:
+        raise TypeError(f"array's dtype must have 8 bits or more (DLPack has no sub-byte "
+                        f"elements), got {array.dtype}")
     if len(array.devices()) != 1:
         raise ValueError(f"array must live on one device (DLPack exports a single buffer), got an "
                          f"array on {len(array.devices())} devices: take the view of one shard, "
                          f"array.addressable_shards[i].data")
     return CacheView(array)
+
+
+def _bit_width(dtype) -> int:
+    """Bits of one element of ``dtype`` (4 for int4 and float4_e2m1fn, whose NumPy itemsize is 1)."""
+    if jnp.issubdtype(dtype, jnp.integer):
+        return jnp.iinfo(dtype).bits
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.finfo(dtype).bits
+    return 8 * jnp.dtype(dtype).itemsize

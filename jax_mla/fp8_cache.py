@@ -87,12 +87,14 @@ def group_scales(amax: jax.Array) -> jax.Array:
     of two ``s`` with ``amax <= 448 * s``, at least 2^-126 (the smallest normal float32); 1 for an
     all-zero group. A power of two, so ``e4m3 * scale`` is exact in bfloat16 and float32 and a
     kernel can dequantise into either without rounding. Exact integer arithmetic on the exponent:
-    every implementation gets the same bits."""
+    every implementation gets the same bits. A group holding inf or NaN gets a scale of inf or
+    NaN (``amax`` itself), so that its values dequantise to NaN rather than to finite values."""
     mantissa, exponent = jnp.frexp(amax)  # amax = mantissa * 2^exponent, mantissa in [0.5, 1)
     # 448 = 0.875 * 2^9: amax <= 448 * 2^k for k >= exponent - 9, or - 8 if mantissa > 0.875.
     power = exponent - 9 + (mantissa > 0.875).astype(exponent.dtype)
     scales = jnp.ldexp(jnp.ones_like(amax), jnp.maximum(power, -126))
-    return jnp.where(amax > 0, scales, 1.0).astype(jnp.float32)
+    scales = jnp.where(amax > 0, scales, 1.0)
+    return jnp.where(jnp.isfinite(amax), scales, amax).astype(jnp.float32)
 
 
 def to_e4m3(values: jax.Array, scale) -> jax.Array:
@@ -140,9 +142,9 @@ def dequantize_rows(rows: jax.Array, rope_dim: int = 64) -> jax.Array:
 
 
 def _bytes_of(values: jax.Array) -> jax.Array:
-    """uint8 [T, n * itemsize] of values [T, n]."""
+    """uint8 [T, n * itemsize] of values [T, n] (T may be 0)."""
     raw = jax.lax.bitcast_convert_type(values, jnp.uint8)
-    return raw.reshape(values.shape[0], -1)
+    return raw.reshape(values.shape[0], values.shape[1] * values.dtype.itemsize)
 
 
 def _from_bytes(raw: jax.Array, dtype) -> jax.Array:

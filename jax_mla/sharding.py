@@ -202,7 +202,7 @@ def _dim_axes(sharding, ndim: int) -> list[tuple[str, ...]]:
             return [()] * ndim
         raise LayoutError(
             f"cannot read mesh axes from {sharding!r}; give the inputs NamedShardings or call decode "
-            "under a mesh (`with jax.sharding.use_mesh(mesh)` / `jax.set_mesh`)")
+            "under a mesh (`with jax.set_mesh(mesh):`)")
     spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
     axes = []
     for entry in spec[:ndim]:

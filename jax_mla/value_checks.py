@@ -22,7 +22,7 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
 
     Args:
       query: [B, q_len, H, D], B >= 1; kv_cache: [num_pages, page_size, D]; block_tables: int32
-        [B, max_pages]; seq_lens: int32 [B] (already shape-checked); plan: None or the
+        [B, max_pages]; seq_lens: int32 [B] (already shape-checked; JAX or NumPy arrays); plan: None or the
         ``jax_mla.Plan`` or ``jax_mla.Sm90Plan`` passed to ``decode``, whose lengths must be
         ``seq_lens``.
     Raises:
@@ -30,6 +30,7 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
       ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
       "Cannot abstractly evaluate a checkify.check which was not functionalized".
     """
+    query, block_tables, seq_lens = (jnp.asarray(x) for x in (query, block_tables, seq_lens))
     _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1])
     _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
     _check_finite_query(query)

@@ -123,6 +123,23 @@ def test_auto_on_cpu():
     assert backends.available_backends("cpu") == ["xla"]
 
 
+def test_available_backends_names_a_platform_jax_knows():
+    assert backends.available_backends("CPU") == ["xla"]
+    with pytest.raises(TypeError, match="platform must be a str, one of .*got int"):
+        backends.available_backends(3)
+    with pytest.raises(ValueError, match="platform must be one of .*got 'gpuu'"):
+        backends.available_backends("gpuu")
+
+
+def test_available_backends_reads_the_platform_in_any_case(monkeypatch):
+    monkeypatch.setattr(gpu, "runtime_missing", lambda: None)
+    monkeypatch.setattr(gpu, "sm90_missing", lambda: None)
+    monkeypatch.setattr(gpu, "capability", lambda device=None: (9, 0))
+    hopper = ["fa3", "fa2", "sm90", "xla"]
+    assert backends.available_backends("gpu") == backends.available_backends("GPU") == hopper
+    assert backends.available_backends("CUDA") == hopper
+
+
 def test_gpu_without_the_runtime_offers_only_xla(monkeypatch):
     monkeypatch.setattr(gpu, "runtime_missing", lambda: "flashinfer-python is not installed")
     monkeypatch.setattr(gpu, "capability", lambda device=None: (9, 0))

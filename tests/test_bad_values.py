@@ -593,6 +593,17 @@ def test_checks_under_checkify_and_jit(case):
         err.throw()
 
 
+@pytest.mark.parametrize("case", ["page", "long", "nan"])
+def test_checks_take_numpy_inputs_as_decode_does(case):
+    """NumPy arrays, which decode takes, are checked as JAX arrays are (the same message)."""
+    arrays, message = bad_inputs(case)
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        checked_decode(*(np.asarray(a) for a in arrays))
+    clean = tuple(np.asarray(a) for a in CHECKED.arrays)
+    np.testing.assert_array_equal(np.asarray(checked_decode(*clean)),
+                                  np.asarray(jax_mla.decode(*clean, softmax_scale=0.1)))
+
+
 def test_checks_pass_clean_inputs_and_change_no_result():
     err, out = jax.jit(checkify.checkify(checked_decode))(*CHECKED.arrays)
     assert err.get() is None

@@ -123,7 +123,27 @@ def test_group_scales_at_the_boundaries():
     np.testing.assert_array_equal(np.asarray(fp8_cache.group_scales(jnp.asarray(amax))), expected)
 
 
+def test_a_group_holding_inf_or_nan_reads_back_as_nan():
+    """Its scale is the non-finite value itself, so the whole group dequantises to NaN (never to
+    finite values, which an exponent of 0 from frexp(inf) made of them); other groups keep theirs."""
+    latent = np.full((2, 512), 96.0, np.float32)
+    latent[0, 3], latent[1, 200] = np.inf, np.nan
+    rows = fp8_cache.quantize_rows(jnp.asarray(latent), jnp.zeros((2, 64)))
+    got = np.asarray(fp8_cache.dequantize(rows)[0])
+    assert np.isnan(got[0, :128]).all() and np.isnan(got[1, 128:256]).all()
+    np.testing.assert_array_equal(got[0, 128:], 96.0)
+    np.testing.assert_array_equal(got[1, :128], 96.0)
+    np.testing.assert_array_equal(got[1, 256:], 96.0)
+
+
 # ---- allocation and writes ----------------------------------------------------------------------------
+
+def test_write_kv_of_no_tokens_returns_the_fp8_cache_unchanged():
+    cache = jax_mla.allocate_cache(4, 16, dtype="fp8").at[1, 2, 3].set(7)
+    written = jax_mla.write_kv(cache, jnp.zeros((0, 512)), jnp.zeros((0, 64)),
+                               jnp.zeros((0,), jnp.int32))
+    np.testing.assert_array_equal(np.asarray(written), np.asarray(cache))
+
 
 @pytest.mark.parametrize("kv_lora_rank,row_bytes", [(512, 656), (256, 392)])
 def test_allocate_the_fp8_cache(kv_lora_rank, row_bytes):

@@ -43,6 +43,13 @@ def test_the_view_takes_a_jax_array(array, message):
         jax_mla.torch_view(array)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.uint4, jnp.float4_e2m1fn])
+def test_the_view_refuses_sub_byte_dtypes(dtype):
+    with pytest.raises(TypeError, match=rf"array's dtype must have 8 bits or more \(DLPack has no "
+                                        rf"sub-byte elements\), got {jnp.dtype(dtype).name}"):
+        jax_mla.torch_view(jnp.zeros((4,), dtype))
+
+
 def test_the_view_is_taken_outside_jit():
     with pytest.raises(TypeError, match=r"array must be a concrete jax.Array \(outside jax.jit\), "
                                         r"got .*Tracer"):
