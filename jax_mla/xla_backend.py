@@ -108,7 +108,9 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
     )
     # Chunks past the longest request hold nothing visible: stop before them.
     chunks_needed = jnp.clip(-(-jnp.max(seq_lens, initial=0) // chunk_tokens), 0, num_chunks)
-    running_max, running_sum, acc = lax.fori_loop(0, chunks_needed, step, init)
+    # The first chunk runs before the loop (with every length 0 it adds nothing to init): its
+    # carries vary over the mesh axes the inputs vary over inside shard_map, as the loop's do.
+    running_max, running_sum, acc = lax.fori_loop(1, chunks_needed, step, step(0, init))
     nonempty = running_sum > 0
     out = acc / jnp.where(nonempty, running_sum, 1.0)[..., None] * output_scale
     out = out.astype(query.dtype)

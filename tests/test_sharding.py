@@ -124,6 +124,25 @@ def test_heads_and_batch_sharded(mesh_shape):
     check_accuracy(out, lse, ref_out.numpy(), ref_lse.numpy(), backend="xla")
 
 
+# decode called per device inside shard_map (the caller's own partitioning), with JAX's checks of
+# values varying over mesh axes on.
+@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2)], ids=lambda s: "x".join(map(str, s)))
+def test_inside_shard_map(mesh_shape):
+    mesh = cpu_mesh(mesh_shape)
+    problem = make_problem(12, batch=4, q_len=2, num_heads=NUM_HEADS, page_size=16, max_len=200)
+    data = "data" if mesh_shape[0] > 1 else None
+    query_spec, row_spec = P(data, None, "tp", None), P(data)
+    per_device = jax.shard_map(
+        lambda q, kv, bt, sl: jax_mla.decode(q, kv, bt, sl, softmax_scale=SCALE, return_lse=True,
+                                             backend="xla"),
+        mesh=mesh, in_specs=(query_spec, P(), row_spec, row_spec),
+        out_specs=(query_spec, P(data, None, "tp")))
+    out, lse = jax.jit(per_device)(*problem.arrays)
+    unsharded_out, unsharded_lse = decode_fn("xla")(*problem.arrays)
+    assert_near(out, unsharded_out)
+    assert_near(lse, unsharded_lse)
+
+
 # Batch over "data" with a page pool per data shard (ids local to the pool), heads over "tp".
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)], ids=lambda s: "x".join(map(str, s)))
 def test_per_shard_page_pools(mesh_shape):
