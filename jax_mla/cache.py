@@ -21,7 +21,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_mla import e4m3_cache, fp8_cache, validation
+from jax_mla import e4m3_cache, fp8_cache, sharding, validation
 
 
 def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, rope_dim: int = 64,
@@ -104,6 +104,14 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     """
     validation.check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank)
     kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
+    explicit = sharding.explicit_mesh_axes(kv_cache, latent, k_rope, slot_mapping)
+    if explicit is not None:
+        # Explicit mesh axes would have the scatter below resolve its output's sharding itself,
+        # which it cannot for a sharded cache: the write runs with them Auto, the cache keeping its
+        # sharding (slots still address the whole cache).
+        return sharding.with_auto_axes(
+            functools.partial(write_kv, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale), explicit,
+            sharding.spec_of(kv_cache), kv_cache, latent, k_rope, slot_mapping)
     kv_cache = jnp.asarray(kv_cache)  # a NumPy cache too (decode takes one)
     num_pages, page_size, row_size = kv_cache.shape
     num_slots = num_pages * page_size

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_mla import validation
 from jax_mla.planning import PlanMismatchError
 
-__all__ = ["LayoutError", "call", "may_be_sharded"]
+__all__ = ["LayoutError", "call", "explicit_mesh_axes", "may_be_sharded", "spec_of", "with_auto_axes"]
 
 Kernel = Callable[..., Any]
 
@@ -92,6 +92,15 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     for them) call ``kernel`` directly, with no wrapper at all.
     """
     arrays = (query, kv_cache, block_tables, seq_lens)
+    explicit = explicit_mesh_axes(*arrays)
+    if explicit is not None:
+        # A mesh of Explicit axes (jax.make_mesh's default): the partitioned call below traces
+        # its per-shard program on the global types, which Explicit axes would make carry shardings
+        # (a gather of sharded page ids then has no resolvable output sharding). So it runs with
+        # those axes made Auto, its outputs sharded like the query again.
+        batch, _, heads, _ = _dim_axes(_sharding_type(query), 4)
+        return with_auto_axes(lambda *a: call(kernel, *a, plan=plan), explicit,
+                              PartitionSpec(_spec_entry(batch), None, _spec_entry(heads)), *arrays)
     leaves, treedef = jax.tree_util.tree_flatten(plan)
     is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
     plan_arrays = tuple(leaf for leaf, a in zip(leaves, is_array) if a)
@@ -108,6 +117,43 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     # the page ids of a sharded pool are read the same way (the custom call's eager impl would
     # run the kernel on the global arrays instead).
     return _eager(per_shard, *operands)
+
+
+def _sharding_type(x):
+    """The sharding of ``x``'s type (a tracer's under jit), or of a concrete array; None for NumPy
+    arrays and Python values."""
+    if isinstance(x, jax.core.Tracer):
+        return getattr(jax.typeof(x), "sharding", None)
+    return getattr(x, "sharding", None)
+
+
+def explicit_mesh_axes(*arrays):
+    """(mesh, its Explicit axis names) of the first of ``arrays`` sharded over a mesh with Explicit
+    axes, or None."""
+    for array in arrays:
+        sharding = _sharding_type(array)
+        mesh = getattr(sharding, "mesh", None)
+        axis_types = getattr(mesh, "axis_types", ())
+        names = tuple(name for name, kind in zip(getattr(mesh, "axis_names", ()), axis_types)
+                      if kind == jax.sharding.AxisType.Explicit)
+        if names:
+            return mesh, names
+    return None
+
+
+def spec_of(x) -> PartitionSpec:
+    """The PartitionSpec of ``x``'s sharding (P() where it has none or is not a NamedSharding)."""
+    sharding = _sharding_type(x)
+    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+
+def with_auto_axes(fn, explicit, out_spec: PartitionSpec, *args):
+    """``fn(*args)`` traced with ``explicit`` = (mesh, axis names)'s axes Auto, under ``jax.jit``
+    (so concrete arrays take the same path), its outputs sharded ``out_spec`` on those axes."""
+    mesh, names = explicit
+    abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
+    with jax.sharding.use_abstract_mesh(abstract_mesh):
+        return jax.jit(jax.sharding.auto_axes(fn, axes=names, out_sharding=out_spec))(*args)
 
 
 class _PerShard:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import (check_accuracy, gpu_blocker, make_problem, record_kernel_runs,
                       relative_error, request_head_error, tolerances)
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from oracles import attend
 
 import jax_mla
@@ -30,12 +30,18 @@ NUM_HEADS = 8
 SCALE = 0.11
 
 
-def cpu_mesh(shape):
+def cpu_mesh(shape, axis_type=AxisType.Auto):
     devices = jax.devices("cpu")
     if len(devices) < 4:
         pytest.skip(f"needs 4 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=4), "
                     f"have {len(devices)}")
-    return Mesh(np.array(devices[:4]).reshape(shape), ("data", "tp"))
+    return Mesh(np.array(devices[:4]).reshape(shape), ("data", "tp"), axis_types=(axis_type,) * 2)
+
+
+# Meshes of Auto axes and of Explicit ones (jax.make_mesh's default), which decode and write_kv
+# run with their axes made Auto.
+AXIS_TYPES = pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
+                                     ids=["auto", "explicit"])
 
 
 @contextlib.contextmanager
@@ -102,9 +108,10 @@ def check_sharded_output(out, lse, query_spec):
 
 
 # Heads over "tp" and batch over "data"; the cache is replicated and page ids are global.
+@AXIS_TYPES
 @pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2), (4, 1)], ids=lambda s: "x".join(map(str, s)))
-def test_heads_and_batch_sharded(mesh_shape):
-    mesh = cpu_mesh(mesh_shape)
+def test_heads_and_batch_sharded(mesh_shape, axis_type):
+    mesh = cpu_mesh(mesh_shape, axis_type)
     problem = make_problem(10, batch=4, q_len=2, num_heads=NUM_HEADS, page_size=16, max_len=200)
     data = "data" if mesh_shape[0] > 1 else None
     tp = "tp" if mesh_shape[1] > 1 else None
@@ -144,9 +151,10 @@ def test_inside_shard_map(mesh_shape):
 
 
 # Batch over "data" with a page pool per data shard (ids local to the pool), heads over "tp".
+@AXIS_TYPES
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)], ids=lambda s: "x".join(map(str, s)))
-def test_per_shard_page_pools(mesh_shape):
-    mesh = cpu_mesh(mesh_shape)
+def test_per_shard_page_pools(mesh_shape, axis_type):
+    mesh = cpu_mesh(mesh_shape, axis_type)
     pools = mesh_shape[0]
     arrays, shards = pooled_problem(pools, batch_per_pool=4 // pools, seed=20)
     tp = "tp" if mesh_shape[1] > 1 else None
@@ -170,11 +178,12 @@ def test_per_shard_page_pools(mesh_shape):
         np.testing.assert_array_equal(np.asarray(eager_out), np.asarray(out))
 
 
-def test_write_kv_into_per_shard_pools_addresses_the_whole_cache():
+@AXIS_TYPES
+def test_write_kv_into_per_shard_pools_addresses_the_whole_cache(axis_type):
     """Tokens written with write_kv into a pooled cache, a pool's page q at slot
     (pool * pages_per_pool + q) * page_size + offset (docs/sharding.md), are what that pool's
     requests read through their pool-local block tables."""
-    mesh = cpu_mesh((2, 2))
+    mesh = cpu_mesh((2, 2), axis_type)
     pools, pages_per_pool, page_size, max_pages = 2, 6, 16, 3
     rng = np.random.default_rng(40)
     lengths = np.array([40, 7, 33, 48], np.int32)  # requests 0-1 in pool 0, 2-3 in pool 1
@@ -196,12 +205,12 @@ def test_write_kv_into_per_shard_pools_addresses_the_whole_cache():
     query = jnp.asarray(rng.standard_normal((4, 1, NUM_HEADS, 576)), jnp.float32)
     args = (put(mesh, query, "data", None, "tp", None), cache,
             put(mesh, jnp.asarray(tables), "data"), put(mesh, jnp.asarray(lengths), "data"))
-    out, _ = decode_fn("xla")(*args)
+    out = np.asarray(decode_fn("xla")(*args)[0])
     rows = np.concatenate([np.asarray(latent), np.asarray(k_rope)], axis=-1)
     for r in range(4):
         keys = rows[request == r]  # the request's tokens in order
         ref, _ = attend(np.asarray(query[r, 0], np.float64), keys, keys[:, :512], SCALE)
-        np.testing.assert_allclose(np.asarray(out[r, 0]), ref, rtol=2e-4, atol=2e-5)
+        np.testing.assert_allclose(out[r, 0], ref, rtol=2e-4, atol=2e-5)
 
 
 def test_gspmd_partitioner():
