@@ -91,15 +91,32 @@ def config_from_hf(source) -> MLAConfig:
         with open(source) as f:
             hf = json.load(f)
         name = os.path.basename(os.path.dirname(os.path.abspath(source))) or str(source)
-    try:
-        fields = dict(dim=hf["hidden_size"], n_heads=hf["num_attention_heads"],
-                      q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
-                      qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                      v_head_dim=hf["v_head_dim"], max_seq_len=hf["max_position_embeddings"],
-                      rope_theta=float(hf.get("rope_theta", 10000.0)))
-    except KeyError as missing:
-        raise ValueError(f"{name}: not a DeepSeek MLA config, it lacks {missing}") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{name}: a config.json holds an object, got {type(hf).__name__}")
+
+    def number(key, kind=int, minimum=1, default=None):
+        """hf[key], a ``kind`` of at least ``minimum`` (``default`` where absent, if given)."""
+        if key not in hf:
+            if default is None:
+                raise ValueError(f"{name}: not a DeepSeek MLA config, it lacks {key!r}")
+            return default
+        value = hf[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
+                or value < minimum:
+            raise ValueError(f"{name}: {key} must be {'a number' if kind is float else 'an integer'} "
+                             f">= {minimum}, got {value!r}")
+        return kind(value)
+
+    fields = dict(dim=number("hidden_size"), n_heads=number("num_attention_heads"),
+                  q_lora_rank=0 if hf.get("q_lora_rank") is None else number("q_lora_rank", minimum=0),
+                  kv_lora_rank=number("kv_lora_rank"), qk_nope_head_dim=number("qk_nope_head_dim"),
+                  qk_rope_head_dim=number("qk_rope_head_dim"), v_head_dim=number("v_head_dim"),
+                  max_seq_len=number("max_position_embeddings"),
+                  rope_theta=number("rope_theta", float, default=10000.0))
     scaling = hf.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ValueError(f"{name}: rope_scaling must be an object or null, got "
+                         f"{type(scaling).__name__}")
     kind = scaling.get("type", scaling.get("rope_type"))
     if kind is None:  # plain RoPE: YaRN off
         fields["original_seq_len"] = fields["max_seq_len"]
@@ -109,6 +126,9 @@ def config_from_hf(source) -> MLAConfig:
         if scaling.get("mscale", 1.0) != scaling.get("mscale_all_dim", 0.0):
             raise ValueError(f"{name}: rope_scaling mscale {scaling.get('mscale', 1.0)} != "
                              f"mscale_all_dim {scaling.get('mscale_all_dim', 0.0)} is not supported")
+        lacking = [k for k in ("factor", "original_max_position_embeddings") if k not in scaling]
+        if lacking:
+            raise ValueError(f"{name}: rope_scaling of type yarn lacks {lacking[0]!r}")
         fields.update(rope_factor=float(scaling["factor"]), mscale=float(scaling["mscale_all_dim"]),
                       original_seq_len=scaling["original_max_position_embeddings"],
                       beta_fast=scaling.get("beta_fast", 32), beta_slow=scaling.get("beta_slow", 1))
