@@ -94,17 +94,19 @@ def config_from_hf(source) -> MLAConfig:
     if not isinstance(hf, dict):
         raise ValueError(f"{name}: a config.json holds an object, got {type(hf).__name__}")
 
-    def number(key, kind=int, minimum=1, default=None):
-        """hf[key], a ``kind`` of at least ``minimum`` (``default`` where absent, if given)."""
-        if key not in hf:
+    def number(key, kind=int, minimum=1, default=None, source=hf, where=""):
+        """source[key], a finite ``kind`` of at least ``minimum`` (``default`` where absent, if
+        given); ``where`` names ``source`` in the error."""
+        if key not in source:
             if default is None:
-                raise ValueError(f"{name}: not a DeepSeek MLA config, it lacks {key!r}")
+                raise ValueError(f"{name}: {where or 'not a DeepSeek MLA config, it'} lacks {key!r}")
             return default
-        value = hf[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int) \
-                or value < minimum:
-            raise ValueError(f"{name}: {key} must be {'a number' if kind is float else 'an integer'} "
-                             f">= {minimum}, got {value!r}")
+        value = source[key]
+        if (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int)
+                or not math.isfinite(value) or value < minimum):
+            raise ValueError(f"{name}: {where + ' ' if where else ''}{key} must be "
+                             f"{'a finite number' if kind is float else 'an integer'} >= {minimum}, "
+                             f"got {value!r}")
         return kind(value)
 
     fields = dict(dim=number("hidden_size"), n_heads=number("num_attention_heads"),
@@ -121,17 +123,20 @@ def config_from_hf(source) -> MLAConfig:
     if kind is None:  # plain RoPE: YaRN off
         fields["original_seq_len"] = fields["max_seq_len"]
     elif kind == "yarn":
+        def yarn(key, kind=float, minimum=0, default=None):
+            return number(key, kind, minimum, default, source=scaling,
+                          where="rope_scaling of type yarn")
+
         # DeepSeek's reference applies one mscale to the softmax scale and none to RoPE, which is
         # HuggingFace's YaRN when its mscale and mscale_all_dim agree.
-        if scaling.get("mscale", 1.0) != scaling.get("mscale_all_dim", 0.0):
-            raise ValueError(f"{name}: rope_scaling mscale {scaling.get('mscale', 1.0)} != "
-                             f"mscale_all_dim {scaling.get('mscale_all_dim', 0.0)} is not supported")
-        lacking = [k for k in ("factor", "original_max_position_embeddings") if k not in scaling]
-        if lacking:
-            raise ValueError(f"{name}: rope_scaling of type yarn lacks {lacking[0]!r}")
-        fields.update(rope_factor=float(scaling["factor"]), mscale=float(scaling["mscale_all_dim"]),
-                      original_seq_len=scaling["original_max_position_embeddings"],
-                      beta_fast=scaling.get("beta_fast", 32), beta_slow=scaling.get("beta_slow", 1))
+        mscale, mscale_all_dim = yarn("mscale", default=1.0), yarn("mscale_all_dim", default=0.0)
+        if mscale != mscale_all_dim:
+            raise ValueError(f"{name}: rope_scaling mscale {mscale} != mscale_all_dim "
+                             f"{mscale_all_dim} is not supported")
+        fields.update(rope_factor=yarn("factor", minimum=1),
+                      mscale=mscale_all_dim,
+                      original_seq_len=yarn("original_max_position_embeddings", int, minimum=1),
+                      beta_fast=yarn("beta_fast", default=32), beta_slow=yarn("beta_slow", default=1))
     else:
         raise ValueError(f"{name}: rope_scaling type {kind!r} is not supported (yarn or none)")
     return MLAConfig(name=name, **fields)

@@ -88,23 +88,31 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
       and heads like the query.
 
     Single-device calls (one device in the process, or concrete arrays on one device) and calls
-    under transformations other than ``jit`` (``vmap``, ``grad``: custom_partitioning has no rules
-    for them) call ``kernel`` directly, with no wrapper at all.
+    under transformations other than ``jit`` (``vmap``, ``jvp``: custom_partitioning has no rules
+    for them) call ``kernel`` directly, with no wrapper at all; on a mesh of Explicit axes those
+    transformations are not supported.
     """
     arrays = (query, kv_cache, block_tables, seq_lens)
-    explicit = explicit_mesh_axes(*arrays)
-    if explicit is not None:
-        # A mesh of Explicit axes (jax.make_mesh's default): the partitioned call below traces
-        # its per-shard program on the global types, which Explicit axes would make carry shardings
-        # (a gather of sharded page ids then has no resolvable output sharding). So it runs with
-        # those axes made Auto, its outputs sharded like the query again.
-        batch, _, heads, _ = _dim_axes(_sharding_type(query), 4)
-        return with_auto_axes(lambda *a: call(kernel, *a, plan=plan), explicit,
-                              PartitionSpec(_spec_entry(batch), None, _spec_entry(heads)), *arrays)
     leaves, treedef = jax.tree_util.tree_flatten(plan)
     is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
     plan_arrays = tuple(leaf for leaf, a in zip(leaves, is_array) if a)
     operands = arrays + plan_arrays
+    explicit = explicit_mesh_axes(*operands)
+    if explicit is not None:
+        # A mesh of Explicit axes (jax.make_mesh's default): the partitioned call below traces
+        # its per-shard program on the global types, which Explicit axes would make carry shardings
+        # (a gather of sharded page ids then has no resolvable output sharding). So it runs with
+        # those axes made Auto (the plan's arrays too), its outputs sharded like the query again.
+        def with_plan_rebuilt(*args):
+            rest = iter(args[len(arrays):])
+            rebuilt = treedef.unflatten([next(rest) if a else leaf
+                                         for leaf, a in zip(leaves, is_array)])
+            return call(kernel, *args[:len(arrays)], plan=rebuilt)
+
+        batch, _, heads, _ = _dim_axes(_sharding_type(query), 4)
+        return with_auto_axes(with_plan_rebuilt, explicit,
+                              PartitionSpec(_spec_entry(batch), None, _spec_entry(heads)),
+                              *operands)
     tracers = [x for x in operands if isinstance(x, jax.core.Tracer)]
     if (jax.device_count() == 1 or not may_be_sharded(*operands)
             or not all(_is_jit_tracer(x) for x in tracers)):
@@ -149,8 +157,11 @@ def spec_of(x) -> PartitionSpec:
 
 def with_auto_axes(fn, explicit, out_spec: PartitionSpec, *args):
     """``fn(*args)`` traced with ``explicit`` = (mesh, axis names)'s axes Auto, under ``jax.jit``
-    (so concrete arrays take the same path), its outputs sharded ``out_spec`` on those axes."""
+    (so concrete arrays take the same path), its outputs sharded ``out_spec`` on those axes (its
+    other axes, Auto ones of a mixed mesh, are left to propagation)."""
     mesh, names = explicit
+    out_spec = PartitionSpec(*(_spec_entry(tuple(a for a in axes if a in names))
+                               for axes in _spec_axes(out_spec)))
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     with jax.sharding.use_abstract_mesh(abstract_mesh):
         return jax.jit(jax.sharding.auto_axes(fn, axes=names, out_sharding=out_spec))(*args)
@@ -249,9 +260,14 @@ def _dim_axes(sharding, ndim: int) -> list[tuple[str, ...]]:
         raise LayoutError(
             f"cannot read mesh axes from {sharding!r}; give the inputs NamedShardings or call decode "
             "under a mesh (`with jax.set_mesh(mesh):`)")
-    spec = tuple(sharding.spec) + (None,) * (ndim - len(sharding.spec))
+    return _spec_axes(sharding.spec, ndim)
+
+
+def _spec_axes(spec: PartitionSpec, ndim: int | None = None) -> list[tuple[str, ...]]:
+    """Mesh axes of each entry of ``spec`` (padded with replicated dims to ``ndim``), as tuples."""
+    entries = tuple(spec) + (None,) * max(0, (ndim or 0) - len(spec))
     axes = []
-    for entry in spec[:ndim]:
+    for entry in entries[:ndim] if ndim is not None else entries:
         if entry is None or entry == PartitionSpec.UNCONSTRAINED:
             axes.append(())
         elif isinstance(entry, str):

@@ -46,6 +46,13 @@ def dry_run(tmp_path_factory):
     return out, result
 
 
+def test_floor_model_is_the_gpus_own_or_the_default():
+    for model in problem.FLOOR_MODELS:
+        assert problem.floor_model(model.gpu) is model
+    assert problem.floor_model(None) is problem.FLOOR_MODELS[0]
+    assert problem.floor_model("NVIDIA H800") is problem.FLOOR_MODELS[0]
+
+
 def test_dry_run_writes_schema(dry_run):
     out, result = dry_run
     data = json.loads(out.read_text())

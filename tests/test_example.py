@@ -291,12 +291,17 @@ def test_config_json_gives_the_embedded_v3_attention(tmp_path):
     (lambda hf: hf["rope_scaling"].update(mscale=0.5), "mscale 0.5 != mscale_all_dim 1.0 is not supported"),
     (lambda hf: hf.update(rope_scaling={"type": "dynamic", "factor": 2.0}), "'dynamic' is not supported"),
     (lambda hf: hf["rope_scaling"].pop("factor"), "rope_scaling of type yarn lacks 'factor'"),
+    (lambda hf: hf["rope_scaling"].update(factor=0), "rope_scaling of type yarn factor must be a finite number >= 1, got 0"),
+    (lambda hf: hf["rope_scaling"].update(original_max_position_embeddings="4096"),
+     "original_max_position_embeddings must be an integer >= 1, got '4096'"),
+    (lambda hf: hf["rope_scaling"].update(mscale=0, mscale_all_dim=None), "mscale_all_dim must be a finite number"),
+    (lambda hf: hf.update(rope_theta=float("inf")), "rope_theta must be a finite number >= 1, got inf"),
     (lambda hf: hf.update(rope_scaling=["yarn"]), "rope_scaling must be an object or null, got list"),
     (lambda hf: hf.update(num_attention_heads="16"), "num_attention_heads must be an integer >= 1, got '16'"),
     (lambda hf: hf.update(num_attention_heads=None), "num_attention_heads must be an integer >= 1, got None"),
     (lambda hf: hf.update(num_attention_heads=0), "num_attention_heads must be an integer >= 1, got 0"),
     (lambda hf: hf.update(q_lora_rank=-1), "q_lora_rank must be an integer >= 0, got -1"),
-    (lambda hf: hf.update(rope_theta="big"), "rope_theta must be a number >= 1, got 'big'"),
+    (lambda hf: hf.update(rope_theta="big"), "rope_theta must be a finite number >= 1, got 'big'"),
 ])
 def test_config_json_rejects_what_the_example_cannot_run(edit, message, tmp_path, capsys):
     hf = json.loads(json.dumps(V3_CONFIG_JSON))

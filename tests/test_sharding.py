@@ -131,6 +131,28 @@ def test_heads_and_batch_sharded(mesh_shape, axis_type):
     check_accuracy(out, lse, ref_out.numpy(), ref_lse.numpy(), backend="xla")
 
 
+def test_a_mesh_of_explicit_and_auto_axes():
+    """Batch over an Explicit axis, heads over an Auto one: decode (eagerly and under jit) and
+    write_kv into a cache sharded over the Auto axis."""
+    devices = jax.devices("cpu")
+    if len(devices) < 4:
+        pytest.skip("needs 4 CPU devices")
+    mesh = Mesh(np.array(devices[:4]).reshape(2, 2), ("data", "tp"),
+                axis_types=(AxisType.Explicit, AxisType.Auto))
+    problem = make_problem(14, batch=4, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    args = (put(mesh, problem.query, "data", None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables, "data"), put(mesh, problem.seq_lens, "data"))
+    unsharded_out, _ = decode_fn("xla")(*problem.arrays)
+    assert_near(decode_fn("xla")(*args)[0], unsharded_out)
+    assert_near(jax_mla.decode(*args, softmax_scale=SCALE, backend="xla"), unsharded_out)
+    cache = put(mesh, jax_mla.allocate_cache(8, 16, dtype=jnp.float32), "tp")
+    latent, k_rope = jnp.ones((2, 512)), jnp.ones((2, 64))
+    slots = jnp.array([0, cache.shape[0] * cache.shape[1] - 1], jnp.int32)
+    written = np.asarray(jax_mla.write_kv(cache, latent, k_rope, slots))
+    np.testing.assert_array_equal(written[0, 0], 1.0)
+    np.testing.assert_array_equal(written[-1, -1], 1.0)
+
+
 # decode called per device inside shard_map (the caller's own partitioning), with JAX's checks of
 # values varying over mesh axes on.
 @pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2)], ids=lambda s: "x".join(map(str, s)))
@@ -250,8 +272,9 @@ def plan_kernel(query, kv_cache, block_tables, seq_lens, plan):
     return out + plan["workspace"][0].astype(out.dtype) * plan["scale"]
 
 
-def test_plan_is_replicated_with_heads_sharded():
-    mesh = cpu_mesh((1, 4))
+@AXIS_TYPES
+def test_plan_is_replicated_with_heads_sharded(axis_type):
+    mesh = cpu_mesh((1, 4), axis_type)
     problem = make_problem(50, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
     plan = {"workspace": put(mesh, jnp.full((128,), 3, jnp.uint8)), "scale": 0.5}
     args = (put(mesh, problem.query, None, None, "tp"), put(mesh, problem.kv_cache),
@@ -260,6 +283,8 @@ def test_plan_is_replicated_with_heads_sharded():
     out = fn(*args)
     assert batch_and_heads(out) == (None, "tp")
     assert collectives(fn, *args) == []
+    np.testing.assert_array_equal(  # eagerly too
+        np.asarray(sharding.call(plan_kernel, *args, plan=plan)), np.asarray(out))
     expected = plan_kernel(*problem.arrays, plan={"workspace": jnp.full((128,), 3, jnp.uint8),
                                                   "scale": 0.5})
     assert_near(out, expected)
