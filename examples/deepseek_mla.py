@@ -99,7 +99,8 @@ def config_from_hf(source) -> MLAConfig:
         given); ``where`` names ``source`` in the error."""
         if key not in source:
             if default is None:
-                raise ValueError(f"{name}: {where or 'not a DeepSeek MLA config, it'} lacks {key!r}")
+                lacks = where or "not a DeepSeek MLA config, it"
+                raise ValueError(f"{name}: {lacks} lacks {key!r}")
             return default
         value = source[key]
         if (isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int)
@@ -110,7 +111,8 @@ def config_from_hf(source) -> MLAConfig:
         return kind(value)
 
     fields = dict(dim=number("hidden_size"), n_heads=number("num_attention_heads"),
-                  q_lora_rank=0 if hf.get("q_lora_rank") is None else number("q_lora_rank", minimum=0),
+                  q_lora_rank=(0 if hf.get("q_lora_rank") is None
+                               else number("q_lora_rank", minimum=0)),
                   kv_lora_rank=number("kv_lora_rank"), qk_nope_head_dim=number("qk_nope_head_dim"),
                   qk_rope_head_dim=number("qk_rope_head_dim"), v_head_dim=number("v_head_dim"),
                   max_seq_len=number("max_position_embeddings"),
@@ -136,7 +138,8 @@ def config_from_hf(source) -> MLAConfig:
         fields.update(rope_factor=yarn("factor", minimum=1),
                       mscale=mscale_all_dim,
                       original_seq_len=yarn("original_max_position_embeddings", int, minimum=1),
-                      beta_fast=yarn("beta_fast", default=32), beta_slow=yarn("beta_slow", default=1))
+                      beta_fast=yarn("beta_fast", default=32),
+                      beta_slow=yarn("beta_slow", default=1))
     else:
         raise ValueError(f"{name}: rope_scaling type {kind!r} is not supported (yarn or none)")
     return MLAConfig(name=name, **fields)

@@ -156,7 +156,7 @@ def torch_view(array: jax.Array):
 
 
 def _bit_width(dtype) -> int:
-    """Bits of one element of ``dtype`` (4 for int4 and float4_e2m1fn, whose NumPy itemsize is 1)."""
+    """Bits of one element of ``dtype`` (4 for int4 and float4_e2m1fn, of NumPy itemsize 1)."""
     if jnp.issubdtype(dtype, jnp.integer):
         return jnp.iinfo(dtype).bits
     if jnp.issubdtype(dtype, jnp.floating):

@@ -35,7 +35,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_mla import validation
 from jax_mla.planning import PlanMismatchError
 
-__all__ = ["LayoutError", "call", "explicit_mesh_axes", "may_be_sharded", "spec_of", "with_auto_axes"]
+__all__ = ["LayoutError", "call", "explicit_mesh_axes", "may_be_sharded", "spec_of",
+           "with_auto_axes"]
 
 Kernel = Callable[..., Any]
 

@@ -22,9 +22,9 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
 
     Args:
       query: [B, q_len, H, D], B >= 1; kv_cache: [num_pages, page_size, D]; block_tables: int32
-        [B, max_pages]; seq_lens: int32 [B] (already shape-checked; JAX or NumPy arrays); plan: None or the
-        ``jax_mla.Plan`` or ``jax_mla.Sm90Plan`` passed to ``decode``, whose lengths must be
-        ``seq_lens``.
+        [B, max_pages]; seq_lens: int32 [B] (already shape-checked; JAX or NumPy arrays); plan:
+        None or the ``jax_mla.Plan`` or ``jax_mla.Sm90Plan`` passed to ``decode``, whose lengths
+        must be ``seq_lens``.
     Raises:
       checkify.JaxRuntimeError (a ValueError) when called eagerly and a check fails. Staged by
       ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
