@@ -58,9 +58,10 @@ FORMAT_NAMES = {FLOAT_CACHE: "the query's dtype", FP8_CACHE: "the fp8 cache (uin
                 E4M3_CACHE: "the e4m3 cache (float8_e4m3fn)"}
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Backend:
-    """One decode implementation.
+    """One decode implementation. Compared and hashed by identity (the rows of ``TABLE``), so that
+    a kernel closed over one is a static argument JAX can cache on.
 
     Attributes:
       name: the ``backend=`` string.

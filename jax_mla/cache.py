@@ -16,6 +16,7 @@ raises when used; take a new view of the cache the step returned.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -110,8 +111,8 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
         # which it cannot for a sharded cache: the write runs with them Auto, the cache keeping its
         # sharding (slots still address the whole cache).
         return sharding.with_auto_axes(
-            functools.partial(write_kv, kv_lora_rank=kv_lora_rank, kv_scale=kv_scale), explicit,
-            sharding.spec_of(kv_cache), kv_cache, latent, k_rope, slot_mapping)
+            _WriteKv(kv_lora_rank, kv_scale), explicit, sharding.spec_of(kv_cache), kv_cache,
+            latent, k_rope, slot_mapping)
     kv_cache = jnp.asarray(kv_cache)  # a NumPy cache too (decode takes one)
     num_pages, page_size, row_size = kv_cache.shape
     num_slots = num_pages * page_size
@@ -125,6 +126,19 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
     flat = kv_cache.reshape(num_slots, row_size)
     return flat.at[slots].set(rows, mode="drop").reshape(num_pages, page_size, row_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WriteKv:
+    """``write_kv`` with its static arguments, equal for equal ones (a static argument JAX caches
+    compilations on)."""
+
+    kv_lora_rank: int | None
+    kv_scale: float | None
+
+    def __call__(self, kv_cache, latent, k_rope, slot_mapping):
+        return write_kv(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank=self.kv_lora_rank,
+                        kv_scale=self.kv_scale)
 
 
 def torch_view(array: jax.Array):

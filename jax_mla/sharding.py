@@ -98,27 +98,23 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     is_array = tuple(isinstance(leaf, (jax.Array, np.ndarray)) for leaf in leaves)
     plan_arrays = tuple(leaf for leaf, a in zip(leaves, is_array) if a)
     operands = arrays + plan_arrays
+    statics = tuple(None if a else leaf for leaf, a in zip(leaves, is_array))
     explicit = explicit_mesh_axes(*operands)
     if explicit is not None:
         # A mesh of Explicit axes (jax.make_mesh's default): the partitioned call below traces
         # its per-shard program on the global types, which Explicit axes would make carry shardings
         # (a gather of sharded page ids then has no resolvable output sharding). So it runs with
         # those axes made Auto (the plan's arrays too), its outputs sharded like the query again.
-        def with_plan_rebuilt(*args):
-            rest = iter(args[len(arrays):])
-            rebuilt = treedef.unflatten([next(rest) if a else leaf
-                                         for leaf, a in zip(leaves, is_array)])
-            return call(kernel, *args[:len(arrays)], plan=rebuilt)
-
         batch, _, heads, _ = _dim_axes(_sharding_type(query), 4)
-        return with_auto_axes(with_plan_rebuilt, explicit,
+        again = _PerShard(functools.partial(call, kernel), plan is not None, treedef, statics,
+                          is_array)
+        return with_auto_axes(again, explicit,
                               PartitionSpec(_spec_entry(batch), None, _spec_entry(heads)),
                               *operands)
     tracers = [x for x in operands if isinstance(x, jax.core.Tracer)]
     if (jax.device_count() == 1 or not may_be_sharded(*operands)
             or not all(_is_jit_tracer(x) for x in tracers)):
         return kernel(*arrays) if plan is None else kernel(*arrays, plan=plan)
-    statics = tuple(None if a else leaf for leaf, a in zip(leaves, is_array))
     per_shard = _PerShard(kernel, plan is not None, treedef, statics, is_array)
     if tracers:
         return _partitioned(per_shard, *operands)
@@ -158,14 +154,20 @@ def spec_of(x) -> PartitionSpec:
 
 def with_auto_axes(fn, explicit, out_spec: PartitionSpec, *args):
     """``fn(*args)`` traced with ``explicit`` = (mesh, axis names)'s axes Auto, under ``jax.jit``
-    (so concrete arrays take the same path), its outputs sharded ``out_spec`` on those axes (its
-    other axes, Auto ones of a mixed mesh, are left to propagation)."""
+    (so concrete arrays take the same path; ``fn`` is a static argument, so equal ``fn``s compile
+    once), its outputs sharded ``out_spec`` on those axes (its other axes, Auto ones of a mixed
+    mesh, are left to propagation)."""
     mesh, names = explicit
     out_spec = PartitionSpec(*(_spec_entry(tuple(a for a in axes if a in names))
                                for axes in _spec_axes(out_spec)))
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     with jax.sharding.use_abstract_mesh(abstract_mesh):
-        return jax.jit(jax.sharding.auto_axes(fn, axes=names, out_sharding=out_spec))(*args)
+        return _auto_axes_call(fn, names, out_spec, *args)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _auto_axes_call(fn, names, out_spec, *args):
+    return jax.sharding.auto_axes(fn, axes=names, out_sharding=out_spec)(*args)
 
 
 class _PerShard:
@@ -204,8 +206,10 @@ class _PerShard:
 
 
 def _kernel_key(kernel):
+    """A value equal for equal partials (nested ones too: a partial's own hash is its identity)."""
     if isinstance(kernel, functools.partial):
-        return (_kernel_key(kernel.func), kernel.args, tuple(sorted(kernel.keywords.items())))
+        return (_kernel_key(kernel.func), tuple(_kernel_key(a) for a in kernel.args),
+                tuple(sorted((k, _kernel_key(v)) for k, v in kernel.keywords.items())))
     return kernel
 
 

@@ -131,6 +131,23 @@ def test_heads_and_batch_sharded(mesh_shape, axis_type):
     check_accuracy(out, lse, ref_out.numpy(), ref_lse.numpy(), backend="xla")
 
 
+@AXIS_TYPES
+def test_eager_calls_on_sharded_arrays_compile_once(axis_type):
+    """Equal calls find the compilation of the first (the kernel's partial, the backend in it and
+    the per-shard function are static arguments with value equality)."""
+    mesh = cpu_mesh((2, 2), axis_type)
+    problem = make_problem(16, batch=4, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=100)
+    args = (put(mesh, problem.query, "data", None, "tp"), put(mesh, problem.kv_cache),
+            put(mesh, problem.block_tables, "data"), put(mesh, problem.seq_lens, "data"))
+    compiled = sharding._auto_axes_call if axis_type == AxisType.Explicit else sharding._eager
+    first = jax_mla.decode(*args, softmax_scale=SCALE, backend="xla")
+    size = compiled._cache_size()
+    for _ in range(2):
+        np.testing.assert_array_equal(
+            np.asarray(jax_mla.decode(*args, softmax_scale=SCALE, backend="xla")), np.asarray(first))
+    assert compiled._cache_size() == size
+
+
 def test_a_mesh_of_explicit_and_auto_axes():
     """Batch over an Explicit axis, heads over an Auto one: decode (eagerly and under jit) and
     write_kv into a cache sharded over the Auto axis."""
