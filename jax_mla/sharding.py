@@ -159,7 +159,7 @@ def with_auto_axes(fn, explicit, out_spec: PartitionSpec, *args):
     mesh, are left to propagation)."""
     mesh, names = explicit
     out_spec = PartitionSpec(*(_spec_entry(tuple(a for a in axes if a in names))
-                               for axes in _spec_axes(out_spec)))
+                               for axes in _spec_axes(out_spec, len(out_spec))))
     abstract_mesh = getattr(mesh, "abstract_mesh", mesh)
     with jax.sharding.use_abstract_mesh(abstract_mesh):
         return _auto_axes_call(fn, names, out_spec, *args)
@@ -268,11 +268,11 @@ def _dim_axes(sharding, ndim: int) -> list[tuple[str, ...]]:
     return _spec_axes(sharding.spec, ndim)
 
 
-def _spec_axes(spec: PartitionSpec, ndim: int | None = None) -> list[tuple[str, ...]]:
-    """Mesh axes of each entry of ``spec`` (padded with replicated dims to ``ndim``), as tuples."""
-    entries = tuple(spec) + (None,) * max(0, (ndim or 0) - len(spec))
+def _spec_axes(spec: PartitionSpec, ndim: int) -> list[tuple[str, ...]]:
+    """Mesh axes of each of ``ndim`` dims under ``spec`` (padded with replicated dims), as tuples."""
+    entries = tuple(spec) + (None,) * (ndim - len(spec))
     axes = []
-    for entry in entries[:ndim] if ndim is not None else entries:
+    for entry in entries[:ndim]:
         if entry is None or entry == PartitionSpec.UNCONSTRAINED:
             axes.append(())
         elif isinstance(entry, str):
