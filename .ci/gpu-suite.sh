@@ -14,7 +14,7 @@ limit=${SUITE_TIMEOUT:-540}
 run() {  # LOG, pytest args...
   local log=$1; shift
   JAX_MLA_REQUIRE_GPU=1 XLA_FLAGS=--xla_gpu_autotune_level=0 timeout "$limit" \
-    python3 -m pytest -q -rs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
+    python3 -m pytest -q -rfEs -p no:cacheprovider "$@" >"$OUT/$log" 2>&1
 }
 own="tests/test_decode.py tests/test_sm90.py tests/test_bad_values.py tests/test_gpu.py
      tests/test_device_plan.py tests/test_readme.py tests/test_example.py tests/test_require_gpu.py
