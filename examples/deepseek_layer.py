@@ -31,13 +31,25 @@ import sys
 import time
 
 
+class _PreParser(argparse.ArgumentParser):
+    """Reads one option before the full parser runs; what it cannot read, the full parser reports."""
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 def _host_devices_for_tp(argv: list[str]) -> None:
-    """On a CPU, --tp N needs N host devices, which XLA only creates if told before jax loads."""
-    for flag, value in zip(argv, argv[1:] + [""]):
-        count = value if flag == "--tp" else flag.removeprefix("--tp=") if flag.startswith("--tp=") else ""
-        if count.isdigit() and int(count) > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
-            os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                       f" --xla_force_host_platform_device_count={count}").strip()
+    """On a CPU, --tp N needs N host devices, which XLA only creates if told before jax loads.
+    --tp is read as the full parser reads it (any spelling argparse takes, such as --tp=+2)."""
+    pre = _PreParser(add_help=False)
+    pre.add_argument("--tp", type=int, default=1)
+    try:
+        count = pre.parse_known_args(argv)[0].tp
+    except ValueError:
+        return
+    if count > 1 and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={count}").strip()
 
 
 _host_devices_for_tp(sys.argv[1:])

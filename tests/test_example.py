@@ -254,6 +254,21 @@ def test_tp_must_divide_the_heads():
         deepseek_layer.parse_args(["--tp", "3"])
 
 
+@pytest.mark.parametrize("argv, devices", [
+    (["--tp", "2"], "2"), (["--tp=+2"], "2"), (["--t", "4"], "4"), (["--tp", "2", "--tp", "3"], "3"),
+    (["--tp", "1"], None), (["--tp", "0"], None), (["--tp"], None), (["--tp", "x"], None),
+    (["--batch", "2"], None)])
+def test_tp_asks_xla_for_host_devices_as_the_parser_reads_it(argv, devices, monkeypatch):
+    """The pre-scan that runs before jax loads reads --tp in every spelling the full parser takes,
+    and leaves what the full parser refuses to it."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/unused")
+    deepseek_layer._host_devices_for_tp(argv)
+    flags = os.environ["XLA_FLAGS"].split()
+    assert flags[0] == "--xla_dump_to=/tmp/unused"
+    expected = [] if devices is None else [f"--xla_force_host_platform_device_count={devices}"]
+    assert flags[1:] == expected
+
+
 # DeepSeek-V3's config.json, its attention and RoPE entries (the rest is not read).
 V3_CONFIG_JSON = {
     "hidden_size": 7168, "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
