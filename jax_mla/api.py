@@ -32,8 +32,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       block_tables: int32 [B, max_pages]; entries past a request's pages may hold anything.
       seq_lens: int32 [B], each request's kv length, counting its q_len new tokens. Cached values past
         it may be NaN.
-      softmax_scale: a float > 0 known at trace time, the pre-absorption scale, e.g. ``192**-0.5 *
-        mscale**2`` for DeepSeek.
+      softmax_scale: a float > 0 (at most ``validation.MAX_SOFTMAX_SCALE``, about 2.36e38) known at
+        trace time, the pre-absorption scale, e.g. ``192**-0.5 * mscale**2`` for DeepSeek.
       output_scale: a finite float known at trace time; multiplies the output.
       return_lse: also return the log-sum-exp (natural log) of the scaled logits.
       backend: "auto" or one of ``jax_mla.backends.ALL_BACKENDS``. "auto" takes the first backend
@@ -81,12 +81,12 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     """
     _, _, _, kv_lora_rank, _, _ = validation.check_decode_args(
         query, kv_cache, block_tables, seq_lens, kv_lora_rank)
-    softmax_scale = validation.check_positive_scale("softmax_scale", softmax_scale)
+    softmax_scale = validation.check_softmax_scale("softmax_scale", softmax_scale)
     output_scale = validation.check_finite_scale("output_scale", output_scale)
     kv_scale = e4m3_cache.check_kv_scale(kv_cache, kv_scale)
     if kv_scale is not None:
-        softmax_scale = validation.check_positive_scale("softmax_scale * kv_scale",
-                                                        softmax_scale * kv_scale)
+        softmax_scale = validation.check_softmax_scale("softmax_scale * kv_scale",
+                                                       softmax_scale * kv_scale)
         output_scale = validation.check_finite_scale("output_scale * kv_scale",
                                                      output_scale * kv_scale)
     return_lse, checks, fail_closed = (validation.check_bool(name, flag) for name, flag in (

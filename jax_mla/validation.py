@@ -144,6 +144,20 @@ def check_positive_scale(name: str, value) -> float:
     return value
 
 
+# The largest softmax scale whose base-2 form (scale * log2(e), what the GPU kernels multiply the
+# scores by) is finite in float32.
+MAX_SOFTMAX_SCALE = float(np.finfo(np.float32).max / np.float32(np.log2(np.e)))
+
+
+def check_softmax_scale(name: str, value) -> float:
+    """``value`` as check_positive_scale reads it, and at most MAX_SOFTMAX_SCALE."""
+    value = check_positive_scale(name, value)
+    if as_float32(value) > MAX_SOFTMAX_SCALE:
+        raise ValueError(f"{name} must be at most {MAX_SOFTMAX_SCALE:.4g} (times log2(e) it must stay "
+                         f"finite in float32), got {value}")
+    return value
+
+
 def check_cache_dtype(kv_cache) -> None:
     """A cache is floating of at least 16 bits (a plain cache), uint8 (the fp8 cache) or
     float8_e4m3fn (the e4m3 cache; docs/fp8-cache.md)."""

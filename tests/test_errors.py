@@ -12,7 +12,7 @@ import pytest
 from conftest import make_problem
 
 import jax_mla
-from jax_mla import backends, gpu
+from jax_mla import backends, gpu, validation
 
 P = make_problem(0, batch=2, q_len=1, num_heads=16, page_size=16, max_len=40)
 Q, KV, BT, SL = P.arrays
@@ -56,6 +56,9 @@ DECODE_ERRORS = [
     (dict(softmax_scale=0.0), ValueError, r"softmax_scale must be finite and > 0, got 0.0"),
     (dict(softmax_scale=-0.1), ValueError, r"softmax_scale must be finite and > 0, got -0.1"),
     (dict(softmax_scale=1e-50), ValueError, r"softmax_scale must be finite and > 0, got 1e-50"),
+    (dict(softmax_scale=3e38), ValueError,
+     r"softmax_scale must be at most 2.359e\+38 \(times log2\(e\) it must stay finite in float32\), "
+     r"got 3e\+38"),
     (dict(softmax_scale="0.1"), TypeError, r"softmax_scale must be a Python float, got str"),
     (dict(softmax_scale=jnp.float32(0.1)), TypeError,
      r"softmax_scale must be a Python float, got ArrayImpl: it is compiled into the call"),
@@ -197,6 +200,14 @@ def test_int32_limits_are_named_without_allocating():
                                          r"slots \(slot_mapping is int32\)"):
         jax.eval_shape(jax_mla.write_kv, struct((2**31, 16, 576)), struct((1, 512)),
                        struct((1, 64)), struct((1,), jnp.int32))
+
+
+def test_the_largest_softmax_scale_is_taken_and_the_next_float32_is_not():
+    largest = validation.MAX_SOFTMAX_SCALE
+    assert np.isfinite(np.float32(largest) * np.float32(np.log2(np.e)))
+    call(softmax_scale=largest)
+    with pytest.raises(ValueError, match="softmax_scale must be at most"):
+        call(softmax_scale=float(np.nextafter(np.float32(largest), np.float32(np.inf))))
 
 
 def test_flags_may_be_numpy_bools():
