@@ -16,6 +16,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 READ_ONLY = ("jax_mla.torch_view is read-only: the cache belongs to JAX; write tokens with "
              "jax_mla.write_kv")
+NO_BUFFER = ("jax_mla.torch_view holds no buffer of its own to export, share or store: hand the JAX "
+             "array itself to DLPack consumers (it exports zero-copy), or copy the view with .clone()")
 
 
 class CacheView(torch.Tensor):
@@ -35,6 +37,9 @@ class CacheView(torch.Tensor):
             cls, view.shape, strides=view.stride(), storage_offset=view.storage_offset(),
             dtype=view.dtype, device=view.device, requires_grad=False)
         wrapper._array, wrapper._recipe = array, recipe
+        # The wrapper's own storage is empty: code that reads its address directly (for example
+        # torch.utils.dlpack.to_dlpack) then raises instead of handing out a null pointer.
+        torch._C._set_throw_on_mutable_data_ptr(wrapper)
         return wrapper
 
     @classmethod
@@ -69,6 +74,26 @@ class CacheView(torch.Tensor):
     def tolist(self) -> list:
         """The view's values as nested Python lists."""
         return self._materialise().tolist()
+
+    def __dlpack__(self, *args, **kwargs):
+        raise TypeError(NO_BUFFER)
+
+    def untyped_storage(self):
+        raise TypeError(NO_BUFFER)
+
+    def share_memory_(self):
+        raise TypeError(NO_BUFFER)
+
+    def is_shared(self) -> bool:
+        return False
+
+    def __reduce_ex__(self, protocol):
+        """Pickled (and ``torch.save``d) as a plain tensor holding a copy of the view's values."""
+        return self._materialise().clone().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo) -> torch.Tensor:
+        """A plain tensor holding a copy of the view's values."""
+        return self._materialise().clone()
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"CacheView({self._materialise()!r})"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,6 +124,54 @@ def test_mutation_is_refused_and_the_cache_is_unchanged(mutate):
         mutate(view)
     np.testing.assert_array_equal(as_float(cache), before)
     np.testing.assert_array_equal(view.float().numpy(), before)
+
+
+NO_BUFFER = r"jax_mla\.torch_view holds no buffer of its own to export, share or store"
+
+
+@pytest.mark.parametrize("export", [
+    lambda v: torch.from_dlpack(v),
+    lambda v: np.from_dlpack(v),
+    lambda v: jax.dlpack.from_dlpack(v),
+    lambda v: v[1].__dlpack__(),
+    lambda v: v.share_memory_(),
+    lambda v: v.untyped_storage(),
+], ids=["torch.from_dlpack", "np.from_dlpack", "jax.from_dlpack", "view[1].__dlpack__",
+        "share_memory_", "untyped_storage"])
+def test_exports_of_the_buffer_are_refused(export):
+    """The view holds no buffer (only the JAX array): handing it on would hand out an empty one."""
+    view = jax_mla.torch_view(filled_cache())
+    with pytest.raises(TypeError, match=NO_BUFFER):
+        export(view)
+    assert not view.is_shared()
+
+
+def test_a_raw_address_read_of_the_view_raises():
+    """torch.utils.dlpack.to_dlpack reads the tensor's own address in C++, past the methods above."""
+    with pytest.raises(RuntimeError, match="Cannot access data pointer"):
+        torch.utils.dlpack.to_dlpack(jax_mla.torch_view(filled_cache()))
+
+
+@pytest.mark.parametrize("copy_view", [
+    lambda v: copy.deepcopy(v),
+    lambda v: pickle.loads(pickle.dumps(v)),
+    lambda v: torch.load(_saved(v)),
+], ids=["deepcopy", "pickle", "torch.save"])
+def test_copies_of_the_view_hold_its_values(copy_view):
+    cache = filled_cache()
+    view = jax_mla.torch_view(cache)[1:3].permute(2, 0, 1)
+    copied = copy_view(view)
+    assert type(copied) is torch.Tensor and copied.data_ptr() != cache.unsafe_buffer_pointer()
+    np.testing.assert_array_equal(copied.float().numpy(), as_float(cache)[1:3].transpose(2, 0, 1))
+    donate(cache)
+    assert cache.is_deleted()
+
+
+def _saved(tensor: torch.Tensor) -> io.BytesIO:
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    buffer.seek(0)
+    return buffer
 
 
 def test_a_live_view_does_not_block_donation():
