@@ -5,8 +5,8 @@ a ``jax.experimental.custom_partitioning`` op. Under ``jax.jit`` over a multi-de
 partitioner then runs the kernel once per device on that device's shard (no all-gather of the query
 or the cache), with rules for both partitioners: Shardy through an einsum-style ``sharding_rule``
 and GSPMD through ``infer_sharding_from_operands``; ``partition`` chooses the final shardings in
-both cases. Single-device calls, and calls under transformations other than ``jit``, run the kernel
-directly.
+both cases. Single-device calls and calls under ``jvp`` run the kernel directly; under ``vmap`` the
+wrapped call runs once per mapped index.
 
 Layouts (``d``: data axes, ``t``: head axes)::
 
@@ -88,10 +88,11 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
       What ``kernel`` returns: out [B, q_len, H, R] (and lse [B, q_len, H]) sharded over the batch
       and heads like the query.
 
-    Single-device calls (one device in the process, or concrete arrays on one device) and calls
-    under transformations other than ``jit`` (``vmap``, ``jvp``: custom_partitioning has no rules
-    for them) call ``kernel`` directly, with no wrapper at all; on a mesh of Explicit axes those
-    transformations are not supported.
+    Single-device calls (one device in the process, or concrete arrays on one device) call
+    ``kernel`` directly, with no wrapper at all. custom_partitioning has no rules for ``vmap`` and
+    ``jvp``: under ``vmap`` the wrapped call runs once per mapped index (``lax.map``); under
+    ``jvp`` ``kernel`` is called directly, and a cache visibly sharded into page pools raises
+    ``LayoutError``. On a mesh of Explicit axes neither transformation is supported.
     """
     arrays = (query, kv_cache, block_tables, seq_lens)
     leaves, treedef = jax.tree_util.tree_flatten(plan)
@@ -112,16 +113,79 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
                               PartitionSpec(_spec_entry(batch), None, _spec_entry(heads)),
                               *operands)
     tracers = [x for x in operands if isinstance(x, jax.core.Tracer)]
-    if (jax.device_count() == 1 or not may_be_sharded(*operands)
-            or not all(_is_jit_tracer(x) for x in tracers)):
+    several = jax.device_count() > 1 and may_be_sharded(*map(_underlying, operands))
+    if several and any(_is_batch_tracer(x) for x in tracers):
+        return _mapped(functools.partial(call, kernel), plan is not None, treedef, statics,
+                       is_array, operands)
+    if not several or not all(_is_jit_tracer(x) for x in tracers):
+        if several and _pool_axes(_underlying(kv_cache)):
+            raise LayoutError(
+                "kv_cache is sharded into per-shard page pools, which only jit (and vmap) of decode "
+                "can run: under other transformations (jvp) the kernel would read the pools' page "
+                "ids as global; replicate the cache and use global page ids there")
         return kernel(*arrays) if plan is None else kernel(*arrays, plan=plan)
     per_shard = _PerShard(kernel, plan is not None, treedef, statics, is_array)
     if tracers:
-        return _partitioned(per_shard, *operands)
+        return _partitioned(per_shard, *(_pinned(x) for x in operands))
     # Concrete arrays on several devices: compile through the same partitioner as under jit, so
     # the page ids of a sharded pool are read the same way (the custom call's eager impl would
     # run the kernel on the global arrays instead).
     return _eager(per_shard, *operands)
+
+
+def _underlying(x):
+    """What ``x`` traces under jvp and vmap: the primal or the batched value, recursively."""
+    from jax._src.interpreters.ad import JVPTracer
+    from jax._src.interpreters.batching import BatchTracer
+    while isinstance(x, (JVPTracer, BatchTracer)):
+        x = x.primal if isinstance(x, JVPTracer) else x.val
+    return x
+
+
+def _pool_axes(kv_cache) -> tuple[str, ...]:
+    """The mesh axes kv_cache's page dim is visibly sharded over (a concrete array's sharding or
+    an Explicit type's); empty where it is not, or not known at trace time."""
+    sharding = _sharding_type(kv_cache)
+    if not isinstance(sharding, NamedSharding) or len(sharding.device_set) == 1:
+        return ()
+    return _spec_axes(sharding.spec, 3)[0]
+
+
+def _is_batch_tracer(x) -> bool:
+    """Whether ``x`` is being traced by vmap."""
+    from jax._src.interpreters.batching import BatchTracer
+    return isinstance(x, BatchTracer)
+
+
+def _mapped(again, has_plan, treedef, statics, is_array, operands):
+    """``again`` (``call`` for the same kernel) under ``vmap``, run once per mapped index with
+    ``lax.map``: custom_partitioning has no batching rule, and the kernel called directly would
+    read a per-shard pool's page ids as global."""
+    rebuild = _PerShard(again, has_plan, treedef, statics, is_array)
+    one = jax.custom_batching.custom_vmap(rebuild)
+
+    @one.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        mapped = [x for x, batched in zip(args, in_batched) if batched]
+
+        def each(xs):
+            xs = iter(xs)
+            return one(*(next(xs) if batched else x for x, batched in zip(args, in_batched)))
+
+        out = jax.lax.map(each, mapped)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return one(*(_pinned(x) for x in operands))
+
+
+def _pinned(x):
+    """``x``, or for a concrete array on several devices (one a jitted function closed over) the
+    array constrained to its sharding: as a plain constant it would reach the partitioner without
+    one, so a per-shard page pool would be read as one global pool."""
+    sharding = None if isinstance(x, jax.core.Tracer) else getattr(x, "sharding", None)
+    if sharding is None or len(sharding.device_set) == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def _sharding_type(x):

@@ -217,6 +217,54 @@ def test_per_shard_page_pools(mesh_shape, axis_type):
         np.testing.assert_array_equal(np.asarray(eager_out), np.asarray(out))
 
 
+def pooled_args(mesh, arrays):
+    """The pooled problem's arrays on ``mesh``: batch, tables, lengths and the cache's pages over
+    "data", heads replicated."""
+    return (put(mesh, arrays[0], "data"), put(mesh, arrays[1], "data"),
+            put(mesh, arrays[2], "data"), put(mesh, arrays[3], "data"))
+
+
+def test_per_shard_page_pools_closed_over_by_jit():
+    """A pooled cache a jitted step closes over (a model's state) keeps its pools: as a plain
+    constant it would reach the partitioner unsharded, its ids read as global."""
+    mesh = cpu_mesh((2, 2))
+    arrays, _ = pooled_problem(2, batch_per_pool=2, seed=21)
+    query, cache, tables, lengths = pooled_args(mesh, arrays)
+    expected = decode_fn("xla")(query, cache, tables, lengths)
+    closed = jax.jit(lambda q: jax_mla.decode(q, cache, tables, lengths, softmax_scale=SCALE,
+                                              return_lse=True, backend="xla"))(query)
+    for got, want in zip(closed, expected):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("jitted", [True, False], ids=["jit-vmap", "vmap"])
+def test_vmap_over_layers_of_per_shard_page_pools(jitted):
+    """vmap over stacked layers runs each layer through the wrapper (lax.map), so each layer's
+    pools are read as pools; layer 1 of 2 holds other values."""
+    mesh = cpu_mesh((2, 2))
+    arrays, _ = pooled_problem(2, batch_per_pool=2, seed=22)
+    layers = [pooled_args(mesh, arrays), pooled_args(mesh, (arrays[0] * -0.5, arrays[1] * 2,
+                                                            *arrays[2:]))]
+    expected = [decode_fn("xla")(*layer) for layer in layers]
+    stacked = [put(mesh, jnp.stack([layer[i] for layer in layers]), None, "data") for i in (0, 1)]
+    step = jax.vmap(lambda q, kv: jax_mla.decode(q, kv, *layers[0][2:], softmax_scale=SCALE,
+                                                 return_lse=True, backend="xla"))
+    out, lse = (jax.jit(step) if jitted else step)(*stacked)
+    for layer, (want_out, want_lse) in enumerate(expected):
+        assert_near(out[layer], want_out)
+        assert_near(lse[layer], want_lse)
+
+
+def test_jvp_refuses_per_shard_page_pools():
+    """jvp cannot go through the wrapper, and the kernel alone would read the pools' ids as global."""
+    mesh = cpu_mesh((2, 2))
+    arrays, _ = pooled_problem(2, batch_per_pool=2, seed=23)
+    query, cache, tables, lengths = pooled_args(mesh, arrays)
+    decode = lambda q: jax_mla.decode(q, cache, tables, lengths, softmax_scale=SCALE, backend="xla")
+    with pytest.raises(sharding.LayoutError, match="per-shard page pools, which only jit"):
+        jax.jvp(decode, (query,), (jnp.ones_like(query),))
+
+
 @AXIS_TYPES
 def test_write_kv_into_per_shard_pools_addresses_the_whole_cache(axis_type):
     """Tokens written with write_kv into a pooled cache, a pool's page q at slot
@@ -475,7 +523,8 @@ def test_a_sharding_without_mesh_axes_raises(partitioner_name):
 
 
 def test_unsharded_calls_skip_the_wrapper():
-    """Single-device arrays call the backend directly, eagerly; vmap never sees the wrapper."""
+    """Single-device arrays call the backend directly, eagerly; under jit(vmap) each mapped index
+    runs through the wrapper, with the unsharded result."""
     problem = make_problem(60, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=60)
     seen = []
     kernel = lambda *a: seen.append(type(a[0]).__name__) or a[0][..., :512]
