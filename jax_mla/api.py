@@ -96,7 +96,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         plan.check_for(seq_lens, block_tables, kv_cache.shape[1])
     if checks:
         value_checks.check_values(query, kv_cache, block_tables, seq_lens,
-                                  None if isinstance(plan, str) else plan)
+                                  None if isinstance(plan, str) else plan,
+                                  pools=sharding.page_pools(kv_cache),
+                                  max_len=_longest_length(chosen, alternative))
     kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
                                device_plan=isinstance(plan, str), fail_closed=fail_closed,
@@ -204,6 +206,14 @@ def runs_shapes(backend: backends.Backend, query, kv_cache, block_tables, kv_lor
     return True
 
 
+def _longest_length(*candidates: backends.Backend | None) -> int | None:
+    """The longest request any of the backends a device may run takes (None: the table's capacity
+    bounds it)."""
+    if any(b is not None and b.reads_plan == backends.FA_PLAN for b in candidates):
+        return planning.MAX_KV_LEN
+    return None
+
+
 def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_lens, *,
                 softmax_scale: float, output_scale: float, kv_lora_rank: int, device_plan: bool,
                 fail_closed: bool = True, plan: planning.Plan | sm90_planning.Sm90Plan | None = None,
@@ -217,7 +227,7 @@ def run_backend(backend: backends.Backend, query, kv_cache, block_tables, seq_le
         seq_lens, plan = guard.guard(
             block_tables, seq_lens, plan, num_pages=kv_cache.shape[0], page_size=kv_cache.shape[1],
             q_len=q_len,
-            max_len=planning.MAX_KV_LEN if backend.reads_plan == backends.FA_PLAN else None)
+            max_len=_longest_length(backend))
     if device_plan:
         plan = planning.device_plan(seq_lens, num_heads=num_heads, max_pages=block_tables.shape[1],
                                     q_len=q_len, kv_lora_rank=kv_lora_rank)

@@ -146,9 +146,19 @@ def _pool_axes(kv_cache) -> tuple[str, ...]:
     """The mesh axes kv_cache's page dim is visibly sharded over (a concrete array's sharding or
     an Explicit type's); empty where it is not, or not known at trace time."""
     sharding = _sharding_type(kv_cache)
-    if not isinstance(sharding, NamedSharding) or len(sharding.device_set) == 1:
+    if not isinstance(sharding, NamedSharding):
         return ()
-    return _spec_axes(sharding.spec, 3)[0]
+    axes = _spec_axes(sharding.spec, 3)[0]
+    return axes if _shards(sharding.mesh, axes) > 1 else ()
+
+
+def page_pools(kv_cache) -> int:
+    """How many per-shard page pools kv_cache is visibly sharded into (docs/sharding.md): 1 where
+    its page dim is not sharded, or its sharding is not known at trace time (a jit argument on a
+    mesh of Auto axes)."""
+    kv_cache = _underlying(kv_cache)
+    axes = _pool_axes(kv_cache)
+    return _shards(_sharding_type(kv_cache).mesh, axes) if axes else 1
 
 
 def _is_batch_tracer(x) -> bool:

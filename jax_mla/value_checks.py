@@ -17,22 +17,26 @@ from jax.experimental import checkify
 from jax_mla import guard
 
 
-def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
+def check_values(query, kv_cache, block_tables, seq_lens, plan=None, pools: int = 1,
+                 max_len: int | None = None) -> None:
     """Check ``decode``'s values; each failed check names the argument, the request and the value.
 
     Args:
       query: [B, q_len, H, D], B >= 1; kv_cache: [num_pages, page_size, D]; block_tables: int32
         [B, max_pages]; seq_lens: int32 [B] (already shape-checked; JAX or NumPy arrays); plan:
         None or the ``jax_mla.Plan`` or ``jax_mla.Sm90Plan`` passed to ``decode``, whose lengths
-        must be ``seq_lens``.
+        must be ``seq_lens``; pools: how many per-shard page pools kv_cache holds
+        (docs/sharding.md), each request's ids local to its pool of ``num_pages / pools`` pages;
+        max_len: None, or the longest length the backend takes (``planning.MAX_KV_LEN`` for
+        fa3/fa2).
     Raises:
       checkify.JaxRuntimeError (a ValueError) when called eagerly and a check fails. Staged by
       ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
       "Cannot abstractly evaluate a checkify.check which was not functionalized".
     """
     query, block_tables, seq_lens = (jnp.asarray(x) for x in (query, block_tables, seq_lens))
-    _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1])
-    _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1])
+    _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1], max_len)
+    _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1], pools)
     _check_finite_query(query)
     if plan is not None:
         plan.check_for(seq_lens, block_tables, kv_cache.shape[1])
@@ -41,22 +45,29 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None) -> None:
                     "from this step's seq_lens", plan.seq_lens)
 
 
-def _check_lengths(seq_lens, q_len: int, capacity: int) -> None:
+def _check_lengths(seq_lens, q_len: int, capacity: int, max_len: int | None) -> None:
     _check_none(seq_lens < q_len, seq_lens,
                 f"seq_lens[{{0}}] = {{1}} is below q_len = {q_len}: a length counts the request's "
                 "new tokens")
     _check_none(seq_lens > capacity, seq_lens,
                 f"seq_lens[{{0}}] = {{1}} exceeds the block table's capacity max_pages * page_size "
                 f"= {capacity}")
+    if max_len is not None and max_len < capacity:
+        _check_none(seq_lens > max_len, seq_lens,
+                    f"seq_lens[{{0}}] = {{1}} exceeds {max_len}, the longest request fa3 and fa2 "
+                    "take (jax_mla.planning.MAX_KV_LEN)")
 
 
-def _check_page_ids(block_tables, seq_lens, num_pages: int, page_size: int) -> None:
+def _check_page_ids(block_tables, seq_lens, num_pages: int, page_size: int, pools: int) -> None:
     """Only the entries a request reads: those below ceil(seq_len / page_size)."""
     read = guard.pages_read(block_tables, seq_lens, page_size)
-    out_of_range = (block_tables < 0) | (block_tables >= num_pages)
+    pages = num_pages // pools
+    out_of_range = (block_tables < 0) | (block_tables >= pages)
+    where = ("kv_cache" if pools == 1 else
+             f"its pool (kv_cache's {num_pages} pages are sharded into {pools} pools)")
     _check_none(read & out_of_range, block_tables,
-                f"block_tables[{{0}}, {{1}}] = {{2}} is not a page of kv_cache (ids are in "
-                f"[0, {num_pages})) but request {{0}} reads it (page {{1}} of its length)")
+                f"block_tables[{{0}}, {{1}}] = {{2}} is not a page of {where} (ids are in "
+                f"[0, {pages})) but request {{0}} reads it (page {{1}} of its length)")
 
 
 def _check_finite_query(query) -> None:

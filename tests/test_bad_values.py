@@ -604,6 +604,29 @@ def test_checks_take_numpy_inputs_as_decode_does(case):
                                   np.asarray(jax_mla.decode(*clean, softmax_scale=0.1)))
 
 
+def test_checks_bound_the_lengths_fa3_and_fa2_take():
+    """fa3 and fa2 fail a request beyond planning.MAX_KV_LEN closed; checks=True names it where
+    either may run it (the table here holds more than that)."""
+    fa = [b for b in backends.TABLE if b.reads_plan == backends.FA_PLAN]
+    assert fa and all(jax_mla.api._longest_length(b) == planning.MAX_KV_LEN for b in fa)
+    assert jax_mla.api._longest_length(backends.BY_NAME["xla"], None) is None
+    assert jax_mla.api._longest_length(backends.BY_NAME["sm90"], fa[0]) == planning.MAX_KV_LEN
+    query, cache = jnp.zeros((2, 1, 1, 576)), jnp.zeros((4, 64, 576))
+    tables = jnp.zeros((2, planning.MAX_KV_LEN // 64 + 1), jnp.int32)
+
+    def check(lengths, max_len):
+        return checkify.checkify(value_checks.check_values)(
+            query, cache, tables, jnp.asarray(lengths, jnp.int32), max_len=max_len)[0]
+
+    too_long = [5, planning.MAX_KV_LEN + 1]
+    message = (rf"seq_lens\[1\] = {planning.MAX_KV_LEN + 1} exceeds {planning.MAX_KV_LEN}, the "
+               r"longest request fa3 and fa2 take")
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        check(too_long, planning.MAX_KV_LEN).throw()
+    assert check([5, planning.MAX_KV_LEN], planning.MAX_KV_LEN).get() is None
+    assert check(too_long, None).get() is None
+
+
 def test_checks_pass_clean_inputs_and_change_no_result():
     err, out = jax.jit(checkify.checkify(checked_decode))(*CHECKED.arrays)
     assert err.get() is None

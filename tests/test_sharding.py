@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import (check_accuracy, gpu_blocker, make_problem, record_kernel_runs,
                       relative_error, request_head_error, tolerances)
+from jax.experimental import checkify
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 from oracles import attend
 
@@ -263,6 +264,26 @@ def test_jvp_refuses_per_shard_page_pools():
     decode = lambda q: jax_mla.decode(q, cache, tables, lengths, softmax_scale=SCALE, backend="xla")
     with pytest.raises(sharding.LayoutError, match="per-shard page pools, which only jit"):
         jax.jvp(decode, (query,), (jnp.ones_like(query),))
+
+
+def test_checks_bound_page_ids_by_their_pool():
+    """checks=True reads a pooled cache's ids against the pool's pages (eagerly, and where a jitted
+    step closes over the cache); an id of another pool is named."""
+    mesh = cpu_mesh((2, 2))
+    arrays, _ = pooled_problem(2, batch_per_pool=2, seed=24)
+    query, cache, tables, lengths = pooled_args(mesh, arrays)
+    pool_pages = cache.shape[0] // 2
+    bad = np.array(arrays[2])
+    bad[3, 0] = pool_pages  # a page of the cache, not of request 3's pool
+    bad = put(mesh, bad, "data")
+    message = (rf"block_tables\[3, 0\] = {pool_pages} is not a page of its pool \(kv_cache's "
+               rf"{cache.shape[0]} pages are sharded into 2 pools\) \(ids are in \[0, {pool_pages}\)\)")
+    step = lambda t: jax_mla.decode(query, cache, t, lengths, softmax_scale=SCALE, checks=True)
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        step(bad)
+    assert checkify.checkify(jax.jit(step))(tables)[0].get() is None
+    with pytest.raises(checkify.JaxRuntimeError, match=message):
+        checkify.checkify(jax.jit(step))(bad)[0].throw()
 
 
 @AXIS_TYPES
