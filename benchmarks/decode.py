@@ -53,6 +53,17 @@ from benchmarks.progress import Progress
 from benchmarks.results import default_out, load_results, merge_record, save_results, summary_line
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,18 +91,18 @@ def parse_args(argv=None):
                    help="GPU memory for the rotated caches of one point; bigger points are skipped")
     p.add_argument("--naive-mem-gib", type=float, default=24.0,
                    help="skip xla_naive where its gathered cache + logits exceed this")
-    p.add_argument("--layers", type=int, default=12,
+    p.add_argument("--layers", type=positive_int, default=12,
                    help="decode calls per jitted step (jax_mla, flashinfer)")
-    p.add_argument("--step-layers", type=int, default=61,
+    p.add_argument("--step-layers", type=positive_int, default=61,
                    help="decode calls in jax_mla_step's whole model step (DeepSeek-V3: 61)")
-    p.add_argument("--xla-layers", type=int, default=2, help="decode calls per step for the XLA methods")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds per JAX measurement (median)")
+    p.add_argument("--xla-layers", type=positive_int, default=2, help="decode calls per step for the XLA methods")
+    p.add_argument("--rounds", type=positive_int, default=7, help="timed rounds per JAX measurement (median)")
     p.add_argument("--round-s", type=float, default=0.05, help="target seconds per timed round")
     p.add_argument("--max-method-s", type=float, default=4.0,
                    help="cap on the timing loop of one measurement (a slower call is timed once)")
     p.add_argument("--max-call-s", type=float, default=10.0,
                    help="skip an XLA method whose predicted call time exceeds this")
-    p.add_argument("--plan-repeats", type=int, default=9, help="host timings of plan() (median)")
+    p.add_argument("--plan-repeats", type=positive_int, default=9, help="host timings of plan() (median)")
     p.add_argument("--do-bench-warmup-ms", type=float, default=25.0)
     p.add_argument("--do-bench-rep-ms", type=float, default=100.0)
     p.add_argument("--noplan-everywhere", action="store_true",
@@ -123,6 +134,8 @@ def parse_args(argv=None):
         p.error(f"--grid must be one of {sorted(GRIDS)}")
     default = DRY_DEFAULT_METHODS if args.dry_run else GPU_DEFAULT_METHODS
     args.methods = [m.strip() for m in (args.backends or ",".join(default)).split(",") if m.strip()]
+    if not args.methods:
+        p.error(f"--backends names no method; choose from {list(METHODS)}")
     bad = [m for m in args.methods if m not in METHODS]
     if bad:
         p.error(f"unknown --backends {bad}; choose from {list(METHODS)}")
@@ -238,6 +251,10 @@ def main(argv=None) -> int:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX and torch share the GPU
 
     points, layouts, costs = select_points(args)
+    if not points:
+        print(f"error: no point of the {grid_name(args)} grid matches --points {args.points}",
+              file=sys.stderr)
+        return 2
     if args.list:
         list_points(args, points, layouts, costs)
         return 0

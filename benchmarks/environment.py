@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -82,3 +83,22 @@ def environment(dry_run: bool, torch_mod) -> dict:
     except Exception as e:  # noqa: BLE001
         env["jax_mla_backends"] = f"error: {e}"
     return env
+
+
+def script_args(doc: str, argv=None, add_arguments=None) -> argparse.Namespace:
+    """A script's command line: ``--help`` prints ``doc`` (the module docstring) and unknown
+    options are refused; ``add_arguments(parser)`` adds the script's own options."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    if add_arguments is not None:
+        add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def require_cuda_gpu() -> None:
+    """Exit with a message unless JAX runs on a CUDA GPU here (GPU-only scripts, before their
+    first GPU call)."""
+    import jax
+    if jax.default_backend() != "gpu":
+        raise SystemExit(f"error: this script runs on a CUDA GPU; JAX's backend here is "
+                         f"{jax.default_backend()!r}")

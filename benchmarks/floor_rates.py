@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from benchmarks.environment import require_cuda_gpu, script_args
+
 
 def best_seconds(fn, calls: int = 20, rounds: int = 5) -> float:
     """The shortest per-call time of ``rounds`` rounds of ``calls`` calls of ``fn``, after three."""
@@ -51,4 +53,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    script_args(__doc__)
+    require_cuda_gpu()
     main()

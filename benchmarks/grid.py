@@ -88,7 +88,14 @@ def parse_point_filters(specs: list[str]) -> list[dict[str, set[int]]]:
                 field = _FIELDS.get(name.strip().lower())
                 if field is None:
                     raise SystemExit(f"--points: unknown field {name!r} (use B, L, H, q, page)")
-                f[field] = {parse_len(v) for v in values.split("|")}
+                if field in f:
+                    raise SystemExit(f"--points: {name.strip()!r} given twice in {part.strip()!r} "
+                                     "(list its values as A|B)")
+                try:
+                    f[field] = {parse_len(v) for v in values.split("|")}
+                except ValueError:
+                    raise SystemExit(f"--points: {name.strip()} needs integers (4k = 4096) "
+                                     f"separated by |, got {values!r}") from None
             filters.append(f)
     return filters
 

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from benchmarks.environment import require_cuda_gpu, script_args
 from benchmarks.grid import Point
 from benchmarks.methods import decode_with_plan, device_planned, layered
 from benchmarks.problem import HEAD_DIM, make_layout, random_cache
@@ -124,4 +125,6 @@ def main():
 
 
 if __name__ == "__main__":
+    script_args(__doc__)
+    require_cuda_gpu()
     main()

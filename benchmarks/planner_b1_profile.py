@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from benchmarks.environment import require_cuda_gpu, script_args
 from benchmarks.grid import Point
 from benchmarks.methods import GRAPH_COMPILER_OPTIONS, decode_with_plan, device_planned, layered
 from benchmarks.problem import HEAD_DIM, make_layout, random_cache
@@ -67,4 +68,6 @@ def main():
 
 
 if __name__ == "__main__":
+    script_args(__doc__)
+    require_cuda_gpu()
     main()

@@ -13,10 +13,10 @@ row of the CSV (counting the warm-up launches) is configuration n // 2.
 from __future__ import annotations
 
 import csv
-import sys
 
 import numpy as np
 
+from benchmarks.environment import require_cuda_gpu, script_args
 from benchmarks.report import markdown_table
 
 CONFIGS = [(batch, num_heads, q_len) for num_heads in (16, 128) for q_len in (1, 2)
@@ -59,7 +59,10 @@ def ncu_table(csv_path: str) -> str:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--table"]:
-        print(ncu_table(sys.argv[2]))
+    args = script_args(__doc__, add_arguments=lambda parser: parser.add_argument(
+        "--table", metavar="CSV", help="print that Nsight Compute CSV as a markdown table"))
+    if args.table:
+        print(ncu_table(args.table))
     else:
+        require_cuda_gpu()
         main()

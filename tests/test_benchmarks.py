@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -465,6 +466,47 @@ def test_dry_run_refuses_the_gpu_only_methods(capsys):
         with pytest.raises(SystemExit):
             decode.parse_args(["--dry-run", "--backends", method])
         assert "--dry-run runs the XLA backends only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("B=abc", "--points: B needs integers (4k = 4096) separated by |, got 'abc'"),
+    ("B=", "--points: B needs integers"),
+    ("L=4k|x", "--points: L needs integers"),
+    ("p=16,p=32", "--points: 'p' given twice in 'p=16,p=32' (list its values as A|B)"),
+    ("Z=1", "--points: unknown field 'Z'"),
+])
+def test_points_specs_are_refused_with_a_message(spec, message):
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        grid.parse_point_filters([spec])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rounds", "0"], "argument --rounds: expected an integer >= 1, got '0'"),
+    (["--layers", "-2"], "argument --layers: expected an integer >= 1, got '-2'"),
+    (["--plan-repeats", "x"], "argument --plan-repeats: expected an integer >= 1, got 'x'"),
+    (["--backends", ","], "--backends names no method"),
+])
+def test_counts_and_methods_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        decode.parse_args(["--dry-run", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_points_matching_nothing_are_an_error(tmp_path):
+    result = run_module(DECODE, "--dry-run", "--points", "B=7", "--out", str(tmp_path / "x.json"),
+                        check=False)
+    assert result.returncode == 2 and "no point of the dry grid matches --points" in result.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("module", ["guard_profile", "planner_b1_profile", "floor_rates",
+                                    "planner_kernel"])
+def test_gpu_only_scripts_show_help_and_say_they_need_a_gpu(module):
+    help_text = run_module(("-m", f"benchmarks.{module}"), "--help").stdout
+    assert help_text.startswith("usage:") and "GPU" in help_text
+    result = run_module(("-m", f"benchmarks.{module}"), check=False)
+    assert result.returncode != 0
+    assert "error: this script runs on a CUDA GPU; JAX's backend here is 'cpu'" in result.stderr
 
 
 def ncu_csv(times_ns: list[int]) -> str:
