@@ -76,7 +76,8 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
     ``[0, seq_len - q_len + i]``.
 
     Returns:
-      out [B, q_len, H, kv_lora_rank] in ``query.dtype``; with ``return_lse`` a tuple
+      out [B, q_len, H, kv_lora_rank] in ``query.dtype`` (as JAX holds it: a NumPy float64 query
+      gives float32 unless ``jax_enable_x64`` is on); with ``return_lse`` a tuple
       ``(out, lse)`` with lse float32 [B, q_len, H].
     """
     _, _, _, kv_lora_rank, _, _ = validation.check_decode_args(
