@@ -252,7 +252,8 @@ def main(argv=None) -> int:
 
     points, layouts, costs = select_points(args)
     if not points:
-        print(f"error: no point of the {grid_name(args)} grid matches --points {args.points}",
+        what = f" matching --points {args.points}" if args.points else ""
+        print(f"error: no point to run: the {grid_name(args)} grid has none{what}",
               file=sys.stderr)
         return 2
     if args.list:

@@ -85,20 +85,24 @@ def environment(dry_run: bool, torch_mod) -> dict:
     return env
 
 
-def script_args(doc: str, argv=None, add_arguments=None) -> argparse.Namespace:
-    """A script's command line: ``--help`` prints ``doc`` (the module docstring) and unknown
-    options are refused; ``add_arguments(parser)`` adds the script's own options."""
-    parser = argparse.ArgumentParser(description=doc,
+def script_args(module: str, doc: str, argv=None, add_arguments=None) -> argparse.Namespace:
+    """``python -m module``'s command line: ``--help`` prints ``doc`` (the module docstring) and
+    unknown options are refused; ``add_arguments(parser)`` adds the script's own options."""
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     if add_arguments is not None:
         add_arguments(parser)
     return parser.parse_args(argv)
 
 
-def require_cuda_gpu() -> None:
-    """Exit with a message unless JAX runs on a CUDA GPU here (GPU-only scripts, before their
-    first GPU call)."""
-    import jax
-    if jax.default_backend() != "gpu":
-        raise SystemExit(f"error: this script runs on a CUDA GPU; JAX's backend here is "
-                         f"{jax.default_backend()!r}")
+def require_cuda_gpu(torch_module=None) -> None:
+    """Exit with a message unless a CUDA GPU is here: JAX's backend, or ``torch_module``'s CUDA
+    for a script that uses only torch (GPU-only scripts, before their first GPU call)."""
+    if torch_module is not None:
+        found, what = torch_module.cuda.is_available(), "torch sees no CUDA device"
+    else:
+        import jax
+        found = jax.default_backend() in ("gpu", "cuda")
+        what = f"JAX's backend here is {jax.default_backend()!r}"
+    if not found:
+        raise SystemExit(f"error: this script runs on a CUDA GPU; {what}")

@@ -53,6 +53,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    script_args(__doc__)
-    require_cuda_gpu()
+    script_args("benchmarks.floor_rates", __doc__)
+    require_cuda_gpu(torch)
     main()

@@ -125,6 +125,6 @@ def main():
 
 
 if __name__ == "__main__":
-    script_args(__doc__)
+    script_args("benchmarks.guard_profile", __doc__)
     require_cuda_gpu()
     main()

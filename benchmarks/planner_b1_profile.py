@@ -68,6 +68,6 @@ def main():
 
 
 if __name__ == "__main__":
-    script_args(__doc__)
+    script_args("benchmarks.planner_b1_profile", __doc__)
     require_cuda_gpu()
     main()

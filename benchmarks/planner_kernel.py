@@ -59,7 +59,7 @@ def ncu_table(csv_path: str) -> str:
 
 
 if __name__ == "__main__":
-    args = script_args(__doc__, add_arguments=lambda parser: parser.add_argument(
+    args = script_args("benchmarks.planner_kernel", __doc__, add_arguments=lambda parser: parser.add_argument(
         "--table", metavar="CSV", help="print that Nsight Compute CSV as a markdown table"))
     if args.table:
         print(ncu_table(args.table))

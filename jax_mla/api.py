@@ -55,8 +55,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         the schedule on the GPU inside the call (XLA keeps one per step of unrolled layers).
         Other backends take only None.
       checks: check the values before any backend runs (``jax_mla.value_checks``): page ids that a
-        request reads lie in [0, num_pages), q_len <= seq_lens <= max_pages * page_size, and query
-        is finite. Eagerly a failed check raises; inside ``jax.jit`` wrap the jitted function in
+        request reads lie in [0, num_pages) (in its pool, for a cache visibly sharded into
+        per-shard page pools), q_len <= seq_lens <= max_pages * page_size (and <= 2^22 where fa3
+        or fa2 may run the call), and query is finite. Eagerly a failed check raises; inside ``jax.jit`` wrap the jitted function in
         ``jax.experimental.checkify.checkify`` and call ``err.throw()`` (docs/bad-values.md).
       fail_closed: give a request whose values are bad (a length outside [q_len, max_pages *
         page_size], a page id it reads outside [0, num_pages), a length other than the plan's)
@@ -99,7 +100,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
         value_checks.check_values(query, kv_cache, block_tables, seq_lens,
                                   None if isinstance(plan, str) else plan,
                                   pools=sharding.page_pools(kv_cache),
-                                  max_len=_longest_length(chosen, alternative))
+                                  fa_max_len=_longest_length(*_backends_that_may_run(
+                                      chosen, alternative, query, kv_cache, block_tables,
+                                      kv_lora_rank)))
     kernel = functools.partial(run_backend, chosen, softmax_scale=softmax_scale,
                                output_scale=output_scale, kv_lora_rank=kv_lora_rank,
                                device_plan=isinstance(plan, str), fail_closed=fail_closed,
@@ -205,6 +208,16 @@ def runs_shapes(backend: backends.Backend, query, kv_cache, block_tables, kv_lor
     except ValueError:
         return False
     return True
+
+
+def _backends_that_may_run(chosen: backends.Backend, alternative: backends.Backend | None, query,
+                           kv_cache, block_tables, kv_lora_rank: int) -> tuple:
+    """The backends the devices may run: the one for the whole arrays where they are not sharded,
+    else ``chosen`` and ``alternative`` (each shard chooses by its own shapes)."""
+    if jax.device_count() == 1 or not sharding.may_be_sharded(query, kv_cache, block_tables):
+        return (device_backend(chosen, alternative, query, kv_cache, block_tables,
+                               kv_lora_rank=kv_lora_rank),)
+    return chosen, alternative
 
 
 def _longest_length(*candidates: backends.Backend | None) -> int | None:

@@ -5,8 +5,8 @@ a ``jax.experimental.custom_partitioning`` op. Under ``jax.jit`` over a multi-de
 partitioner then runs the kernel once per device on that device's shard (no all-gather of the query
 or the cache), with rules for both partitioners: Shardy through an einsum-style ``sharding_rule``
 and GSPMD through ``infer_sharding_from_operands``; ``partition`` chooses the final shardings in
-both cases. Single-device calls and calls under ``jvp`` run the kernel directly; under ``vmap`` the
-wrapped call runs once per mapped index.
+both cases. Single-device calls and calls under ``jvp`` run the kernel directly; under ``vmap`` with
+several devices the wrapped call runs once per mapped index.
 
 Layouts (``d``: data axes, ``t``: head axes)::
 
@@ -91,8 +91,9 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     Single-device calls (one device in the process, or concrete arrays on one device) call
     ``kernel`` directly, with no wrapper at all. custom_partitioning has no rules for ``vmap`` and
     ``jvp``: under ``vmap`` the wrapped call runs once per mapped index (``lax.map``); under
-    ``jvp`` ``kernel`` is called directly, and a cache visibly sharded into page pools raises
-    ``LayoutError``. On a mesh of Explicit axes neither transformation is supported.
+    ``jvp`` (with or without ``vmap``) ``kernel`` is called directly, and a cache visibly sharded
+    into page pools raises ``LayoutError``. On a mesh of Explicit axes neither transformation is
+    supported.
     """
     arrays = (query, kv_cache, block_tables, seq_lens)
     leaves, treedef = jax.tree_util.tree_flatten(plan)
@@ -113,12 +114,14 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
                               PartitionSpec(_spec_entry(batch), None, _spec_entry(heads)),
                               *operands)
     tracers = [x for x in operands if isinstance(x, jax.core.Tracer)]
-    several = jax.device_count() > 1 and may_be_sharded(*map(_underlying, operands))
-    if several and any(_is_batch_tracer(x) for x in tracers):
+    traced = [_traced(x) for x in operands]
+    several = jax.device_count() > 1 and may_be_sharded(*(value for value, *_ in traced))
+    jvp, vmap = (any(t[i] for t in traced) for i in (2, 3))
+    if several and vmap and not jvp:
         return _mapped(functools.partial(call, kernel), plan is not None, treedef, statics,
                        is_array, operands)
     if not several or not all(_is_jit_tracer(x) for x in tracers):
-        if several and _pool_axes(_underlying(kv_cache)):
+        if several and page_pools(kv_cache) > 1:
             raise LayoutError(
                 "kv_cache is sharded into per-shard page pools, which only jit (and vmap) of decode "
                 "can run: under other transformations (jvp) the kernel would read the pools' page "
@@ -133,59 +136,61 @@ def call(kernel: Kernel, query, kv_cache, block_tables, seq_lens, *, plan=None):
     return _eager(per_shard, *operands)
 
 
-def _underlying(x):
-    """What ``x`` traces under jvp and vmap: the primal or the batched value, recursively."""
-    from jax._src.interpreters.ad import JVPTracer
-    from jax._src.interpreters.batching import BatchTracer
+def _traced(x):
+    """(value, dim, jvp, vmap): what ``x`` traces under jvp and vmap (the primal or the batched
+    value, recursively), the dim of that value that is ``x``'s dim 0, and whether a jvp and a vmap
+    are among those transformations."""
+    try:
+        from jax._src.interpreters.ad import JVPTracer
+        from jax._src.interpreters.batching import BatchTracer
+    except ImportError:  # a JAX that moved them: seen as no transformation
+        return x, 0, False, False
+    dim, jvp, vmap = 0, False, False
     while isinstance(x, (JVPTracer, BatchTracer)):
-        x = x.primal if isinstance(x, JVPTracer) else x.val
-    return x
-
-
-def _pool_axes(kv_cache) -> tuple[str, ...]:
-    """The mesh axes kv_cache's page dim is visibly sharded over (a concrete array's sharding or
-    an Explicit type's); empty where it is not, or not known at trace time."""
-    sharding = _sharding_type(kv_cache)
-    if not isinstance(sharding, NamedSharding):
-        return ()
-    axes = _spec_axes(sharding.spec, 3)[0]
-    return axes if _shards(sharding.mesh, axes) > 1 else ()
+        if isinstance(x, JVPTracer):
+            x, jvp = x.primal, True
+        else:
+            if isinstance(x.batch_dim, int) and x.batch_dim <= dim:
+                dim += 1
+            x, vmap = x.val, True
+    return x, dim, jvp, vmap
 
 
 def page_pools(kv_cache) -> int:
     """How many per-shard page pools kv_cache is visibly sharded into (docs/sharding.md): 1 where
     its page dim is not sharded, or its sharding is not known at trace time (a jit argument on a
     mesh of Auto axes)."""
-    kv_cache = _underlying(kv_cache)
-    axes = _pool_axes(kv_cache)
-    return _shards(_sharding_type(kv_cache).mesh, axes) if axes else 1
-
-
-def _is_batch_tracer(x) -> bool:
-    """Whether ``x`` is being traced by vmap."""
-    from jax._src.interpreters.batching import BatchTracer
-    return isinstance(x, BatchTracer)
+    value, page_dim, _, _ = _traced(kv_cache)
+    sharding = _sharding_type(value)
+    if not isinstance(sharding, NamedSharding):
+        return 1
+    return _shards(sharding.mesh, _spec_axes(sharding.spec, len(value.shape))[page_dim])
 
 
 def _mapped(again, has_plan, treedef, statics, is_array, operands):
     """``again`` (``call`` for the same kernel) under ``vmap``, run once per mapped index with
     ``lax.map``: custom_partitioning has no batching rule, and the kernel called directly would
     read a per-shard pool's page ids as global."""
-    rebuild = _PerShard(again, has_plan, treedef, statics, is_array)
-    one = jax.custom_batching.custom_vmap(rebuild)
+    per_index = _PerShard(again, has_plan, treedef, statics, is_array)
+    one = jax.custom_batching.custom_vmap(per_index)
 
     @one.def_vmap
     def _rule(axis_size, in_batched, *args):
-        mapped = [x for x, batched in zip(args, in_batched) if batched]
-
-        def each(xs):
-            xs = iter(xs)
-            return one(*(next(xs) if batched else x for x, batched in zip(args, in_batched)))
-
-        out = jax.lax.map(each, mapped)
+        out = _map_each(per_index, tuple(in_batched), *args)
         return out, jax.tree_util.tree_map(lambda _: True, out)
 
     return one(*(_pinned(x) for x in operands))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _map_each(per_index, in_batched, *args):
+    """``per_index`` over the leading dim of the ``args`` marked in ``in_batched`` (``lax.map``),
+    the others passed whole; jitted so that eager vmaps compile once."""
+    def each(mapped):
+        mapped = iter(mapped)
+        return per_index(*(next(mapped) if batched else x for x, batched in zip(args, in_batched)))
+
+    return jax.lax.map(each, [x for x, batched in zip(args, in_batched) if batched])
 
 
 def _pinned(x):

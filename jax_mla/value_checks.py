@@ -18,7 +18,7 @@ from jax_mla import guard
 
 
 def check_values(query, kv_cache, block_tables, seq_lens, plan=None, pools: int = 1,
-                 max_len: int | None = None) -> None:
+                 fa_max_len: int | None = None) -> None:
     """Check ``decode``'s values; each failed check names the argument, the request and the value.
 
     Args:
@@ -27,15 +27,15 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None, pools: int 
         None or the ``jax_mla.Plan`` or ``jax_mla.Sm90Plan`` passed to ``decode``, whose lengths
         must be ``seq_lens``; pools: how many per-shard page pools kv_cache holds
         (docs/sharding.md), each request's ids local to its pool of ``num_pages / pools`` pages;
-        max_len: None, or the longest length the backend takes (``planning.MAX_KV_LEN`` for
-        fa3/fa2).
+        fa_max_len: None, or ``planning.MAX_KV_LEN`` where fa3 or fa2 may run the call (the
+        longest request their schedule takes).
     Raises:
       checkify.JaxRuntimeError (a ValueError) when called eagerly and a check fails. Staged by
       ``jax.jit`` without ``checkify.checkify`` around it, lowering fails with JAX's ValueError
       "Cannot abstractly evaluate a checkify.check which was not functionalized".
     """
     query, block_tables, seq_lens = (jnp.asarray(x) for x in (query, block_tables, seq_lens))
-    _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1], max_len)
+    _check_lengths(seq_lens, query.shape[1], block_tables.shape[1] * kv_cache.shape[1], fa_max_len)
     _check_page_ids(block_tables, seq_lens, kv_cache.shape[0], kv_cache.shape[1], pools)
     _check_finite_query(query)
     if plan is not None:
@@ -45,16 +45,16 @@ def check_values(query, kv_cache, block_tables, seq_lens, plan=None, pools: int 
                     "from this step's seq_lens", plan.seq_lens)
 
 
-def _check_lengths(seq_lens, q_len: int, capacity: int, max_len: int | None) -> None:
+def _check_lengths(seq_lens, q_len: int, capacity: int, fa_max_len: int | None) -> None:
     _check_none(seq_lens < q_len, seq_lens,
                 f"seq_lens[{{0}}] = {{1}} is below q_len = {q_len}: a length counts the request's "
                 "new tokens")
     _check_none(seq_lens > capacity, seq_lens,
                 f"seq_lens[{{0}}] = {{1}} exceeds the block table's capacity max_pages * page_size "
                 f"= {capacity}")
-    if max_len is not None and max_len < capacity:
-        _check_none(seq_lens > max_len, seq_lens,
-                    f"seq_lens[{{0}}] = {{1}} exceeds {max_len}, the longest request fa3 and fa2 "
+    if fa_max_len is not None and fa_max_len < capacity:
+        _check_none(seq_lens > fa_max_len, seq_lens,
+                    f"seq_lens[{{0}}] = {{1}} exceeds {fa_max_len}, the longest request fa3 and fa2 "
                     "take (jax_mla.planning.MAX_KV_LEN)")
 
 
@@ -63,11 +63,11 @@ def _check_page_ids(block_tables, seq_lens, num_pages: int, page_size: int, pool
     read = guard.pages_read(block_tables, seq_lens, page_size)
     pages = num_pages // pools
     out_of_range = (block_tables < 0) | (block_tables >= pages)
-    where = ("kv_cache" if pools == 1 else
-             f"its pool (kv_cache's {num_pages} pages are sharded into {pools} pools)")
+    where, why = ("kv_cache", "") if pools == 1 else (
+        "its pool", f": kv_cache's {num_pages} pages are sharded into {pools} pools")
     _check_none(read & out_of_range, block_tables,
                 f"block_tables[{{0}}, {{1}}] = {{2}} is not a page of {where} (ids are in "
-                f"[0, {pages})) but request {{0}} reads it (page {{1}} of its length)")
+                f"[0, {pages}){why}) but request {{0}} reads it (page {{1}} of its length)")
 
 
 def _check_finite_query(query) -> None:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import backend_params, check_accuracy, make_problem
+from conftest import backend_params, check_accuracy, make_problem, record_kernel_runs
 from jax.experimental import checkify
 from oracles import as_float64, attend
 from test_ffi import lower_for_cuda, lowering_stubs, run_backend  # noqa: F401  (a fixture)
@@ -604,27 +604,26 @@ def test_checks_take_numpy_inputs_as_decode_does(case):
                                   np.asarray(jax_mla.decode(*clean, softmax_scale=0.1)))
 
 
-def test_checks_bound_the_lengths_fa3_and_fa2_take():
-    """fa3 and fa2 fail a request beyond planning.MAX_KV_LEN closed; checks=True names it where
-    either may run it (the table here holds more than that)."""
-    fa = [b for b in backends.TABLE if b.reads_plan == backends.FA_PLAN]
-    assert fa and all(jax_mla.api._longest_length(b) == planning.MAX_KV_LEN for b in fa)
-    assert jax_mla.api._longest_length(backends.BY_NAME["xla"], None) is None
-    assert jax_mla.api._longest_length(backends.BY_NAME["sm90"], fa[0]) == planning.MAX_KV_LEN
-    query, cache = jnp.zeros((2, 1, 1, 576)), jnp.zeros((4, 64, 576))
-    tables = jnp.zeros((2, planning.MAX_KV_LEN // 64 + 1), jnp.int32)
-
-    def check(lengths, max_len):
-        return checkify.checkify(value_checks.check_values)(
-            query, cache, tables, jnp.asarray(lengths, jnp.int32), max_len=max_len)[0]
-
-    too_long = [5, planning.MAX_KV_LEN + 1]
-    message = (rf"seq_lens\[1\] = {planning.MAX_KV_LEN + 1} exceeds {planning.MAX_KV_LEN}, the "
-               r"longest request fa3 and fa2 take")
-    with pytest.raises(checkify.JaxRuntimeError, match=message):
-        check(too_long, planning.MAX_KV_LEN).throw()
-    assert check([5, planning.MAX_KV_LEN], planning.MAX_KV_LEN).get() is None
-    assert check(too_long, None).get() is None
+@pytest.mark.parametrize("backend, runs", [("fa3", None), ("auto", "sm90")])
+def test_checks_bound_the_lengths_fa3_and_fa2_take(backend, runs, monkeypatch):
+    """fa3 and fa2 fail a request beyond planning.MAX_KV_LEN closed, so checks=True names it where
+    one of them runs the call; sm90 ("auto"'s pick for one 16-head request) takes it (stand-in
+    kernels on a Hopper's backend table; the table holds more than that)."""
+    ran = record_kernel_runs(monkeypatch, ("fa3", "sm90"))
+    longest = planning.MAX_KV_LEN
+    query, cache = jnp.zeros((1, 1, 16, 576), jnp.bfloat16), jnp.zeros((4, 64, 576), jnp.bfloat16)
+    tables = jnp.zeros((1, longest // 64 + 1), jnp.int32)
+    decode = lambda length: jax_mla.decode(query, cache, tables, jnp.asarray([length], jnp.int32),
+                                           softmax_scale=0.1, backend=backend, checks=True)
+    decode(longest)
+    if runs is None:
+        with pytest.raises(checkify.JaxRuntimeError, match=(
+                rf"seq_lens\[0\] = {longest + 1} exceeds {longest}, the longest request fa3 and "
+                r"fa2 take")):
+            decode(longest + 1)
+    else:
+        decode(longest + 1)
+        assert ran[-1] == runs
 
 
 def test_checks_pass_clean_inputs_and_change_no_result():

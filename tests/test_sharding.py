@@ -256,6 +256,31 @@ def test_vmap_over_layers_of_per_shard_page_pools(jitted):
         assert_near(lse[layer], want_lse)
 
 
+def test_vmap_of_jvp_with_several_devices():
+    """vmap's per-index wrapper cannot be differentiated, so under jvp the kernel is called
+    directly, as with one device."""
+    problem = make_problem(25, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=60)
+    query, cache, tables, lengths = problem.arrays
+    decode = lambda q, kv: jax_mla.decode(q, kv, tables, lengths, softmax_scale=SCALE, backend="xla")
+    tangent = jax.jvp(lambda q: decode(q, cache), (query,), (query,))[1]
+    stepped = jax.jit(jax.vmap(lambda q, kv: jax.jvp(lambda a: decode(a, kv), (q,), (q,))))
+    out, out_tangent = stepped(jnp.stack([query, query]), jnp.stack([cache, cache]))
+    assert_near(out[1], decode(query, cache))
+    assert_near(out_tangent[1], tangent)
+
+
+def test_eager_vmap_on_sharded_arrays_compiles_once():
+    mesh = cpu_mesh((2, 2))
+    arrays, _ = pooled_problem(2, batch_per_pool=2, seed=26)
+    stacked = [put(mesh, jnp.stack([x, x]), None, "data") for x in arrays[:2]]
+    step = jax.vmap(lambda q, kv: jax_mla.decode(q, kv, *pooled_args(mesh, arrays)[2:],
+                                                 softmax_scale=SCALE, backend="xla"))
+    first = step(*stacked)
+    size = sharding._map_each._cache_size()
+    np.testing.assert_array_equal(np.asarray(step(*stacked)), np.asarray(first))
+    assert sharding._map_each._cache_size() == size
+
+
 def test_jvp_refuses_per_shard_page_pools():
     """jvp cannot go through the wrapper, and the kernel alone would read the pools' ids as global."""
     mesh = cpu_mesh((2, 2))
@@ -276,8 +301,8 @@ def test_checks_bound_page_ids_by_their_pool():
     bad = np.array(arrays[2])
     bad[3, 0] = pool_pages  # a page of the cache, not of request 3's pool
     bad = put(mesh, bad, "data")
-    message = (rf"block_tables\[3, 0\] = {pool_pages} is not a page of its pool \(kv_cache's "
-               rf"{cache.shape[0]} pages are sharded into 2 pools\) \(ids are in \[0, {pool_pages}\)\)")
+    message = (rf"block_tables\[3, 0\] = {pool_pages} is not a page of its pool \(ids are in "
+               rf"\[0, {pool_pages}\): kv_cache's {cache.shape[0]} pages are sharded into 2 pools\)")
     step = lambda t: jax_mla.decode(query, cache, t, lengths, softmax_scale=SCALE, checks=True)
     with pytest.raises(checkify.JaxRuntimeError, match=message):
         step(bad)
@@ -544,8 +569,8 @@ def test_a_sharding_without_mesh_axes_raises(partitioner_name):
 
 
 def test_unsharded_calls_skip_the_wrapper():
-    """Single-device arrays call the backend directly, eagerly; under jit(vmap) each mapped index
-    runs through the wrapper, with the unsharded result."""
+    """Single-device arrays call the backend directly, eagerly; jit(vmap) of them gives the
+    unsharded call's result."""
     problem = make_problem(60, batch=2, q_len=1, num_heads=NUM_HEADS, page_size=16, max_len=60)
     seen = []
     kernel = lambda *a: seen.append(type(a[0]).__name__) or a[0][..., :512]
