@@ -57,8 +57,9 @@ def decode(query: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_l
       checks: check the values before any backend runs (``jax_mla.value_checks``): page ids that a
         request reads lie in [0, num_pages) (in its pool, for a cache visibly sharded into
         per-shard page pools), q_len <= seq_lens <= max_pages * page_size (and <= 2^22 where fa3
-        or fa2 may run the call), and query is finite. Eagerly a failed check raises; inside ``jax.jit`` wrap the jitted function in
-        ``jax.experimental.checkify.checkify`` and call ``err.throw()`` (docs/bad-values.md).
+        or fa2 may run the call), and query is finite. Eagerly a failed check raises; inside
+        ``jax.jit`` wrap the jitted function in ``jax.experimental.checkify.checkify`` and call
+        ``err.throw()`` (docs/bad-values.md).
       fail_closed: give a request whose values are bad (a length outside [q_len, max_pages *
         page_size], a page id it reads outside [0, num_pages), a length other than the plan's)
         out 0 and lse -inf on xla, sm90, fa3 and fa2 (trtllm-gen: not run on hardware); its
