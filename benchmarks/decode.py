@@ -95,7 +95,8 @@ def parse_args(argv=None):
                    help="decode calls per jitted step (jax_mla, flashinfer)")
     p.add_argument("--step-layers", type=positive_int, default=61,
                    help="decode calls in jax_mla_step's whole model step (DeepSeek-V3: 61)")
-    p.add_argument("--xla-layers", type=positive_int, default=2, help="decode calls per step for the XLA methods")
+    p.add_argument("--xla-layers", type=positive_int, default=2,
+                   help="decode calls per step for the XLA methods")
     p.add_argument("--rounds", type=positive_int, default=7, help="timed rounds per JAX measurement (median)")
     p.add_argument("--round-s", type=float, default=0.05, help="target seconds per timed round")
     p.add_argument("--max-method-s", type=float, default=4.0,
