@@ -97,6 +97,20 @@ def check_failed_closed(out, lse, problem, tables, lengths, bad, backend):
     check_accuracy(out[good], lse[good], ref_out.numpy(), ref_lse.numpy(), backend=backend)
 
 
+@pytest.mark.parametrize("q_len", [1, 2])
+def test_the_reference_fails_bad_requests_closed_as_decode_does(q_len):
+    """The torch reference gives the requests decode fails closed out 0 and lse -inf (a negative
+    id would otherwise read torch's last page), and the others their own results."""
+    problem, tables, lengths, bad = bad_requests_problem(q_len, jnp.float32)
+    ref_out, ref_lse = reference_from_jax(problem.query, problem.kv_cache, jnp.asarray(tables),
+                                          jnp.asarray(lengths), softmax_scale=problem.softmax_scale)
+    assert np.all(ref_out.numpy()[bad] == 0) and np.all(np.isneginf(ref_lse.numpy()[bad]))
+    out, lse = jax_mla.decode(problem.query, problem.kv_cache, jnp.asarray(tables),
+                              jnp.asarray(lengths), softmax_scale=problem.softmax_scale,
+                              return_lse=True, backend="xla")
+    check_accuracy(out, lse, ref_out.numpy(), ref_lse.numpy(), backend="xla")
+
+
 @pytest.mark.parametrize("backend,plan_mode",
                          UNPLANNED + SM90_PLANNED + [p for p in PLANNED if p.values[1] != "host"])
 @pytest.mark.parametrize("q_len", [1, 2])

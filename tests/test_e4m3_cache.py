@@ -97,6 +97,17 @@ def test_write_kv_quantises_into_the_named_slots_only(kv_scale):
     assert (np.abs(read_back - rows) <= ROUND_TRIP_ERROR * np.abs(rows))[normal].all()
 
 
+@pytest.mark.parametrize("cache_dtype, kv_scale", [(jnp.float8_e4m3fn, None),
+                                                    (jnp.bfloat16, 0.5)])
+def test_the_reference_takes_kv_scale_with_the_e4m3_cache_only(cache_dtype, kv_scale):
+    query = jnp.zeros((1, 1, 1, 576), jnp.float32)
+    cache = jnp.zeros((1, 16, 576), cache_dtype)
+    with pytest.raises(TypeError, match=r"kv_scale is for an e4m3 cache \(float8_e4m3fn\) and "
+                                        r"needed there"):
+        reference_from_jax(query, cache, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32),
+                           softmax_scale=0.1, kv_scale=kv_scale)
+
+
 def test_values_beyond_448_times_the_scale_saturate():
     cache = jax_mla.write_kv(jax_mla.allocate_cache(1, 4, dtype=jnp.float8_e4m3fn),
                              jnp.full((2, 512), 1e4), jnp.full((2, 64), -1e4),

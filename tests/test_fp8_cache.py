@@ -77,6 +77,8 @@ def test_a_hand_built_row_decodes_to_its_values_and_quantises_back():
                                   values[None])
     np.testing.assert_array_equal(dequantize_fp8(torch.from_numpy(row[None]), 256).numpy(),
                                   values[None])
+    pages = torch.from_numpy(np.stack([row, row])[None])  # a cache of one page of two tokens
+    np.testing.assert_array_equal(dequantize_fp8(pages, 256).numpy(), np.stack([values] * 2)[None])
     quantised = fp8_cache.quantize_rows(jnp.asarray(values[None, :256]), jnp.asarray(values[None, 256:]))
     np.testing.assert_array_equal(np.asarray(quantised), row[None])
 
