@@ -58,9 +58,15 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
         return jnp.zeros(shape, dtype)
     if isinstance(device, jax.Device):
         device = jax.sharding.SingleDeviceSharding(device)
-    # Zeroed by a compiled program whose output has this sharding: each device writes its own
-    # shard, with no whole copy on one device first.
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=device)()
+    return _zeros_program(shape, dtype, device)()
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros_program(shape: tuple[int, ...], dtype, sharding: jax.sharding.Sharding):
+    """A compiled program whose output is zeros of ``shape`` with ``sharding``: each device writes
+    its own shard, with no whole copy on one device first. Kept per (shape, dtype, sharding), so a
+    cache per layer compiles it once."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 def _float_dtype(dtype) -> jnp.dtype:

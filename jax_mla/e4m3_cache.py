@@ -5,7 +5,7 @@ bf16 cache; a value is its e4m3 value times ``kv_scale``, one positive float for
 the rope alike, which the caller keeps (a per-layer constant, as a calibrated checkpoint gives it)
 and passes to ``write_kv`` and ``decode``. This is the layout FlashInfer's fa3/fa2 fp8 MLA kernels
 read and vLLM-style engines keep (docs/fp8-cache.md, "The e4m3 cache"). Half the bytes of bf16;
-values beyond 448 times the scale saturate.
+finite values beyond 448 times the scale saturate; inf and NaN are stored as NaN.
 """
 
 from __future__ import annotations
@@ -43,5 +43,6 @@ def check_kv_scale(kv_cache, kv_scale) -> float | None:
 def quantize(rows: jax.Array, kv_scale) -> jax.Array:
     """float8_e4m3fn [..., D] of float rows [..., D]: ``rows / kv_scale`` (a float, or a float32
     scalar array) in float32, clipped to [-448, 448] and rounded to the nearest e4m3 (ties to
-    even)."""
-    return to_e4m3(rows, jnp.float32(kv_scale))
+    even); inf and NaN become NaN (e4m3 has no inf), so they never read back as finite."""
+    e4m3 = to_e4m3(rows, jnp.float32(kv_scale))
+    return jnp.where(jnp.isfinite(rows), e4m3, jnp.asarray(jnp.nan, e4m3.dtype))

@@ -407,11 +407,13 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
         raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
 
 
-def check_sm90_table(batch: int, max_pages: int, page_size: int) -> None:
+def check_sm90_table(batch: int, max_pages: int, page_size: int, page_size_of: str = "kv_cache"
+                     ) -> None:
     """Raise ``ValueError`` for a page size or block-table capacity that the sm90 kernel and its
-    int32 schedule do not take (``CheckTableCapacity`` in ffi/sm90_decode.cu)."""
+    int32 schedule do not take (``CheckTableCapacity`` in ffi/sm90_decode.cu); ``page_size_of``
+    names where the page size came from."""
     if page_size not in SM90_PAGE_SIZES:
-        raise ValueError(f"sm90 needs kv_cache page_size in {SM90_PAGE_SIZES}, got {page_size}")
+        raise ValueError(f"sm90 needs {page_size_of} page_size in {SM90_PAGE_SIZES}, got {page_size}")
     if max_pages * page_size >= 2**30:
         raise ValueError(f"sm90 supports block_tables max_pages * page_size < 2**30 tokens, got "
                          f"{max_pages} * {page_size}")

@@ -85,7 +85,7 @@ def schedule_layout(num_sm: int, q_len: int, num_heads: int, head_dim_o: int) ->
 
 
 @jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Plan:
     """A decode step's fa3/fa2 work schedule, valid for one set of lengths and problem shape.
 

@@ -26,7 +26,7 @@ from jax_mla.planning import PlanMismatchError
 
 
 @jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Sm90Plan:
     """A decode step's sm90 schedule, valid for one set of lengths, table width and page size.
 
@@ -87,7 +87,7 @@ def sm90_plan(seq_lens, *, max_pages: int, page_size: int) -> Sm90Plan:
     """
     batch = validation.check_plan_lengths(seq_lens)
     max_pages, page_size = validation.check_sizes(max_pages=max_pages, page_size=page_size)
-    gpu.check_sm90_table(batch, max_pages, page_size)
+    gpu.check_sm90_table(batch, max_pages, page_size, page_size_of="sm90_plan's")
     try:
         backends.resolve(backends.SM90, backends.platform_of(seq_lens))
     except ValueError as error:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 from conftest import lse_error, make_problem, record_kernel_runs, request_head_error, tolerances
@@ -172,6 +173,15 @@ def test_backend_must_be_a_string(backend):
     with pytest.raises(TypeError, match=r"backend must be a str .* got "
                                         + type(backend).__name__):
         backends.resolve(backend, "cpu")
+
+
+def test_plans_compare_and_hash_by_identity():
+    """A plan holds arrays, whose == is elementwise: plans are equal only to themselves."""
+    make = lambda: jax_mla.Sm90Plan(jnp.zeros((3,), jnp.int32), jnp.zeros((2,), jnp.int32), 2, 4, 64)
+    plan, twin = make(), make()
+    assert plan == plan and plan != twin and plan in [twin, plan] and len({plan, twin}) == 2
+    assert jax.tree_util.tree_map(lambda x: x, plan) != plan
+    assert jax_mla.Plan.__eq__ is object.__eq__ and jax_mla.Plan.__hash__ is object.__hash__
 
 
 def test_every_backend_shares_one_plan_rule():

@@ -11,6 +11,7 @@ from conftest import make_problem, request_head_error, tolerances
 from oracles import attend
 
 import jax_mla
+from jax_mla import cache as cache_module
 from jax_mla import fp8_cache
 
 
@@ -85,6 +86,19 @@ def test_allocate_cache_makes_each_shard_on_its_device(dtype):
         assert not np.asarray(cache, np.float32).any()
     single = jax_mla.allocate_cache(2, 16, dtype=dtype, device=devices[1])
     assert single.devices() == {devices[1]}
+
+
+def test_allocate_cache_on_a_device_compiles_once_per_shape():
+    """A cache per layer on one sharding compiles its zeroing program once."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    jax_mla.allocate_cache(3, 16, device=sharding)
+    programs = cache_module._zeros_program.cache_info().currsize
+    for _ in range(3):
+        assert not np.asarray(jax_mla.allocate_cache(3, 16, device=jax.devices()[0]),
+                              np.float32).any()
+    assert cache_module._zeros_program.cache_info().currsize == programs
+    assert cache_module._zeros_program(  # the compiled program itself is reused, not only its wrapper
+        (3, 16, 576), jnp.dtype(jnp.bfloat16), sharding)._cache_size() == 1
 
 
 def test_written_tokens_sit_at_their_positions_and_decode_like_dense_attention():

@@ -116,6 +116,16 @@ def test_values_beyond_448_times_the_scale_saturate():
     assert (values[:, :512] == 448).all() and (values[:, 512:] == -448).all()
 
 
+def test_inf_and_nan_are_written_as_nan():
+    """e4m3 has no inf: an inf is not saturated to a finite value but stored as NaN, like NaN."""
+    latent = jnp.ones((2, 512)).at[0, 3].set(jnp.inf).at[1, 7].set(-jnp.inf).at[1, 9].set(jnp.nan)
+    cache = jax_mla.write_kv(jax_mla.allocate_cache(1, 4, dtype=jnp.float8_e4m3fn), latent,
+                             jnp.ones((2, 64)), jnp.asarray([0, 1], jnp.int32), kv_scale=0.5)
+    values = np.asarray(cache, np.float32)[0, :2]
+    assert np.isnan(values[0, 3]) and np.isnan(values[1, 7]) and np.isnan(values[1, 9])
+    assert np.isnan(values).sum() == 3 and (values[0, :3] == 2).all()
+
+
 CACHE = jnp.zeros((4, 8, 576), jnp.float8_e4m3fn)
 LATENT, ROPE = jnp.zeros((3, 512), jnp.float32), jnp.zeros((3, 64), jnp.float32)
 SCALE_ERRORS = [
