@@ -311,10 +311,12 @@ def trtllm_decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale: flo
 
 
 def e4m3_query(query, softmax_scale: float):
-    """(the query as float8_e4m3fn over one scale, max |query| / 448 computed on the device (1 for
-    an all-zero query), and trtllm-gen's softmax scale for it: ``softmax_scale`` times that scale
-    times log2(e), float32 [1]). query: float [B, q_len, H, D]."""
-    amax = jnp.max(jnp.abs(query.astype(jnp.float32)))
+    """(the query as float8_e4m3fn over one scale, max |query| / 448 of its finite values computed
+    on the device (1 for an all-zero query), and trtllm-gen's softmax scale for it:
+    ``softmax_scale`` times that scale times log2(e), float32 [1]). query: float [B, q_len, H, D].
+    A non-finite value becomes NaN and leaves the scale, and so the other requests, alone."""
+    magnitudes = jnp.abs(query.astype(jnp.float32))
+    amax = jnp.max(jnp.where(jnp.isfinite(magnitudes), magnitudes, 0))
     scale = jnp.where(amax > 0, amax / fp8_cache.E4M3_MAX, jnp.float32(1.0))
     values = e4m3_cache.quantize(query, scale)
     return values, (scale * np.float32(softmax_scale * math.log2(math.e))).reshape(1)
@@ -407,13 +409,13 @@ def check_sm90_shapes(query, kv_cache, block_tables, kv_lora_rank: int,
         raise ValueError(f"sm90 needs softmax_scale > 0 (in float32), got {softmax_scale}")
 
 
-def check_sm90_table(batch: int, max_pages: int, page_size: int, page_size_of: str = "kv_cache"
+def check_sm90_table(batch: int, max_pages: int, page_size: int, page_size_of: str = "kv_cache "
                      ) -> None:
     """Raise ``ValueError`` for a page size or block-table capacity that the sm90 kernel and its
     int32 schedule do not take (``CheckTableCapacity`` in ffi/sm90_decode.cu); ``page_size_of``
-    names where the page size came from."""
+    names where the page size came from ("" for an argument of that name)."""
     if page_size not in SM90_PAGE_SIZES:
-        raise ValueError(f"sm90 needs {page_size_of} page_size in {SM90_PAGE_SIZES}, got {page_size}")
+        raise ValueError(f"sm90 needs {page_size_of}page_size in {SM90_PAGE_SIZES}, got {page_size}")
     if max_pages * page_size >= 2**30:
         raise ValueError(f"sm90 supports block_tables max_pages * page_size < 2**30 tokens, got "
                          f"{max_pages} * {page_size}")

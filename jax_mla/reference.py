@@ -21,8 +21,9 @@ def mla_decode_reference(query, kv_cache, block_tables, seq_lens, *, softmax_sca
         block_tables: int [B, max_pages]; seq_lens: int [B].
     Returns:
       (out float32 [B, q_len, H, kv_lora_rank], lse float32 [B, q_len, H], natural log). A request
-      that ``decode`` fails closed (a length outside [q_len, max_pages * page_size], or a page id
-      it reads outside [0, num_pages): docs/bad-values.md) gets out 0 and lse -inf, as there.
+      that ``decode`` fails closed on every backend (a length outside [q_len, max_pages *
+      page_size], or a page id it reads outside [0, num_pages): docs/bad-values.md) gets out 0
+      and lse -inf, as there; fa3/fa2's 2^22 cap and a plan's lengths are not modelled.
     """
     import torch
 

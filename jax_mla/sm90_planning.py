@@ -87,7 +87,7 @@ def sm90_plan(seq_lens, *, max_pages: int, page_size: int) -> Sm90Plan:
     """
     batch = validation.check_plan_lengths(seq_lens)
     max_pages, page_size = validation.check_sizes(max_pages=max_pages, page_size=page_size)
-    gpu.check_sm90_table(batch, max_pages, page_size, page_size_of="sm90_plan's")
+    gpu.check_sm90_table(batch, max_pages, page_size, page_size_of="")
     try:
         backends.resolve(backends.SM90, backends.platform_of(seq_lens))
     except ValueError as error:

@@ -316,6 +316,19 @@ def test_trtllm_gen_lowering_quantises_the_query_with_its_scale_on_the_device(mo
     assert "tensor<4x2x16x512xbf16>" in call and "@jax_mla_trtllm_decode(" not in text
 
 
+def test_a_non_finite_query_value_leaves_the_e4m3_querys_scale_alone():
+    """One request's inf is NaN in its own query; the scale comes from the finite values, so the
+    other requests' queries are read as without it."""
+    query = jnp.ones((2, 1, 1, 576)).at[0, 0, 0, 0].set(jnp.inf).at[0, 0, 0, 1].set(jnp.nan)
+    values, scale_log2 = gpu.e4m3_query(query, 0.1)
+    clean_values, clean_scale_log2 = gpu.e4m3_query(jnp.ones((2, 1, 1, 576)), 0.1)
+    assert float(scale_log2[0]) == float(clean_scale_log2[0])
+    values, clean_values = np.asarray(values, np.float32), np.asarray(clean_values, np.float32)
+    assert np.isnan(values[0, 0, 0, :2]).all()
+    np.testing.assert_array_equal(values[0, 0, 0, 2:], clean_values[0, 0, 0, 2:])
+    np.testing.assert_array_equal(values[1], clean_values[1])
+
+
 @pytest.mark.parametrize("magnitude", [1e-3, 1.0, 3e3])
 def test_the_e4m3_query_and_its_scale(magnitude):
     rng = np.random.default_rng(8)

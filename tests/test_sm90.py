@@ -168,7 +168,7 @@ def test_an_sm90_plan_must_fit_its_call():
     (dict(seq_lens=jnp.ones((3,), jnp.float32)), TypeError, r"seq_lens must have dtype int32, got float32"),
     (dict(seq_lens=jnp.ones((3, 1), jnp.int32)), ValueError, r"seq_lens must have rank 1"),
     (dict(seq_lens=jnp.ones((0,), jnp.int32)), ValueError, r"seq_lens must hold at least one request"),
-    (dict(page_size=16), ValueError, r"sm90 needs sm90_plan's page_size in \(32, 64\), got 16"),
+    (dict(page_size=16), ValueError, r"sm90 needs page_size in \(32, 64\), got 16"),
     (dict(max_pages=0), ValueError, r"max_pages must be >= 1, got 0"),
     (dict(max_pages=2**24), ValueError, r"max_pages \* page_size < 2\*\*30 tokens"),
 ])
