@@ -99,7 +99,8 @@ def write_kv(kv_cache: jax.Array, latent: jax.Array, k_rope: jax.Array,
       slot_mapping: int32 [T], ``page * page_size + offset``; negative slots are padding and are
         skipped (so are slots past the cache). No other row of the cache changes. A slot named
         more than once holds, channel by channel, one of the tokens written to it; which one is
-        unspecified (docs/bad-values.md).
+        unspecified (docs/bad-values.md). On the fp8 cache the channels are bytes, so such a
+        slot may hold values of neither token.
       kv_lora_rank: channels of the latent, as ``decode`` takes it: by default the cache's row
         less 64 rope channels (for the fp8 cache, latent's last dim); latent and k_rope must
         have exactly these widths.
