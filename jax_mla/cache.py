@@ -46,6 +46,7 @@ def allocate_cache(num_pages: int, page_size: int, *, kv_lora_rank: int = 512, r
     """
     num_pages, page_size, kv_lora_rank, rope_dim = validation.check_sizes(
         num_pages=num_pages, page_size=page_size, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim)
+    validation.check_slot_count("", num_pages, page_size, f"{num_pages} * {page_size}")
     if device is not None and not isinstance(device, (jax.Device, jax.sharding.Sharding)):
         raise TypeError(f"device must be None, a jax.Device or a jax.sharding.Sharding, got "
                         f"{device!r}; e.g. jax.devices('gpu')[0]")

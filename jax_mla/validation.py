@@ -269,6 +269,15 @@ def check_decode_args(query, kv_cache, block_tables, seq_lens, kv_lora_rank):
     return batch, q_len, num_heads, kv_lora_rank, rope_dim, page_size
 
 
+def check_slot_count(owner: str, num_pages: int, page_size: int, got: str) -> None:
+    """ValueError unless a cache of ``num_pages`` pages of ``page_size`` tokens has fewer than
+    2**31 token slots, which write_kv's int32 slot_mapping can address; ``owner`` prefixes the
+    sizes' names and ``got`` says what was given."""
+    if num_pages * page_size >= 2**31:
+        raise ValueError(f"{owner}num_pages * page_size must be < 2**31 token slots (slot_mapping "
+                         f"is int32), got {got}")
+
+
 def check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank=None):
     """Validate ``write_kv``'s arrays; returns (kv_lora_rank, rope_dim)."""
     _, _, head_dim = check_rank("kv_cache", kv_cache, 3, "[num_pages, page_size, kv_lora_rank + rope_dim]")
@@ -280,10 +289,8 @@ def check_write_args(kv_cache, latent, k_rope, slot_mapping, kv_lora_rank=None):
     check_floating("k_rope", k_rope)
     check_int32("slot_mapping", slot_mapping)
     check_cache_sizes(kv_cache)
-    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    if num_slots >= 2**31:
-        raise ValueError(f"kv_cache's num_pages * page_size must be < 2**31 token slots (slot_mapping "
-                         f"is int32), got kv_cache shape {tuple(kv_cache.shape)}")
+    check_slot_count("kv_cache's ", kv_cache.shape[0], kv_cache.shape[1],
+                     f"kv_cache shape {tuple(kv_cache.shape)}")
     if k_rope.shape[0] != num_tokens:
         raise ValueError(f"k_rope must have shape [num_tokens={num_tokens}, rope_dim], got {tuple(k_rope.shape)}")
     if slot_mapping.shape[0] != num_tokens:

@@ -171,6 +171,9 @@ def test_write_kv_rejects(overrides, error, message):
     (dict(num_pages=4, page_size=16, dtype=jnp.int8), TypeError, r"dtype must be a floating dtype"),
     (dict(num_pages=4, page_size=16, device="cpu"), TypeError,
      r"device must be None, a jax.Device or a jax.sharding.Sharding, got 'cpu'"),
+    (dict(num_pages=2**25, page_size=64), ValueError,
+     r"^num_pages \* page_size must be < 2\*\*31 token slots \(slot_mapping is int32\), got "
+     r"33554432 \* 64$"),
 ])
 def test_allocate_cache_rejects(kwargs, error, message):
     with pytest.raises(error, match=message):
