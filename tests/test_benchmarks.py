@@ -30,9 +30,10 @@ TIMED = ("jax_mla", "xla_naive", "jax_mla_xla")
 
 
 def run_module(module, *args, check=True):
-    """``python -m MODULE ARGS`` from the repository root, on the CPU."""
+    """``python -m MODULE ARGS`` from the repository root, on the CPU (no GPU visible to JAX or
+    torch, also on a GPU machine)."""
     path = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
     result = subprocess.run([sys.executable, *module, *args], cwd=REPO, env=env, capture_output=True,
                             text=True, timeout=120)
     if check:
