@@ -145,12 +145,12 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
           ((kv_rows[0] >= 0) + (boxes > 1 && kv_rows[1] >= 0)) * (kChunkBytes / boxes);
       auto load_chunks = [&](int c_begin, int c_end, uint64_t* barrier) {
         TxBarrier::arrive_and_expect_tx(barrier, kNoLoad ? 0 : (c_end - c_begin) * bytes_per_chunk);
-#pragma unroll
-        for (int h = 0; h < (kNoLoad ? 0 : 2); ++h) {
-          const int kv_row = kv_rows[h];
-          if (h >= boxes || kv_row < 0) continue;
 #pragma unroll 1
-          for (int c = c_begin; c < c_end; ++c) {
+        for (int c = c_begin; c < c_end; ++c) {
+#pragma unroll
+          for (int h = 0; h < (kNoLoad ? 0 : 2); ++h) {
+            const int kv_row = kv_rows[h];
+            if (h >= boxes || kv_row < 0) continue;
             uint8_t* dst = stage_base + c * kChunkBytes + h * kHalfN * kRowBytes;
             if (kCluster == 1) {
               cute::SM90_TMA_LOAD_2D::copy(&kv_map, barrier, args.kv_cache_hint, dst,
