@@ -138,7 +138,8 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
       // One box per page of the block and chunk: a 64-row box for pages of 64 (the page's tail
       // past the length included: it lies inside the page, and the consumers zero and mask it),
       // two 32-row boxes for pages of 32 (the map's box rows follow the page size). A barrier
-      // expects the bytes of the boxes issued under it.
+      // expects the bytes of the boxes issued under it. The boxes go out chunk by chunk: with
+      // pages of 32 the two CTAs of a multicasting pair then issue a chunk's two pages together.
       uint8_t* stage_base = smem + Layout::kKv + stage * kTileBytes;
       const int boxes = p.page_size == kBlockN ? 1 : 2;
       const uint32_t bytes_per_chunk =
