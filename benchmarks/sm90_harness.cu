@@ -1380,7 +1380,7 @@ int main(int argc, char** argv) {
     s.name = "one";
     int iters = 50;
     bool check_only = false;
-    std::string variants = "all";
+    std::string variants = "default";
     for (int i = 2; i < argc; ++i) {
       std::string a = argv[i];
       auto next = [&]() { return i + 1 < argc ? argv[++i] : "0"; };
@@ -1409,7 +1409,8 @@ int main(int argc, char** argv) {
   }
   printf("usage: %s check | sanitize | check-fp8 | sanitize-fp8 | time [iters] [variants] | "
          "time-fp8 [iters] | clusters | one --B .. --L .. --H .. "
-         "[--variants NAME]\n"
+         "[--variants NAME (default: the default launch alone; all: every variant but the "
+         "experiments)]\n"
          "flags: --cluster2 --plain-scores --wide-combine --narrow-combine --staged-combine "
          "--loaded-combine --fixed-cost N "
          "--min-blocks N --split-cost N --fail-closed\n",
