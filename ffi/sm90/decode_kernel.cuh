@@ -416,18 +416,30 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // half of O, and both run PV.
         float* row_alpha = row_max + (it & 1) * kBlockM;  // f32 [64]: the block's row factors
         if (wg == 0) {
+          // The bf16 cache's scores in two accumulator chains (even and odd k steps), added once
+          // both are done, so that consecutive WGMMAs do not wait on each other's accumulator
+          // (one chain where a second does not pay or does not fit: the fp8 cache, the split
+          // release).
+          constexpr int kChains = kFp8 || kSplitRelease ? 1 : 2;
           float s_full[kBlockM * kBlockN / 128];
+          float s_odd[kBlockM * kBlockN / 128];
           FenceRegisters(s_full);
+          if constexpr (kChains == 2) FenceRegisters(s_odd);
           cute::warpgroup_arrive();
           if (kSkip & 1) {
 #pragma unroll
-            for (int i = 0; i < 32; ++i) s_full[i] = 0.f;
+            for (int i = 0; i < 32; ++i) s_full[i] = s_odd[i] = 0.f;
           }
           const uint64_t q_desc = KMajorDesc(q_addr), k_desc = KMajorDesc(kv_addr);
 #pragma unroll
           for (int g = 0; g < ((kSkip & 1) ? 0 : kQkSteps); ++g) {
-            Gmma<QkMma64>(DescAdd(q_desc, QkStepOffset(g)), DescAdd(k_desc, QkStepOffset(g)),
-                          s_full, g != 0);
+            const uint64_t a = DescAdd(q_desc, QkStepOffset(g));
+            const uint64_t b = DescAdd(k_desc, QkStepOffset(g));
+            if (g % kChains == 0) {
+              Gmma<QkMma64>(a, b, s_full, g >= kChains);
+            } else {
+              Gmma<QkMma64>(a, b, s_odd, g >= kChains);
+            }
           }
           cute::warpgroup_commit_batch();
           if (kSplitRelease && v0_pending >= 0) {
@@ -438,6 +450,11 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
           cute::warpgroup_wait<0>();
           FenceRegisters(s_full);
+          if constexpr (kChains == 2) {
+            FenceRegisters(s_odd);
+#pragma unroll
+            for (int i = 0; i < 32; ++i) s_full[i] += s_odd[i];
+          }
           FenceRegisters(o);
           SM90_TRACE(kTraceScoresDone, k);
           if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
