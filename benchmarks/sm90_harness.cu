@@ -19,7 +19,7 @@
 //   .gpu/sm90_harness clusters         # clusters of 1-16 decode CTAs the device holds at once
 //   .gpu/sm90_harness one --B 8 --L 4096 --H 16 --q-len 1 --page 64 [--dist fixed|uniform|skew]
 //                         [--variants default|cluster|exp|segments|transposed|combine|release|
-//                                     partials|l2|fp8-kernels|all]
+//                                     partials|l2|fp8-kernels|halves|all]
 //                         [--bad] [--fp8] [--iters N] [--check-only] [--ref-requests N]
 //   .gpu/sm90_harness trace --B 8 --L 4096 --H 16 ...   # one decode's event timeline per CTA
 //                         (the options of `one`; needs a build with -DJAX_MLA_SM90_TRACE)
@@ -41,6 +41,8 @@
 //   LaunchOptions' transposed_scores = 0, wide_combine = 1, wide_combine = 0, staged_combine = 1,
 //   staged_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0, bf16_partials = 1
 //   (in 64-row tiles; the transposed kernels keep the default).
+//   --column-halves, --whole-columns (checks only): LaunchOptions::column_halves = 1 (wherever
+//   the bf16 cache's 64-row tiles run), 0.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -84,6 +86,8 @@ static int g_split_release = -1;  // LaunchOptions::split_release of checks ("--
                                   // "--whole-release": 0)
 static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--fp32-partials": 0,
                                   // "--bf16-partials": 1)
+static int g_column_halves = -1;  // LaunchOptions::column_halves of checks ("--column-halves": 1,
+                                  // "--whole-columns": 0)
 static bool g_fail_closed = false;  // DecodeParams::fail_closed of every launch ("--fail-closed")
 
 #define CHECK_CUDA(call)                                                                  \
@@ -499,6 +503,7 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.staged_combine = g_staged_combine;
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
+  opt.column_halves = g_column_halves;
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
   if (g_bf16_partials == 1 && !In64RowTiles(opt, pb)) opt.bf16_partials = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
@@ -822,6 +827,11 @@ static std::vector<Variant> PartialsVariants() {
           {"combine-32-rows", With([](LaunchOptions& o) { o.combine_rows_in_flight = 32; })}};
 }
 
+static std::vector<Variant> ColumnHalvesVariants() {
+  return {{"columns-whole", With([](LaunchOptions& o) { o.column_halves = 0; })},
+          {"columns-halves", With([](LaunchOptions& o) { o.column_halves = 1; })}};
+}
+
 static std::vector<Variant> ReleaseVariants() {
   return {{"release-whole", With([](LaunchOptions& o) { o.split_release = 0; })},
           {"release-split", With([](LaunchOptions& o) { o.split_release = 1; })}};
@@ -890,6 +900,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
   else if (which == "partials") append(PartialsVariants());
   else if (which == "fp8-kernels") append(Fp8KernelVariants());
   else if (which == "l2") append(L2PromotionVariants());
+  else if (which == "halves") append(ColumnHalvesVariants());
   else {
     append({{"late-release", With([](LaunchOptions& o) {
                o.early_release = false;
@@ -904,6 +915,7 @@ static std::vector<Variant> AllVariants(const std::string& which) {
     append(CombineVariants());
     append(ReleaseVariants());
     append(PartialsVariants());
+    append(ColumnHalvesVariants());
   }
   return v;
 }
@@ -1264,6 +1276,8 @@ int main(int argc, char** argv) {
     else if (a == "--whole-release") g_split_release = 0;
     else if (a == "--fp32-partials") g_bf16_partials = 0;
     else if (a == "--bf16-partials") g_bf16_partials = 1;
+    else if (a == "--column-halves") g_column_halves = 1;
+    else if (a == "--whole-columns") g_column_halves = 0;
     else if (a == "--fail-closed") g_fail_closed = true;
     else if (a == "--no-pdl") g_pdl = false;
     else if (a == "--stream") g_stream = true;

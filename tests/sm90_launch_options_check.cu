@@ -92,6 +92,8 @@ int main() {
   Run("kv_l2_promotion=64", [](DecodeParams&, LaunchOptions& o) { o.kv_l2_promotion = 64; });
   Run("fp8_registers=2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = 2; });
   Run("fp8_registers=-2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = -2; });
+  Run("column_halves=2", [](DecodeParams&, LaunchOptions& o) { o.column_halves = 2; });
+  Run("column_halves=-2", [](DecodeParams&, LaunchOptions& o) { o.column_halves = -2; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
   RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
   RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });
@@ -271,5 +273,39 @@ int main() {
   p.min_blocks_per_part = 3;
   std::printf("schedule min_blocks_per_part=3 min %d\n",
               detail::ScheduleAsRead(p, 0, true).min_blocks_per_part);
+  // Column halves for the bf16 cache's 64-row tiles where, were every request as long as the
+  // block table allows, half the parts would hold its blocks in parts no longer than all of them
+  // do (pages of 64, q_len 1, 132 SMs).
+  struct HalvesCase {
+    const char* name;
+    int heads, batch, max_pages;
+    bool fp8;
+    int column_halves, split_release;
+  };
+  const HalvesCase halves_cases[] = {
+      {"rows=128,tokens=4096", 128, 1, 64, false, -1, -1},
+      {"rows=128,tokens=4288", 128, 1, 67, false, -1, -1},
+      {"rows=128,tokens=16384", 128, 1, 256, false, -1, -1},
+      {"rows=128,batch=2,tokens=2048", 128, 2, 32, false, -1, -1},
+      {"rows=64,tokens=8192", 64, 1, 128, false, -1, -1},
+      {"rows=16,tokens=4096", 16, 1, 64, false, -1, -1},
+      {"rows=128,fp8,tokens=4096", 128, 1, 64, true, -1, -1},
+      {"rows=128,tokens=4096,column_halves=0", 128, 1, 64, false, 0, -1},
+      {"rows=128,tokens=4096,split_release=1", 128, 1, 64, false, -1, 1},
+      {"rows=128,batch=512,column_halves=1", 128, 512, 64, false, 1, -1},
+  };
+  for (const HalvesCase& c : halves_cases) {
+    DecodeParams h = ValidParams();
+    h.num_heads = c.heads;
+    h.batch = c.batch;
+    h.max_pages = c.max_pages;
+    h.kv_fp8 = c.fp8;
+    LaunchOptions o;
+    o.column_halves = c.column_halves;
+    o.split_release = c.split_release;
+    const int score_n = detail::TransposedScoreRows(o, 1, c.heads);
+    std::printf("halves %s %d\n", c.name,
+                detail::UseColumnHalves(o, h, score_n, NumParts(132, 1, c.heads)));
+  }
   return 0;
 }

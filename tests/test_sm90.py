@@ -216,12 +216,14 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
         assert gpu.sm90_workspace_bytes(*case) == kernel(*case), case
 
 
-# DecodeKernel<kEarlyRelease, kSkip, kCluster, kScoreN, kFp8, kSplitRelease> instantiations the
-# default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel): the transposed kernels up to 16
-# and 32 rows, the 64-row tiles without clusters and in M-tile pairs (clusters of two), each stage
-# released whole, and the fp8 cache's 64-row tiles.
-DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0), (1, 0, 1, 32, 0, 0), (1, 0, 1, 0, 0, 0),
-                          (1, 0, 2, 0, 0, 0), (1, 0, 1, 0, 1, 0)}
+# DecodeKernel<kEarlyRelease, kSkip, kCluster, kScoreN, kFp8, kSplitRelease, kColumnHalves>
+# instantiations the default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel and
+# ColumnHalvesKernel): the transposed kernels up to 16 and 32 rows, the 64-row tiles without
+# clusters and in M-tile pairs (clusters of two), each stage released whole, with and without
+# column halves, and the fp8 cache's 64-row tiles.
+DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0, 0), (1, 0, 1, 32, 0, 0, 0), (1, 0, 1, 0, 0, 0, 0),
+                          (1, 0, 2, 0, 0, 0, 0), (1, 0, 1, 0, 1, 0, 0), (1, 0, 1, 0, 0, 0, 1),
+                          (1, 0, 2, 0, 0, 0, 1)}
 
 
 def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_path):
@@ -230,7 +232,7 @@ def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_p
     default options select, beside the fp8 cache's register-operand kernels."""
     library = Path(ffi_library_path).read_bytes()
     found = {tuple(int(v) for v in args) for args in re.findall(
-        rb"DecodeKernelILb(\d)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)E", library)}
+        rb"DecodeKernelILb(\d)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELb(\d)E", library)}
     if not found:
         skip_or_fail(f"{ffi_library_path} was built without the sm90 handler")
     assert found == DEFAULT_DECODE_KERNELS
@@ -500,6 +502,25 @@ def test_both_sides_of_the_cluster_rule(num_heads, q_len, extra_columns):
     padding = np.random.default_rng(5).choice([-1, 10**6, 7], size=(3, extra_columns))
     tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
     assert (tables.shape[0] * tables.shape[1] * 64 > 24576) == (extra_columns > 0)
+    problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+    first = sm90(problem)
+    assert_close(*first, *reference(problem))
+    assert_identical(first, sm90(problem))
+
+
+@pytest.mark.parametrize("num_heads,q_len", [(128, 1), (64, 1), (64, 2)])
+@pytest.mark.parametrize("extra_columns", [0, 400])
+@on_gpu
+def test_both_sides_of_the_column_halves_rule(num_heads, q_len, extra_columns):
+    """One request's parts of the 64-row tiles run on two CTAs each, one a half of the output's
+    columns, where its block table is narrow (64 pages: UseColumnHalves in ffi/sm90/launch.cuh),
+    and whole where garbage columns widen it: both match the reference, each run twice
+    bit-identical."""
+    problem = make_problem(23, batch=1, q_len=q_len, num_heads=num_heads, page_size=64,
+                           seq_lens=[4000], dtype=jnp.bfloat16)
+    assert problem.block_tables.shape == (1, 64)
+    padding = np.random.default_rng(6).choice([-1, 10**6, 7], size=(1, extra_columns))
+    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
     problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
     first = sm90(problem)
     assert_close(*first, *reference(problem))

@@ -19,7 +19,8 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "split_release=2", "split_release=-2", "bf16_partials=2", "bf16_partials=-2",
          "bf16_partials=1,transposed", "combine_rows_in_flight=12", "combine_rows_in_flight=0",
          "staged_combine=2", "staged_combine=-2",
-         "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "cluster=3", "cluster=0",
+         "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "column_halves=2",
+         "column_halves=-2", "cluster=3", "cluster=0",
          "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0",
          "softmax_scale=0", "query_misaligned", "no_schedule", "min_blocks_per_part=0",
@@ -77,7 +78,13 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "schedule score_n=16,fp8=0 cost 12 min 1", "schedule score_n=16,fp8=1 cost 14 min 1",
             "schedule score_n=0,fp8=0 cost 14 min 1", "schedule score_n=0,fp8=1 cost 24 min 1",
             "schedule beyond one wave min 2", "schedule block_to_split_cost=5 cost 5",
-            "schedule min_blocks_per_part=3 min 3"]
+            "schedule min_blocks_per_part=3 min 3",
+            "halves rows=128,tokens=4096 1", "halves rows=128,tokens=4288 0",
+            "halves rows=128,tokens=16384 0", "halves rows=128,batch=2,tokens=2048 0",
+            "halves rows=64,tokens=8192 1", "halves rows=16,tokens=4096 0",
+            "halves rows=128,fp8,tokens=4096 0", "halves rows=128,tokens=4096,column_halves=0 0",
+            "halves rows=128,tokens=4096,split_release=1 0",
+            "halves rows=128,batch=512,column_halves=1 1"]
 
 
 def cutlass_include() -> str | None:

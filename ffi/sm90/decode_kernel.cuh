@@ -14,6 +14,9 @@
 //  - both warpgroups run PV over the 64 tokens for their own 256 output columns (WGMMA 64x256x16,
 //    V read as the transposed view of the KV tile in place), warpgroup 1 after rescaling its half
 //    of the output by warpgroup 0's factors;
+//  - with kColumnHalves (few requests, where the grid has more SMs than the schedule has blocks
+//    to share out) the grid holds two CTAs of each part and M tile: both score the part's blocks,
+//    each runs PV and the stores for 256 of the 512 columns, 128 a warpgroup;
 //  - a request handled whole writes bf16 output and LSE; a split one writes its partial output
 //    (bf16 in 64-row tiles, fp32 in the transposed kernels) and LSE to the workspace for the
 //    combine kernel.
@@ -147,6 +150,10 @@ __device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pip
 // done, warpgroup 0 its V chunks once the next QK^T is issued and its PV is done; warpgroup 0's PV
 // reads its own copy of P (the P tile), since the rope chunk may be refilled under it. With
 // kCluster == 2 each part's release arrives on both CTAs' barriers, as a whole stage's does.
+// kColumnHalves (the bf16 cache's 64-row tiles): args.num_parts parts in a grid of 2 x num_parts x
+// M tiles CTAs; CTA (part + num_parts half, M tile) walks the part's blocks as CTA (part, M tile)
+// does and keeps output columns [256 half, 256 half + 256): warpgroup w accumulates and stores
+// columns [128 (2 half + w), + 128), a 64 x 128 accumulator, and the LSE comes from half 0.
 // kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
 // convert them into the one bf16 KV tile, which QK^T and PV read.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
@@ -162,7 +169,7 @@ __device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pip
 //    once both halves are in the tile, warpgroup 0 scores the block as in the bf16 cache's 64-row
 //    tiles (kWg0Scores), with P over the tile's rope chunk.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false,
-          bool kSplitRelease = false>
+          bool kSplitRelease = false, bool kColumnHalves = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
@@ -180,6 +187,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 "each consumer warp's epilogue bounce slice fits the P tile");
   static_assert(!kSplitRelease || (kWg0Scores && !kFp8),
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles");
+  static_assert(!kColumnHalves || (kWg0Scores && !kFp8 && !kSplitRelease && kSkip == 0),
+                "column halves are the bf16 cache's 64-row tiles'");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -198,7 +207,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int rows = p.q_len * p.num_heads;
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
   const int mtile = blockIdx.x % m_tiles;
-  const int part = blockIdx.x / m_tiles;
+  // kColumnHalves: the output columns [256 half, 256 half + 256) of the part.
+  const int part = kColumnHalves ? blockIdx.x / m_tiles % args.num_parts : blockIdx.x / m_tiles;
+  const int half = kColumnHalves ? blockIdx.x / m_tiles / args.num_parts : 0;
 
   SetUpCta<kCluster, Layout, kSplitRelease>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
@@ -207,7 +218,10 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     // ---------------------------------------------------------------- producer warpgroup
     if constexpr (!kFp8 && kScoreN == 0) {
       if (p.batch <= kPrefetchMaxBatch && warp == kConsumerThreads / 32 + 1 && lane == 0) {
-        PrefetchFirstKvBlocks(p, args.num_parts, part, mtile, m_tiles);
+        // The part's CTAs of the two column halves ask for every other half block.
+        PrefetchFirstKvBlocks(p, args.num_parts, part,
+                              kColumnHalves ? mtile + m_tiles * half : mtile,
+                              kColumnHalves ? 2 * m_tiles : m_tiles);
       }
     }
     cutlass::arch::warpgroup_reg_dealloc<kProducerRegisters>();
@@ -245,10 +259,15 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const uint32_t p_addr = SmemAddr(p_tile);
   const float sl2 = args.scale_log2;
 
-  // Output accumulator of this warpgroup's 256 columns: O, 64 rows x 256 fp32 in one tile; with
-  // transposed scores O^T, four tiles of 64 columns x kScoreN rows (fragment_layout.h).
+  // Output accumulator of this warpgroup's 256 columns: O, 64 rows x 256 fp32 in one tile (with
+  // kColumnHalves 128 columns); with transposed scores O^T, four tiles of 64 columns x kScoreN
+  // rows (fragment_layout.h).
   constexpr int kOTiles = kScoreN > 0 ? kNumVChunks / kConsumerWarpgroups : 1;
-  constexpr int kOPerTile = kScoreN > 0 ? kScoreN / 2 : kLatentDim / kConsumerWarpgroups / 2;
+  constexpr int kOPerTile = kScoreN > 0     ? kScoreN / 2
+                            : kColumnHalves ? kLatentDim / 4 / 2
+                                            : kLatentDim / kConsumerWarpgroups / 2;
+  // kColumnHalves: this warpgroup's output columns [128 quarter, 128 quarter + 128).
+  const int quarter = 2 * half + wg;
   float o_tiles[kOTiles][kOPerTile];
   float (&o)[kOPerTile] = o_tiles[0];
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
@@ -614,7 +633,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // With kSplitRelease warpgroup 0 reads its own copy of P (the P tile): the rope chunk may
         // be refilled under its PV.
         const uint32_t pv_p_addr = SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block);
-        IssuePv<(kSkip & 2) != 0>(o, kv_addr, pv_p_addr, wg);
+        IssuePv<(kSkip & 2) != 0>(o, kv_addr, pv_p_addr, kColumnHalves ? quarter : wg);
       }
       cute::warpgroup_commit_batch();
       if (kSplitRelease && wg == 0) {
@@ -665,8 +684,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
                                m, sl2);
     } else {
-    StorePlain(p, seg_info, part, args.num_parts, rows, wg, lane, r0, gr0, gr1, o, l0, l1, m0, m1,
-               sl2, args.bf16_partials, row_sum, p_tile + warp * kBounceBytes);
+    StorePlain(p, seg_info, part, args.num_parts, rows, wg, quarter, wg == 0 && half == 0, lane, r0,
+               gr0, gr1, o, l0, l1, m0, m1, sl2, args.bf16_partials, row_sum,
+               p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
     SM90_TRACE(kTraceStoreEnd, 0);
     ++seg;

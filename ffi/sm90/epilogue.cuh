@@ -103,13 +103,17 @@ __device__ __forceinline__ void FlushPiece(uint8_t* bounce, int lane, RowDst row
 // thread's rows r0 and r1 = r0 + 8 of the M tile (query rows gr0, gr1; rows >= rows are padding):
 // bf16 out x output_scale and LSE for a request handled whole; partial out (fp32, or bf16 with
 // bf16_partials) and LSE in the workspace for a split one, through the warp's bounce slice of the
-// P tile. m0, m1 are the rows' maxima (in score units), l0, l1 this warpgroup's row sums over its
-// quad.
+// P tile. o holds output columns [256 wg, 256 wg + 256) (N = 128 values), or with column halves
+// (N = 64) columns [128 quarter, 128 quarter + 128); the LSE is written where writes_lse. m0, m1
+// are the rows' maxima (in score units), l0, l1 this warpgroup's row sums over its quad.
+template <int N>
 __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment& seg, int part,
-                                           int num_parts, int rows, int wg, int lane, int r0,
-                                           int gr0, int gr1, const float (&o)[128], float l0,
-                                           float l1, float m0, float m1, float scale_log2,
-                                           bool bf16_partials, float* row_sum, uint8_t* bounce) {
+                                           int num_parts, int rows, int wg, int quarter,
+                                           bool writes_lse, int lane, int r0, int gr0, int gr1,
+                                           const float (&o)[N], float l0, float l1, float m0,
+                                           float m1, float scale_log2, bool bf16_partials,
+                                           float* row_sum, uint8_t* bounce) {
+  static_assert(N == 128 || N == 64, "a warpgroup's 256 or 128 columns");
   const int r1 = r0 + 8;
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
   l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
@@ -126,7 +130,7 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   const float inv1 = RowInverse(sum1);
   const float lse0 = RowLse(m0, sum0, scale_log2);
   const float lse1 = RowLse(m1, sum1, scale_log2);
-  const int col0 = wg * (kLatentDim / 2);
+  const int col0 = N == 128 ? wg * (kLatentDim / 2) : quarter * (kLatentDim / 4);
   // Query row of piece row r of the warp's rows half h (rows r0 - lane / 4 + 8 h + r).
   const int warp_row0 = gr0 - lane / 4;
   const int quad = lane % 4;
@@ -141,7 +145,7 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
     float* lse_out = seg.whole ? p.lse : part_lse;
     const size_t row_base = seg.whole ? static_cast<size_t>(seg.b) * rows : slot_row;
     const float scale = seg.whole ? p.output_scale : 1.f;
-    if (wg == 0 && (lane & 3) == 0) {
+    if (writes_lse && (lane & 3) == 0) {
       if (gr0 < rows) lse_out[row_base + gr0] = lse0;
       if (gr1 < rows) lse_out[row_base + gr1] = lse1;
     }
@@ -149,8 +153,8 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
     for (int h = 0; h < 2; ++h) {
       const float f = (h == 0 ? inv0 : inv1) * scale;
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        // Columns [64 c, 64 c + 64) of the warpgroup's 256: eight-column groups 8 c .. 8 c + 7,
+      for (int c = 0; c < N / 32; ++c) {
+        // Columns [64 c, 64 c + 64) of the warpgroup's: eight-column groups 8 c .. 8 c + 7,
         // each an 8 x 8 bf16 matrix that stmatrix writes as one 16-byte chunk per piece row.
 #pragma unroll
         for (int t = 0; t < 2; ++t) {
@@ -176,7 +180,7 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
     }
   } else {
     float* part_out = reinterpret_cast<float*>(wsb + ws.partial_out);
-    if (wg == 0 && (lane & 3) == 0) {
+    if (writes_lse && (lane & 3) == 0) {
       if (gr0 < rows) part_lse[slot_row + gr0] = lse0;
       if (gr1 < rows) part_lse[slot_row + gr1] = lse1;
     }
@@ -184,8 +188,8 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
     for (int h = 0; h < 2; ++h) {
       const float f = h == 0 ? inv0 : inv1;
 #pragma unroll
-      for (int c = 0; c < 8; ++c) {
-        // Columns [32 c, 32 c + 32) of the warpgroup's 256: groups 4 c .. 4 c + 3, 32 bytes of
+      for (int c = 0; c < N / 16; ++c) {
+        // Columns [32 c, 32 c + 32) of the warpgroup's: groups 4 c .. 4 c + 3, 32 bytes of
         // float32 each per row; this lane's pair sits in chunk 2 i + quad / 2.
 #pragma unroll
         for (int i = 0; i < 4; ++i) {

@@ -66,6 +66,9 @@ struct LaunchOptions {
                               // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
                               // 17-32) instead of DecodeKernel's transposed path: -1 (default)
                               // and 1 yes, 0 no
+  int column_halves = -1;     // DecodeKernel's kColumnHalves in the bf16 cache's 64-row tiles
+                              // (not with the split release or experiments): -1 (default) where
+                              // UseColumnHalves' rule takes it, 1 always, 0 never
   int block_to_split_cost = -1;  // SplitUnits' ratio in the schedule the kernels read: -1
                                  // (default) the kernel's (ScheduleAsRead), else at least 1
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
@@ -336,6 +339,14 @@ inline bool UseSplitRelease(const LaunchOptions& options) { return options.split
 #define JAX_MLA_SM90_EXPERIMENT_KERNEL(...) nullptr
 #endif
 
+// DecodeKernel with kColumnHalves for a cluster of 1 or 2 CTAs.
+inline const void* ColumnHalvesKernel(int cluster) {
+  if (cluster == 2) {
+    return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, false, false, true>);
+  }
+  return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, false, false, true>);
+}
+
 // The decode kernel for these options, rows and cache format; nullptr for a combination that has
 // none (the fp8 cache has no experiments, clusters or late release) or whose kernel this build
 // leaves out (JAX_MLA_SM90_EXPERIMENT_KERNEL).
@@ -428,6 +439,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
       options.staged_combine < -1 || options.staged_combine > 1 ||
+      options.column_halves < -1 || options.column_halves > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
       (options.combine_rows_in_flight != -1 &&
        WideCombineKernel(options.combine_rows_in_flight, false) == nullptr) ||
@@ -525,6 +537,27 @@ inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_
   return sp;
 }
 
+// Whether the bf16 cache's 64-row tiles run with kColumnHalves over `parts` / 2 parts (DecodeKernel;
+// a grid of `parts` x M tiles holds two CTAs of each part): by default where, were every request
+// as long as the block table allows, half the parts would hold the schedule's blocks in parts no
+// longer than all of them do (few requests, whose blocks leave half the SMs idle;
+// docs/sm90-kernel.md, "Column halves"), 1 always, 0 never; not with the split release or
+// experiments.
+inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p, int score_n,
+                            int parts) {
+  if (options.column_halves == 0 || p.kv_fp8 || score_n != 0 || !options.early_release ||
+      UseSplitRelease(options) || options.experiment != 0 || parts < 2) {
+    return false;
+  }
+  if (options.column_halves == 1) return true;
+  const DecodeParams sp = ScheduleAsRead(p, score_n, true, options.block_to_split_cost);
+  const long long most = static_cast<long long>(p.batch) *
+                         RequestCost(INT32_MAX, p.max_pages, p.page_size, sp.fixed_cost_blocks);
+  if (most > INT32_MAX) return false;
+  const int total = static_cast<int>(most);
+  return UnitsPerPart(sp, total, parts / 2) == UnitsPerPart(sp, total, parts);
+}
+
 // ChooseKernel's checks alone.
 inline cudaError_t CheckLaunch(const DecodeParams& p, const LaunchOptions& options) {
   KernelChoice choice;
@@ -542,7 +575,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const int rows = choice.rows;
   const int m_tiles = choice.m_tiles;
   const int cluster = choice.cluster;
-  const void* kernel = choice.kernel;
+  const void* kernel = choice.kernel;  // replaced below with column halves
   const int score_n = choice.score_n;
   const int smem_bytes = detail::KernelSmemBytes(options, p.kv_fp8, score_n);
   detail::KernelInfo info;
@@ -554,6 +587,15 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
     const int fit = info.max_clusters * cluster / m_tiles;  // parts whose clusters all fit at once
     if (fit >= 1 && fit < parts) parts = fit;
   }
+  // With column halves `parts` counts the schedule's parts, and the grid holds two CTAs of each.
+  const bool column_halves = detail::UseColumnHalves(options, p, score_n, parts);
+  if (column_halves) {
+    parts /= 2;
+    kernel = detail::ColumnHalvesKernel(cluster);
+    err = detail::Prepare(kernel, kThreads, cluster, smem_bytes, &info);
+    if (err != cudaSuccess) return err;
+  }
+  const int grid_parts = column_halves ? 2 * parts : parts;
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
   const bool bf16_partials = detail::UseBf16Partials(options, score_n);
   // The 32- and 16-row wide combines' occupancy, where the wide combine runs.
@@ -588,7 +630,8 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   args.bf16_partials = bf16_partials;
   args.q_box_rows = rows < kBlockM ? rows : kBlockM;
   const bool evict_first =
-      options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) : options.kv_evict_first != 0;
+      options.kv_evict_first < 0 ? (m_tiles == 1 || cluster == m_tiles) && !column_halves
+                                 : options.kv_evict_first != 0;
   args.kv_cache_hint = static_cast<uint64_t>(evict_first ? cute::TMA::CacheHintSm90::EVICT_FIRST
                                                          : cute::TMA::CacheHintSm90::EVICT_NORMAL);
   args.scale_log2 = p.softmax_scale * 1.4426950408889634f;
@@ -606,9 +649,10 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   void* decode_args[] = {&q_map, &kv_map, &args};
   // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
-  // same KV tiles, start side by side (and a cluster of two is a pair of them).
-  err = detail::LaunchEx(kernel, dim3(parts * m_tiles), dim3(kThreads), smem_bytes, p.enable_pdl,
-                         stream, decode_args, cluster);
+  // same KV tiles, start side by side (and a cluster of two is a pair of them); with column halves
+  // CTA (part, M tile) of the columns' upper half is (parts + part) x m_tiles + M tile.
+  err = detail::LaunchEx(kernel, dim3(grid_parts * m_tiles), dim3(kThreads), smem_bytes,
+                         p.enable_pdl, stream, decode_args, cluster);
   if (err != cudaSuccess || !options.combine) return err;
 
   int num_parts = parts;

@@ -22,6 +22,8 @@ using QkMma64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::
                                                                cute::SM90::GMMA::Major::K>;
 using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                               cute::SM90::GMMA::Major::MN>;
+using PvMma128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                                 cute::SM90::GMMA::Major::MN>;
 // The transposed products, m64 x kN x k16 with B K-major and N = the query rows (16 or 32), as
 // CuTe selects them: S^T = K Q^T (A = the KV tile, K-major) and O^T = V^T P^T (A = V^T, the KV tile
 // read MN-major), both operands in shared memory (TransposedMma); with A from registers and
@@ -128,6 +130,20 @@ __device__ __forceinline__ void PvMmas(float (&o)[kLatentDim / kConsumerWarpgrou
   }
 }
 
+// DecodeKernel's kColumnHalves: the WGMMAs of O[:, 128 quarter : 128 quarter + 128] += P V over a
+// 64-token block (a warpgroup's 64 x 128 accumulator), otherwise as PvMmas.
+template <bool kSkipPv>
+__device__ __forceinline__ void PvMmasQuarter(float (&o)[kLatentDim / 4 / 2], uint32_t kv_addr,
+                                              uint32_t p_addr, int quarter) {
+  constexpr int kQuarterChunks = kNumVChunks / 4;
+  const uint64_t p_desc = KMajorDesc(p_addr);
+  const uint64_t v_desc = MNMajorDesc(kv_addr + quarter * kQuarterChunks * kChunkBytes);
+#pragma unroll
+  for (int kk = 0; kk < (kSkipPv ? 0 : kBlockN / 16); ++kk) {
+    Gmma<PvMma128>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
+  }
+}
+
 // PvMmas after fencing the accumulator and arriving (no WGMMA of it in flight); the caller commits
 // and waits.
 template <bool kSkipPv, int kTokens = kBlockN>
@@ -136,6 +152,15 @@ __device__ __forceinline__ void IssuePv(float (&o)[kLatentDim / kConsumerWarpgro
   FenceRegisters(o);
   cute::warpgroup_arrive();
   PvMmas<kSkipPv, kTokens>(o, kv_addr, p_addr, wg);
+}
+
+// IssuePv for column halves: PvMmasQuarter after fencing and arriving.
+template <bool kSkipPv>
+__device__ __forceinline__ void IssuePv(float (&o)[kLatentDim / 4 / 2], uint32_t kv_addr,
+                                        uint32_t p_addr, int quarter) {
+  FenceRegisters(o);
+  cute::warpgroup_arrive();
+  PvMmasQuarter<kSkipPv>(o, kv_addr, p_addr, quarter);
 }
 
 }  // namespace detail

@@ -37,10 +37,11 @@ __device__ __forceinline__ float NextRowMax(float m, float m_blk, float scale_lo
   return MovesRowMax(m, m_blk, scale_log2) ? m_blk : m;
 }
 
-// Multiplies a warpgroup's 64 x 256 accumulator fragment by its two rows' factors.
-__device__ __forceinline__ void RescaleRows(float (&o)[128], float alpha0, float alpha1) {
+// Multiplies a warpgroup's 64 x (N / 2) accumulator fragment by its two rows' factors.
+template <int N>
+__device__ __forceinline__ void RescaleRows(float (&o)[N], float alpha0, float alpha1) {
 #pragma unroll
-  for (int j = 0; j < 32; ++j) {
+  for (int j = 0; j < N / 4; ++j) {
     o[4 * j + 0] *= alpha0;
     o[4 * j + 1] *= alpha0;
     o[4 * j + 2] *= alpha1;
