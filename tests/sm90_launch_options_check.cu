@@ -273,9 +273,9 @@ int main() {
   p.min_blocks_per_part = 3;
   std::printf("schedule min_blocks_per_part=3 min %d\n",
               detail::ScheduleAsRead(p, 0, true).min_blocks_per_part);
-  // Column halves for the bf16 cache's 64-row tiles where, were every request as long as the
-  // block table allows, half the parts would hold its blocks in parts no longer than all of them
-  // do (pages of 64, q_len 1, 132 SMs).
+  // Column halves for the bf16 cache's 64-row tiles of up to two requests and two M tiles where,
+  // were every request as long as the block table allows, half the parts would be at most 5/3 as
+  // long as all of them (pages of 64, q_len 1, 132 SMs).
   struct HalvesCase {
     const char* name;
     int heads, batch, max_pages;
@@ -285,8 +285,11 @@ int main() {
   const HalvesCase halves_cases[] = {
       {"rows=128,tokens=4096", 128, 1, 64, false, -1, -1},
       {"rows=128,tokens=4288", 128, 1, 67, false, -1, -1},
+      {"rows=128,tokens=12288", 128, 1, 192, false, -1, -1},
       {"rows=128,tokens=16384", 128, 1, 256, false, -1, -1},
       {"rows=128,batch=2,tokens=2048", 128, 2, 32, false, -1, -1},
+      {"rows=128,batch=3,tokens=1024", 128, 3, 16, false, -1, -1},
+      {"rows=256,tokens=4096", 256, 1, 64, false, -1, -1},
       {"rows=64,tokens=8192", 64, 1, 128, false, -1, -1},
       {"rows=16,tokens=4096", 16, 1, 64, false, -1, -1},
       {"rows=128,fp8,tokens=4096", 128, 1, 64, true, -1, -1},

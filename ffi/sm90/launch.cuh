@@ -537,12 +537,15 @@ inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_
   return sp;
 }
 
+// Column halves by default (UseColumnHalves) with at most this many requests and M tiles.
+constexpr int kColumnHalvesMaxBatch = 2;
+constexpr int kColumnHalvesMaxMTiles = 2;
+
 // Whether the bf16 cache's 64-row tiles run with kColumnHalves over `parts` / 2 parts (DecodeKernel;
-// a grid of `parts` x M tiles holds two CTAs of each part): by default where, were every request
-// as long as the block table allows, half the parts would hold the schedule's blocks in parts no
-// longer than all of them do (few requests, whose blocks leave half the SMs idle;
-// docs/sm90-kernel.md, "Column halves"), 1 always, 0 never; not with the split release or
-// experiments.
+// a grid of `parts` x M tiles holds two CTAs of each part): 1 always, 0 never, and by default for
+// up to kColumnHalvesMaxBatch requests of up to kColumnHalvesMaxMTiles M tiles where, were every
+// request as long as the block table allows, half the parts would be at most 5/3 as long as all
+// of them (docs/sm90-kernel.md, "Column halves"); not with the split release or experiments.
 inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p, int score_n,
                             int parts) {
   if (options.column_halves == 0 || p.kv_fp8 || score_n != 0 || !options.early_release ||
@@ -550,12 +553,15 @@ inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p,
     return false;
   }
   if (options.column_halves == 1) return true;
+  if (p.batch > kColumnHalvesMaxBatch || NumMTiles(p.q_len, p.num_heads) > kColumnHalvesMaxMTiles) {
+    return false;
+  }
   const DecodeParams sp = ScheduleAsRead(p, score_n, true, options.block_to_split_cost);
   const long long most = static_cast<long long>(p.batch) *
                          RequestCost(INT32_MAX, p.max_pages, p.page_size, sp.fixed_cost_blocks);
   if (most > INT32_MAX) return false;
   const int total = static_cast<int>(most);
-  return UnitsPerPart(sp, total, parts / 2) == UnitsPerPart(sp, total, parts);
+  return 3LL * UnitsPerPart(sp, total, parts / 2) <= 5LL * UnitsPerPart(sp, total, parts);
 }
 
 // ChooseKernel's checks alone.
