@@ -266,8 +266,9 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   constexpr int kOPerTile = kScoreN > 0     ? kScoreN / 2
                             : kColumnHalves ? kLatentDim / 4 / 2
                                             : kLatentDim / kConsumerWarpgroups / 2;
-  // kColumnHalves: this warpgroup's output columns [128 quarter, 128 quarter + 128).
-  const int quarter = 2 * half + wg;
+  // The 64-row tiles: this warpgroup's output columns, block col_block of 2 kOPerTile columns
+  // ([256 wg, 256 wg + 256), or with kColumnHalves [128 (2 half + wg), + 128)).
+  const int col_block = kColumnHalves ? 2 * half + wg : wg;
   float o_tiles[kOTiles][kOPerTile];
   float (&o)[kOPerTile] = o_tiles[0];
   float s_acc[kBlockM * kHalfN / 128];            // 64 x 32 fp32 over 128 threads
@@ -633,7 +634,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
         // With kSplitRelease warpgroup 0 reads its own copy of P (the P tile): the rope chunk may
         // be refilled under its PV.
         const uint32_t pv_p_addr = SmemAddr(kSplitRelease && wg == 0 ? p_tile : p_block);
-        IssuePv<(kSkip & 2) != 0>(o, kv_addr, pv_p_addr, kColumnHalves ? quarter : wg);
+        IssuePv<(kSkip & 2) != 0>(o, kv_addr, pv_p_addr, col_block);
       }
       cute::warpgroup_commit_batch();
       if (kSplitRelease && wg == 0) {
@@ -684,8 +685,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       StoreTransposed<kScoreN>(p, seg_info, part, args.num_parts, rows, wg, wg_tid, o_tiles, l,
                                m, sl2);
     } else {
-    StorePlain(p, seg_info, part, args.num_parts, rows, wg, quarter, wg == 0 && half == 0, lane, r0,
-               gr0, gr1, o, l0, l1, m0, m1, sl2, args.bf16_partials, row_sum,
+    StorePlain(p, seg_info, part, args.num_parts, rows, wg, col_block, wg == 0 && half == 0, lane,
+               r0, gr0, gr1, o, l0, l1, m0, m1, sl2, args.bf16_partials, row_sum,
                p_tile + warp * kBounceBytes);
     }  // kScoreN == 0
     SM90_TRACE(kTraceStoreEnd, 0);

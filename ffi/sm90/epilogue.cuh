@@ -103,12 +103,12 @@ __device__ __forceinline__ void FlushPiece(uint8_t* bounce, int lane, RowDst row
 // thread's rows r0 and r1 = r0 + 8 of the M tile (query rows gr0, gr1; rows >= rows are padding):
 // bf16 out x output_scale and LSE for a request handled whole; partial out (fp32, or bf16 with
 // bf16_partials) and LSE in the workspace for a split one, through the warp's bounce slice of the
-// P tile. o holds output columns [256 wg, 256 wg + 256) (N = 128 values), or with column halves
-// (N = 64) columns [128 quarter, 128 quarter + 128); the LSE is written where writes_lse. m0, m1
-// are the rows' maxima (in score units), l0, l1 this warpgroup's row sums over its quad.
+// P tile. o holds output columns [2 N col_block, 2 N col_block + 2 N): 256 columns, or 128 with
+// column halves; the LSE is written where writes_lse. m0, m1 are the rows' maxima (in score
+// units), l0, l1 this warpgroup's row sums over its quad.
 template <int N>
 __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment& seg, int part,
-                                           int num_parts, int rows, int wg, int quarter,
+                                           int num_parts, int rows, int wg, int col_block,
                                            bool writes_lse, int lane, int r0, int gr0, int gr1,
                                            const float (&o)[N], float l0, float l1, float m0,
                                            float m1, float scale_log2, bool bf16_partials,
@@ -130,7 +130,7 @@ __device__ __forceinline__ void StorePlain(const DecodeParams& p, const Segment&
   const float inv1 = RowInverse(sum1);
   const float lse0 = RowLse(m0, sum0, scale_log2);
   const float lse1 = RowLse(m1, sum1, scale_log2);
-  const int col0 = N == 128 ? wg * (kLatentDim / 2) : quarter * (kLatentDim / 4);
+  const int col0 = col_block * 2 * N;
   // Query row of piece row r of the warp's rows half h (rows r0 - lane / 4 + 8 h + r).
   const int warp_row0 = gr0 - lane / 4;
   const int quad = lane % 4;

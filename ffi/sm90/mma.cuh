@@ -20,10 +20,12 @@ using QkMma = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Ma
                                                              cute::SM90::GMMA::Major::K>;
 using QkMma64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                                cute::SM90::GMMA::Major::K>;
-using PvMma = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                              cute::SM90::GMMA::Major::MN>;
-using PvMma128 = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
-                                                                 cute::SM90::GMMA::Major::MN>;
+// PV of the 64-row tiles on a warpgroup's 256 output columns, or 128 with column halves.
+template <int kColumns>
+using PvMma = decltype(cute::SM90::GMMA::ss_op_selector<
+                       cute::bfloat16_t, cute::bfloat16_t, float,
+                       cute::Shape<cute::_64, cute::Int<kColumns>, cute::_16>,
+                       cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>());
 // The transposed products, m64 x kN x k16 with B K-major and N = the query rows (16 or 32), as
 // CuTe selects them: S^T = K Q^T (A = the KV tile, K-major) and O^T = V^T P^T (A = V^T, the KV tile
 // read MN-major), both operands in shared memory (TransposedMma); with A from registers and
@@ -111,56 +113,36 @@ __device__ __forceinline__ void IssueTransposedPv(float (&o_tiles)[kOTiles][kOPe
   }
 }
 
-// The 64-row tiles: the WGMMAs of O[:, 256 wg : 256 wg + 256] += P V over a block's kTokens tokens
-// (V read MN-major from the KV tile at kv_addr, whose chunks hold kTokens rows; P at p_addr,
-// K-major: 128-byte rows for 64 tokens, 64-byte rows for the seesaw's 32), inside the
+// The 64-row tiles: the WGMMAs of O[:, C col_block : C col_block + C] += P V over a block's
+// kTokens tokens, C = 2 N output columns (a warpgroup's 64 x C accumulator o: 256 columns, or 128
+// with column halves; V read MN-major from the KV tile at kv_addr, whose chunks hold kTokens rows;
+// P at p_addr, K-major: 128-byte rows for 64 tokens, 64-byte rows for the seesaw's 32), inside the
 // caller's arrive and commit (chained on an accumulator whose WGMMAs may still be in flight).
 // kSkipPv (a timing experiment) issues none.
-template <bool kSkipPv, int kTokens = kBlockN>
-__device__ __forceinline__ void PvMmas(float (&o)[kLatentDim / kConsumerWarpgroups / 2],
-                                       uint32_t kv_addr, uint32_t p_addr, int wg) {
+template <bool kSkipPv, int kTokens = kBlockN, int N>
+__device__ __forceinline__ void PvMmas(float (&o)[N], uint32_t kv_addr, uint32_t p_addr,
+                                       int col_block) {
   static_assert(kTokens == kBlockN || kTokens == kBlockN / 2, "64- or 32-token blocks");
+  static_assert(N == 128 || N == 64, "256 or 128 output columns");
   constexpr int kTileChunkBytes = kTokens * kRowBytes;
+  constexpr int kChunksPerBlock = 2 * N / kChunkCols;
   const uint64_t p_desc = kTokens == kBlockN ? KMajorDesc(p_addr) : KMajorDesc64B(p_addr);
   const uint64_t v_desc =
-      MNMajorDesc<kTileChunkBytes>(kv_addr + wg * (kNumVChunks / 2) * kTileChunkBytes);
+      MNMajorDesc<kTileChunkBytes>(kv_addr + col_block * kChunksPerBlock * kTileChunkBytes);
 #pragma unroll
   for (int kk = 0; kk < (kSkipPv ? 0 : kTokens / 16); ++kk) {
-    Gmma<PvMma>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
-  }
-}
-
-// DecodeKernel's kColumnHalves: the WGMMAs of O[:, 128 quarter : 128 quarter + 128] += P V over a
-// 64-token block (a warpgroup's 64 x 128 accumulator), otherwise as PvMmas.
-template <bool kSkipPv>
-__device__ __forceinline__ void PvMmasQuarter(float (&o)[kLatentDim / 4 / 2], uint32_t kv_addr,
-                                              uint32_t p_addr, int quarter) {
-  constexpr int kQuarterChunks = kNumVChunks / 4;
-  const uint64_t p_desc = KMajorDesc(p_addr);
-  const uint64_t v_desc = MNMajorDesc(kv_addr + quarter * kQuarterChunks * kChunkBytes);
-#pragma unroll
-  for (int kk = 0; kk < (kSkipPv ? 0 : kBlockN / 16); ++kk) {
-    Gmma<PvMma128>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
+    Gmma<PvMma<2 * N>>(DescAdd(p_desc, kk * 32), DescAdd(v_desc, kk * 16 * kRowBytes), o, true);
   }
 }
 
 // PvMmas after fencing the accumulator and arriving (no WGMMA of it in flight); the caller commits
 // and waits.
-template <bool kSkipPv, int kTokens = kBlockN>
-__device__ __forceinline__ void IssuePv(float (&o)[kLatentDim / kConsumerWarpgroups / 2],
-                                        uint32_t kv_addr, uint32_t p_addr, int wg) {
+template <bool kSkipPv, int kTokens = kBlockN, int N>
+__device__ __forceinline__ void IssuePv(float (&o)[N], uint32_t kv_addr, uint32_t p_addr,
+                                        int col_block) {
   FenceRegisters(o);
   cute::warpgroup_arrive();
-  PvMmas<kSkipPv, kTokens>(o, kv_addr, p_addr, wg);
-}
-
-// IssuePv for column halves: PvMmasQuarter after fencing and arriving.
-template <bool kSkipPv>
-__device__ __forceinline__ void IssuePv(float (&o)[kLatentDim / 4 / 2], uint32_t kv_addr,
-                                        uint32_t p_addr, int quarter) {
-  FenceRegisters(o);
-  cute::warpgroup_arrive();
-  PvMmasQuarter<kSkipPv>(o, kv_addr, p_addr, quarter);
+  PvMmas<kSkipPv, kTokens>(o, kv_addr, p_addr, col_block);
 }
 
 }  // namespace detail
