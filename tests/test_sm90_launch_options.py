@@ -87,7 +87,7 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "halves rows=128,batch=2,tokens=2048 1", "halves rows=128,batch=3,tokens=1024 0",
             "halves rows=256,tokens=4096 0",
             "halves rows=64,tokens=8192 1", "halves rows=16,tokens=4096 0",
-            "halves rows=128,fp8,tokens=4096 0", "halves rows=128,tokens=4096,column_halves=0 0",
+            "halves rows=128,fp8,tokens=4096 1", "halves rows=128,tokens=4096,column_halves=0 0",
             "halves rows=128,tokens=4096,split_release=1 0",
             "halves rows=128,batch=512,column_halves=1 1"]
 
