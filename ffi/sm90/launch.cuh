@@ -538,15 +538,20 @@ inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_
   return sp;
 }
 
-// Column halves by default (UseColumnHalves) with at most this many requests and M tiles.
+// UseColumnHalves' default: at most this many requests and M tiles, and half the parts at most
+// num / den times as long as all of them (less on the fp8 cache, whose blocks also convert their
+// tile, in both CTAs of a part).
 constexpr int kColumnHalvesMaxBatch = 2;
 constexpr int kColumnHalvesMaxMTiles = 2;
+constexpr int kColumnHalvesLongerNum = 5, kColumnHalvesLongerDen = 3;
+constexpr int kColumnHalvesLongerNumFp8 = 3, kColumnHalvesLongerDenFp8 = 2;
 
 // Whether the 64-row tiles run with kColumnHalves over `parts` / 2 parts (DecodeKernel;
 // a grid of `parts` x M tiles holds two CTAs of each part): 1 always, 0 never, and by default for
 // up to kColumnHalvesMaxBatch requests of up to kColumnHalvesMaxMTiles M tiles where, were every
 // request as long as the block table allows, half the parts would be at most 5/3 as long as all
-// of them (docs/sm90-kernel.md, "Column halves"); not with the split release or experiments.
+// of them, 3/2 on the fp8 cache (docs/sm90-kernel.md, "Column halves"); not with the split
+// release or experiments.
 inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p, int score_n,
                             int parts) {
   if (options.column_halves == 0 || score_n != 0 || !options.early_release ||
@@ -562,7 +567,9 @@ inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p,
                          RequestCost(INT32_MAX, p.max_pages, p.page_size, sp.fixed_cost_blocks);
   if (most > INT32_MAX) return false;
   const int total = static_cast<int>(most);
-  return 3LL * UnitsPerPart(sp, total, parts / 2) <= 5LL * UnitsPerPart(sp, total, parts);
+  const long long num = p.kv_fp8 ? kColumnHalvesLongerNumFp8 : kColumnHalvesLongerNum;
+  const long long den = p.kv_fp8 ? kColumnHalvesLongerDenFp8 : kColumnHalvesLongerDen;
+  return den * UnitsPerPart(sp, total, parts / 2) <= num * UnitsPerPart(sp, total, parts);
 }
 
 // ChooseKernel's checks alone.
