@@ -223,7 +223,7 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
 # column halves, and the fp8 cache's 64-row tiles.
 DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0, 0), (1, 0, 1, 32, 0, 0, 0), (1, 0, 1, 0, 0, 0, 0),
                           (1, 0, 2, 0, 0, 0, 0), (1, 0, 1, 0, 1, 0, 0), (1, 0, 1, 0, 0, 0, 1),
-                          (1, 0, 2, 0, 0, 0, 1)}
+                          (1, 0, 2, 0, 0, 0, 1), (1, 0, 1, 0, 1, 0, 1)}
 
 
 def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_path):

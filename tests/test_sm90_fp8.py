@@ -66,6 +66,25 @@ def test_skewed_lengths_and_output_scale_on_the_fp8_cache(num_heads, q_len):
     assert_identical(first, sm90(problem, output_scale=0.37))
 
 
+@pytest.mark.parametrize("num_heads", [128, 64])
+@pytest.mark.parametrize("extra_columns", [0, 400])
+@on_gpu
+def test_both_sides_of_the_column_halves_rule_on_the_fp8_cache(num_heads, extra_columns):
+    """One request's parts of the 64-row tiles on two CTAs each, one a half of the output's
+    columns, where its block table is narrow (64 pages: UseColumnHalves in ffi/sm90/launch.cuh),
+    and whole where garbage columns widen it: both match the reference, each run twice
+    bit-identical."""
+    problem, source = sm90_fp8_problem(24, batch=1, q_len=1, num_heads=num_heads, page_size=64,
+                                       seq_lens=[4000])
+    assert problem.block_tables.shape == (1, 64)
+    padding = np.random.default_rng(7).choice([-1, 10**6, 7], size=(1, extra_columns))
+    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
+    problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+    first = sm90(problem)
+    check_both(problem, source, *first)
+    assert_identical(first, sm90(problem))
+
+
 @pytest.mark.parametrize("num_heads,q_len", [(16, 1), (16, 2), (128, 1)])
 @on_gpu
 def test_values_growing_along_each_request_on_the_fp8_cache(num_heads, q_len):

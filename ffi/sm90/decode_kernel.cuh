@@ -150,7 +150,7 @@ __device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pip
 // done, warpgroup 0 its V chunks once the next QK^T is issued and its PV is done; warpgroup 0's PV
 // reads its own copy of P (the P tile), since the rope chunk may be refilled under it. With
 // kCluster == 2 each part's release arrives on both CTAs' barriers, as a whole stage's does.
-// kColumnHalves (the bf16 cache's 64-row tiles): args.num_parts parts in a grid of 2 x num_parts x
+// kColumnHalves (the 64-row tiles): args.num_parts parts in a grid of 2 x num_parts x
 // M tiles CTAs; CTA (part + num_parts half, M tile) walks the part's blocks as CTA (part, M tile)
 // does and keeps output columns [256 half, 256 half + 256): warpgroup w accumulates and stores
 // columns [128 (2 half + w), + 128), a 64 x 128 accumulator, and the LSE comes from half 0.
@@ -187,8 +187,8 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 "each consumer warp's epilogue bounce slice fits the P tile");
   static_assert(!kSplitRelease || (kWg0Scores && !kFp8),
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles");
-  static_assert(!kColumnHalves || (kWg0Scores && !kFp8 && !kSplitRelease && kSkip == 0),
-                "column halves are the bf16 cache's 64-row tiles'");
+  static_assert(!kColumnHalves || (kWg0Scores && !kSplitRelease && kSkip == 0),
+                "column halves are the 64-row tiles'");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;

@@ -66,7 +66,7 @@ struct LaunchOptions {
                               // kernels (DecodeFp8RegsKernel up to 16, DecodeFp8SplitKernel
                               // 17-32) instead of DecodeKernel's transposed path: -1 (default)
                               // and 1 yes, 0 no
-  int column_halves = -1;     // DecodeKernel's kColumnHalves in the bf16 cache's 64-row tiles
+  int column_halves = -1;     // DecodeKernel's kColumnHalves in the 64-row tiles
                               // (not with the split release or experiments): -1 (default) where
                               // UseColumnHalves' rule takes it, 1 always, 0 never
   int block_to_split_cost = -1;  // SplitUnits' ratio in the schedule the kernels read: -1
@@ -339,8 +339,9 @@ inline bool UseSplitRelease(const LaunchOptions& options) { return options.split
 #define JAX_MLA_SM90_EXPERIMENT_KERNEL(...) nullptr
 #endif
 
-// DecodeKernel with kColumnHalves for a cluster of 1 or 2 CTAs.
-inline const void* ColumnHalvesKernel(int cluster) {
+// DecodeKernel with kColumnHalves for a cluster of 1 or 2 CTAs (the fp8 cache: 1).
+inline const void* ColumnHalvesKernel(int cluster, bool fp8) {
+  if (fp8) return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, true, false, true>);
   if (cluster == 2) {
     return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 2, 0, false, false, true>);
   }
@@ -537,18 +538,23 @@ inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_
   return sp;
 }
 
-// Column halves by default (UseColumnHalves) with at most this many requests and M tiles.
+// UseColumnHalves' default: at most this many requests and M tiles, and half the parts at most
+// num / den times as long as all of them (less on the fp8 cache, whose blocks also convert their
+// tile, in both CTAs of a part).
 constexpr int kColumnHalvesMaxBatch = 2;
 constexpr int kColumnHalvesMaxMTiles = 2;
+constexpr int kColumnHalvesLongerNum = 5, kColumnHalvesLongerDen = 3;
+constexpr int kColumnHalvesLongerNumFp8 = 3, kColumnHalvesLongerDenFp8 = 2;
 
-// Whether the bf16 cache's 64-row tiles run with kColumnHalves over `parts` / 2 parts (DecodeKernel;
+// Whether the 64-row tiles run with kColumnHalves over `parts` / 2 parts (DecodeKernel;
 // a grid of `parts` x M tiles holds two CTAs of each part): 1 always, 0 never, and by default for
 // up to kColumnHalvesMaxBatch requests of up to kColumnHalvesMaxMTiles M tiles where, were every
 // request as long as the block table allows, half the parts would be at most 5/3 as long as all
-// of them (docs/sm90-kernel.md, "Column halves"); not with the split release or experiments.
+// of them, 3/2 on the fp8 cache (docs/sm90-kernel.md, "Column halves"); not with the split
+// release or experiments.
 inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p, int score_n,
                             int parts) {
-  if (options.column_halves == 0 || p.kv_fp8 || score_n != 0 || !options.early_release ||
+  if (options.column_halves == 0 || score_n != 0 || !options.early_release ||
       UseSplitRelease(options) || options.experiment != 0 || parts < 2) {
     return false;
   }
@@ -561,7 +567,9 @@ inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p,
                          RequestCost(INT32_MAX, p.max_pages, p.page_size, sp.fixed_cost_blocks);
   if (most > INT32_MAX) return false;
   const int total = static_cast<int>(most);
-  return 3LL * UnitsPerPart(sp, total, parts / 2) <= 5LL * UnitsPerPart(sp, total, parts);
+  const long long num = p.kv_fp8 ? kColumnHalvesLongerNumFp8 : kColumnHalvesLongerNum;
+  const long long den = p.kv_fp8 ? kColumnHalvesLongerDenFp8 : kColumnHalvesLongerDen;
+  return den * UnitsPerPart(sp, total, parts / 2) <= num * UnitsPerPart(sp, total, parts);
 }
 
 // ChooseKernel's checks alone.
@@ -597,7 +605,7 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   const bool column_halves = detail::UseColumnHalves(options, p, score_n, parts);
   if (column_halves) {
     parts /= 2;
-    kernel = detail::ColumnHalvesKernel(cluster);
+    kernel = detail::ColumnHalvesKernel(cluster, p.kv_fp8);
     err = detail::Prepare(kernel, kThreads, cluster, smem_bytes, &info);
     if (err != cudaSuccess) return err;
   }
