@@ -220,7 +220,7 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
 # instantiations the default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel and
 # ColumnHalvesKernel): the transposed kernels up to 16 and 32 rows, the 64-row tiles without
 # clusters and in M-tile pairs (clusters of two), each stage released whole, with and without
-# column halves, and the fp8 cache's 64-row tiles.
+# column halves, and the fp8 cache's 64-row tiles with and without them.
 DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0, 0), (1, 0, 1, 32, 0, 0, 0), (1, 0, 1, 0, 0, 0, 0),
                           (1, 0, 2, 0, 0, 0, 0), (1, 0, 1, 0, 1, 0, 0), (1, 0, 1, 0, 0, 0, 1),
                           (1, 0, 2, 0, 0, 0, 1), (1, 0, 1, 0, 1, 0, 1)}
