@@ -365,7 +365,8 @@ def test_output_scale_is_applied_once(monkeypatch):
 @pytest.mark.parametrize("batch,q_len,num_heads,prefers", [
     (32, 1, 64, True), (32, 1, 8, True), (512, 1, 16, True), (31, 1, 16, True), (32, 1, 128, True),
     (64, 1, 128, True), (32, 2, 128, True), (128, 1, 128, True), (129, 1, 128, True),
-    (256, 1, 128, True), (512, 1, 128, True), (33, 2, 128, False), (128, 2, 128, False),
+    (256, 1, 128, True), (512, 1, 128, True), (33, 2, 128, True), (128, 2, 128, True),
+    (512, 2, 128, True), (33, 3, 128, False),
     (31, 1, 128, True), (128, 2, 16, True), (32, 4, 8, True), (511, 2, 16, True),
     (512, 2, 16, False), (128, 2, 32, False), (32, 2, 64, False), (1, 1, 16, True),
     (2, 1, 8, True), (4, 1, 64, True), (8, 1, 32, False), (17, 1, 32, False), (8, 1, 128, True),
@@ -726,11 +727,11 @@ def test_a_plan_used_with_other_lengths_on_the_boundary_combine():
 def test_auto_with_an_sm90_plan_runs_sm90(cache):
     """"auto" takes sm90 for an Sm90Plan (with the bf16 cache at a shape where without a plan it
     takes fa3) and gives what sm90 gives without one (the same schedule)."""
-    problem = make_problem(26, batch=33, q_len=2, num_heads=128, page_size=32, max_len=3000,
+    problem = make_problem(26, batch=33, q_len=2, num_heads=64, page_size=32, max_len=3000,
                            dtype=jnp.bfloat16)
     if cache == "fp8":
         problem, _ = fp8_problem(problem, 26)
-    assert not backends.prefers_sm90(33, 2, 128)
+    assert not backends.prefers_sm90(33, 2, 64)
     plan = jax_mla.sm90_plan(problem.seq_lens, max_pages=problem.block_tables.shape[1],
                              page_size=32)
     assert jax_mla.backend_for(*problem.arrays[:3], plan=plan) == SM90
