@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (HAS_TVM_FFI, assert_custom_calls_in_command_buffers, check_accuracy,
+from conftest import (HAS_TVM_FFI, Problem, assert_custom_calls_in_command_buffers, check_accuracy,
                       custom_calls_in_loops, fp8_problem, lse_error, make_problem,
                       record_kernel_runs, request_head_error, skip_or_fail, tolerances)
 
@@ -491,6 +491,15 @@ def test_matches_the_reference(batch, q_len, num_heads, page_size):
     assert_identical(first, sm90(problem))
 
 
+def with_garbage_columns(problem: Problem, extra_columns: int, seed: int) -> Problem:
+    """``problem`` with ``extra_columns`` more block-table columns of garbage page ids (-1, 10**6,
+    7): a wider table, the same requests (for the launch rules that read the table's width)."""
+    padding = np.random.default_rng(seed).choice(
+        [-1, 10**6, 7], size=(problem.block_tables.shape[0], extra_columns))
+    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
+    return dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+
+
 @pytest.mark.parametrize("num_heads,q_len", [(128, 1), (64, 2), (128, 2)])
 @pytest.mark.parametrize("extra_columns", [0, 400])
 @on_gpu
@@ -498,12 +507,11 @@ def test_both_sides_of_the_cluster_rule(num_heads, q_len, extra_columns):
     """The 64-row tiles run without clusters up to 24,576 block-table tokens and in clusters of two
     beyond (ClusterSize, ffi/sm90/launch.cuh): the same requests, their tables widened by garbage
     columns to take the clusters, match the reference either way."""
-    problem = make_problem(17, batch=3, q_len=q_len, num_heads=num_heads, page_size=64,
-                           max_len=3000, dtype=jnp.bfloat16)
-    padding = np.random.default_rng(5).choice([-1, 10**6, 7], size=(3, extra_columns))
-    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
-    assert (tables.shape[0] * tables.shape[1] * 64 > 24576) == (extra_columns > 0)
-    problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+    problem = with_garbage_columns(
+        make_problem(17, batch=3, q_len=q_len, num_heads=num_heads, page_size=64, max_len=3000,
+                     dtype=jnp.bfloat16), extra_columns, seed=5)
+    batch, width = problem.block_tables.shape
+    assert (batch * width * 64 > 24576) == (extra_columns > 0)
     first = sm90(problem)
     assert_close(*first, *reference(problem))
     assert_identical(first, sm90(problem))
@@ -520,9 +528,7 @@ def test_both_sides_of_the_column_halves_rule(num_heads, q_len, extra_columns):
     problem = make_problem(23, batch=1, q_len=q_len, num_heads=num_heads, page_size=64,
                            seq_lens=[4000], dtype=jnp.bfloat16)
     assert problem.block_tables.shape == (1, 64)
-    padding = np.random.default_rng(6).choice([-1, 10**6, 7], size=(1, extra_columns))
-    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
-    problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+    problem = with_garbage_columns(problem, extra_columns, seed=6)
     first = sm90(problem)
     assert_close(*first, *reference(problem))
     assert_identical(first, sm90(problem))

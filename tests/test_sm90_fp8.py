@@ -14,7 +14,8 @@ from conftest import (Problem, check_accuracy, fp8_problem, lse_error, make_prob
                       record_accuracy, request_head_error, scaled_up)
 from test_fp8_cache import AGAINST_BF16
 from test_sm90 import (SM90, assert_identical, defined_reference, make_step, on_gpu, reference, sm90,
-                       sm90_gpu)  # noqa: F401  (sm90_gpu: the fixture on_gpu names)
+                       sm90_gpu,  # noqa: F401  (the fixture on_gpu names)
+                       with_garbage_columns)
 
 import jax_mla
 from jax_mla.reference import dequantize_fp8
@@ -77,9 +78,7 @@ def test_both_sides_of_the_column_halves_rule_on_the_fp8_cache(num_heads, extra_
     problem, source = sm90_fp8_problem(24, batch=1, q_len=1, num_heads=num_heads, page_size=64,
                                        seq_lens=[4000])
     assert problem.block_tables.shape == (1, 64)
-    padding = np.random.default_rng(7).choice([-1, 10**6, 7], size=(1, extra_columns))
-    tables = np.concatenate([np.asarray(problem.block_tables), padding], axis=1).astype(np.int32)
-    problem = dataclasses.replace(problem, block_tables=jnp.asarray(tables))
+    problem = with_garbage_columns(problem, extra_columns, seed=7)
     first = sm90(problem)
     check_both(problem, source, *first)
     assert_identical(first, sm90(problem))
