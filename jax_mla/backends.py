@@ -322,7 +322,7 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     33-64 at any batch, 17-32 heads up to 4 requests, more than 64 heads at any batch but 7. From
     32 requests (the benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x heads)
     below a batch of 512, or more than 64 heads at q_len 1 and 2 (beyond 128 requests at q_len 1
-    an H100's, benchmarks/results/h100-sm90.md) or with up to 64 query tokens (batch x q_len)."""
+    an H100's, benchmarks/results/h100-sm90.md)."""
     if instead_of == XLA:
         return True
     if batch < 32:
@@ -337,7 +337,7 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
         return True
     if q_len * num_heads <= 32:
         return batch < 512
-    return num_heads > 64 and (q_len <= 2 or batch * q_len <= 64)
+    return num_heads > 64 and q_len <= 2
 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,
