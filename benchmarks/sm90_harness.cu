@@ -41,8 +41,8 @@
 //   LaunchOptions' transposed_scores = 0, wide_combine = 1, wide_combine = 0, staged_combine = 1,
 //   staged_combine = 0, split_release = 1, split_release = 0, bf16_partials = 0, bf16_partials = 1
 //   (in 64-row tiles; the transposed kernels keep the default).
-//   --column-halves, --whole-columns (checks only): LaunchOptions::column_halves = 1 (wherever
-//   the bf16 cache's 64-row tiles run), 0.
+//   --column-halves, --whole-columns (checks, sanitize and trace): LaunchOptions::column_halves =
+//   1 (wherever the 64-row tiles run), 0.
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
