@@ -273,9 +273,9 @@ int main() {
   p.min_blocks_per_part = 3;
   std::printf("schedule min_blocks_per_part=3 min %d\n",
               detail::ScheduleAsRead(p, 0, true).min_blocks_per_part);
-  // Column halves for the 64-row tiles of up to two requests and two M tiles where, were every
-  // request as long as the block table allows, half the parts would be at most 5/3 as long as all
-  // of them, 3/2 on the fp8 cache (pages of 64, q_len 1, 132 SMs).
+  // Column halves for the 64-row tiles of up to two requests (one on the fp8 cache) and two M
+  // tiles where, were every request as long as the block table allows, half the parts would be at
+  // most 5/3 as long as all of them, 3/2 on the fp8 cache (pages of 64, q_len 1, 132 SMs).
   struct HalvesCase {
     const char* name;
     int heads, batch, max_pages;
@@ -295,6 +295,7 @@ int main() {
       {"rows=128,fp8,tokens=4096", 128, 1, 64, true, -1, -1},
       {"rows=128,fp8,tokens=6208", 128, 1, 97, true, -1, -1},
       {"rows=128,fp8,tokens=6272", 128, 1, 98, true, -1, -1},
+      {"rows=128,fp8,batch=2,tokens=1024", 128, 2, 16, true, -1, -1},
       {"rows=128,fp8,batch=2,tokens=2048", 128, 2, 32, true, -1, -1},
       {"rows=128,fp8,batch=2,tokens=4096", 128, 2, 64, true, -1, -1},
       {"rows=128,tokens=4096,column_halves=0", 128, 1, 64, false, 0, -1},

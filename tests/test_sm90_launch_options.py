@@ -48,10 +48,10 @@ EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,h128,split_relea
 # cache's 16-row transposed kernel and 14 for every other kernel (or what LaunchOptions names), and
 # parts take one KV block at least with a combine of 32 rows in flight, two without, or what
 # min_blocks_per_part asks if more. The 64-row tiles split each part's output columns over two
-# CTAs (column halves) for up to two requests of up to two M tiles where a table's worth of blocks
-# over half the parts makes them at most 5/3 as long, 3/2 on the fp8 cache (132 SMs, pages of 64:
-# one request of up to 12,288 tokens at 128 heads, not 16,384; on the fp8 cache up to 6,208, not
-# 6,272), or wherever column_halves = 1.
+# CTAs (column halves) for up to two requests (one on the fp8 cache) of up to two M tiles where a
+# table's worth of blocks over half the parts makes them at most 5/3 as long, 3/2 on the fp8 cache
+# (132 SMs, pages of 64: one request of up to 12,288 tokens at 128 heads, not 16,384; on the fp8
+# cache up to 6,208, not 6,272), or wherever column_halves = 1.
 DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "promotion rows=16,batch=33 128", "promotion rows=16,batch=34 128",
             "promotion rows=32,batch=33 128", "promotion rows=32,batch=34 256",
@@ -89,7 +89,8 @@ DEFAULTS = ["promotion rows=8,batch=33 128", "promotion rows=8,batch=34 128",
             "halves rows=256,tokens=4096 0",
             "halves rows=64,tokens=8192 1", "halves rows=16,tokens=4096 0",
             "halves rows=128,fp8,tokens=4096 1", "halves rows=128,fp8,tokens=6208 1",
-            "halves rows=128,fp8,tokens=6272 0", "halves rows=128,fp8,batch=2,tokens=2048 1",
+            "halves rows=128,fp8,tokens=6272 0", "halves rows=128,fp8,batch=2,tokens=1024 0",
+            "halves rows=128,fp8,batch=2,tokens=2048 0",
             "halves rows=128,fp8,batch=2,tokens=4096 0",
             "halves rows=128,tokens=4096,column_halves=0 0",
             "halves rows=128,tokens=4096,split_release=1 0",
