@@ -2,7 +2,7 @@
 
 A short step's wall time mixes the host's dispatch with the kernels' time. For sm90 and fa3
 (``backend="auto"`` with a plan from the host) at each point (by default B=1 L=4k, H=128 and 16;
-q_len 1, pages of 64, lengths as the benchmark draws them), this prints per layer of a 61-layer
+q_len 1 unless a point names it, pages of 64, lengths as the benchmark draws them), this prints per layer of a 61-layer
 jitted step (the benchmark's ``--layers 61`` step), its layers unrolled in Python; and for sm90
 also as a ``lax.scan`` over the layers' stacked caches, with the schedule built in every layer
 (``plan=None``) and once before the loop (``jax_mla.sm90_plan``), where the stacked caches take
@@ -102,21 +102,24 @@ def traced(step, args) -> dict:
 
 
 def parse_points(spec: str) -> list[Point]:
-    """"B,L,H;..." as benchmark points at q_len 1 and pages of 64."""
+    """"B,L,H[,q_len];..." as benchmark points with pages of 64 (q_len 1 where not given)."""
     points = []
     for item in filter(None, (p.strip() for p in spec.split(";"))):
         fields = item.split(",")
-        if len(fields) != 3 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
-            raise SystemExit(f"a point is B,L,H (positive integers); got {item!r}")
-        batch, length, heads = (int(f) for f in fields)
-        points.append(Point(B=batch, L=length, H=heads, q_len=1, page_size=64))
+        if len(fields) not in (3, 4) or not all(f.strip().isdigit() and int(f) > 0
+                                                for f in fields):
+            raise SystemExit(f"a point is B,L,H or B,L,H,q_len (positive integers); got {item!r}")
+        batch, length, heads, *q_len = (int(f) for f in fields)
+        points.append(Point(B=batch, L=length, H=heads, q_len=q_len[0] if q_len else 1,
+                            page_size=64))
     return points
 
 
 def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.step_profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--points", default=DEFAULT_POINTS, help="B,L,H;... (default %(default)s)")
+    parser.add_argument("--points", default=DEFAULT_POINTS,
+                        help="B,L,H[,q_len];... (default %(default)s)")
     parser.add_argument("--command-buffers", default=",".join(COMMAND_BUFFER_MODES),
                         help="comma-separated, of " + ", ".join(COMMAND_BUFFER_MODES) +
                         " (default: all)")
@@ -142,18 +145,20 @@ def main(argv: list[str] | None = None):
 
     print(f"{LAYERS}-layer steps, µs per layer; {CACHES} caches, rotated: call k layer i reads "
           f"cache (k * {LAYERS} + i) % {CACHES}; fixed: layer i reads cache i % {CACHES}", flush=True)
-    print("| B | L | H | method | command buffers | wall, rotated | wall, fixed | "
+    print("| B | L | H | q_len | method | command buffers | wall, rotated | wall, fixed | "
           "GPU span per step | GPU busy per step | kernels summed |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     details = []
     for point in points:
         num_heads = point.H
         layout = make_layout(point, 0)
         pool = [random_cache(i, layout.num_pages, 64) for i in range(CACHES)]
-        query = jax.random.normal(jax.random.PRNGKey(1), (point.B, 1, num_heads, HEAD_DIM),
+        query = jax.random.normal(jax.random.PRNGKey(1),
+                                  (point.B, point.q_len, num_heads, HEAD_DIM),
                                   jnp.float32).astype(jnp.bfloat16)
         tables, lens = jnp.asarray(layout.tables), jnp.asarray(layout.lengths)
-        plan = jax_mla.plan(np.asarray(layout.lengths, np.int32), num_heads=num_heads, q_len=1,
+        plan = jax_mla.plan(np.asarray(layout.lengths, np.int32), num_heads=num_heads,
+                            q_len=point.q_len,
                             max_pages=layout.max_pages)
 
         def sm90_layer(q, cache, t, n, plan_):
@@ -188,7 +193,7 @@ def main(argv: list[str] | None = None):
                 wall_rot = wall_us_per_layer(step, arg_sets) if len(arg_sets) > 1 else None
                 wall_fixed = wall_us_per_layer(step, arg_sets[:1])
                 rotated_text = "-" if wall_rot is None else f"{wall_rot:.1f}"
-                row = (f"| {point.B} | {point.L} | {num_heads} | {name} | "
+                row = (f"| {point.B} | {point.L} | {num_heads} | {point.q_len} | {name} | "
                        f"{mode} | {rotated_text} | {wall_fixed:.1f} |")
                 try:
                     stats = traced(step, arg_sets[0])
@@ -202,7 +207,8 @@ def main(argv: list[str] | None = None):
     for point, name, mode, by_name in details:
         kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" + ("" if lead is None else f" {lead:+.1f}")
                             for k, (c, d, lead) in sorted(by_name.items()))
-        print(f"- B={point.B} L={point.L} H={point.H} {name}, command buffers {mode}: "
+        print(f"- B={point.B} L={point.L} H={point.H} q_len={point.q_len} {name}, "
+              f"command buffers {mode}: "
               f"{kernels}")
 
 

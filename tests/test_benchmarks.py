@@ -270,14 +270,15 @@ def test_step_profile_splits_steps_by_count():
         step_profile.per_step(events + [("Decode", 95.0, 1.0)], 2, layers=1)
 
 
-def test_step_profile_points_are_batch_length_heads_at_q_len_1_and_pages_of_64():
+def test_step_profile_points_are_batch_length_heads_and_q_len_with_pages_of_64():
     from benchmarks import step_profile
 
-    points = step_profile.parse_points("1,4096,128; 8,1024,16;")
+    points = step_profile.parse_points("1,4096,128; 8,1024,16;2,2048,128,2")
     assert [(p.B, p.L, p.H, p.q_len, p.page_size) for p in points] == [(1, 4096, 128, 1, 64),
-                                                                       (8, 1024, 16, 1, 64)]
-    for bad in ("1,4096", "1,4096,0", "a,4096,16"):
-        with pytest.raises(SystemExit, match="a point is B,L,H"):
+                                                                       (8, 1024, 16, 1, 64),
+                                                                       (2, 2048, 128, 2, 64)]
+    for bad in ("1,4096", "1,4096,0", "a,4096,16", "1,4096,16,0", "1,4096,16,2,1"):
+        with pytest.raises(SystemExit, match="a point is B,L,H or B,L,H,q_len"):
             step_profile.parse_points(bad)
 
 
