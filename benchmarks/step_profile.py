@@ -2,11 +2,11 @@
 
 A short step's wall time mixes the host's dispatch with the kernels' time. For sm90 and fa3
 (``backend="auto"`` with a plan from the host) at each point (by default B=1 L=4k, H=128 and 16;
-q_len 1 unless a point names it, pages of 64, lengths as the benchmark draws them), this prints per layer of a 61-layer
-jitted step (the benchmark's ``--layers 61`` step), its layers unrolled in Python; and for sm90
-also as a ``lax.scan`` over the layers' stacked caches, with the schedule built in every layer
-(``plan=None``) and once before the loop (``jax_mla.sm90_plan``), where the stacked caches take
-at most ``--scan-gib`` GiB:
+q_len 1 unless a point names it, pages of 64, lengths as the benchmark draws them), this prints
+per layer of a 61-layer jitted step (the benchmark's ``--layers 61`` step), its layers unrolled
+in Python; and for sm90 also as a ``lax.scan`` over the layers' stacked caches, with the schedule
+built in every layer (``plan=None``) and once before the loop (``jax_mla.sm90_plan``), where the
+stacked caches take at most ``--scan-gib`` GiB:
 
 - the wall time of back-to-back calls (``timing.time_jax``), with the caches rotated between
   calls as the benchmark does (every call its own cache tuple; not for the scans, whose caches
@@ -158,8 +158,7 @@ def main(argv: list[str] | None = None):
                                   jnp.float32).astype(jnp.bfloat16)
         tables, lens = jnp.asarray(layout.tables), jnp.asarray(layout.lengths)
         plan = jax_mla.plan(np.asarray(layout.lengths, np.int32), num_heads=num_heads,
-                            q_len=point.q_len,
-                            max_pages=layout.max_pages)
+                            q_len=point.q_len, max_pages=layout.max_pages)
 
         def sm90_layer(q, cache, t, n, plan_):
             return jax_mla.decode(q, cache, t, n, softmax_scale=SOFTMAX_SCALE, backend="sm90",
@@ -208,8 +207,7 @@ def main(argv: list[str] | None = None):
         kernels = "; ".join(f"{k[:60]} x{c:g} {d:.1f}" + ("" if lead is None else f" {lead:+.1f}")
                             for k, (c, d, lead) in sorted(by_name.items()))
         print(f"- B={point.B} L={point.L} H={point.H} q_len={point.q_len} {name}, "
-              f"command buffers {mode}: "
-              f"{kernels}")
+              f"command buffers {mode}: {kernels}")
 
 
 if __name__ == "__main__":
