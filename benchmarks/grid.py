@@ -47,8 +47,10 @@ def page32_grid() -> list[Point]:
 
 
 def heads_grid() -> list[Point]:
-    """Head counts between the full grid's 16 and 128 (DeepSeek-V3 over TP 2-16, 64-head models)."""
-    return [Point(b, l, h, 1, 64) for h in (8, 32, 64) for b in (32, 128) for l in (4096, 16384)]
+    """Head counts between the full grid's 16 and 128 (DeepSeek-V3 over TP 2-16, 64-head models),
+    at q_len 1 and 2 (multi-token prediction's one draft token)."""
+    return [Point(b, l, h, q, 64) for h in (8, 32, 64) for q in (1, 2) for b in (32, 128)
+            for l in (4096, 16384)]
 
 
 def batches_grid() -> list[Point]:
