@@ -538,21 +538,22 @@ inline DecodeParams ScheduleAsRead(const DecodeParams& p, int score_n, bool one_
   return sp;
 }
 
-// UseColumnHalves' default: at most this many requests and M tiles, and half the parts at most
-// num / den times as long as all of them (fewer requests and less on the fp8 cache, whose blocks
-// also convert their tile, in both CTAs of a part).
-constexpr int kColumnHalvesMaxBatch = 2;
-constexpr int kColumnHalvesMaxBatchFp8 = 1;
+// UseColumnHalves' default for one cache: at most max_batch requests, and half the parts at most
+// longer_num / longer_den times as long as all of them. The fp8 cache's is tighter: both CTAs of
+// a part also convert each block into their tile.
+struct ColumnHalvesRule {
+  int max_batch, longer_num, longer_den;
+};
+constexpr ColumnHalvesRule kColumnHalvesBf16{2, 5, 3};
+constexpr ColumnHalvesRule kColumnHalvesFp8{1, 3, 2};
 constexpr int kColumnHalvesMaxMTiles = 2;
-constexpr int kColumnHalvesLongerNum = 5, kColumnHalvesLongerDen = 3;
-constexpr int kColumnHalvesLongerNumFp8 = 3, kColumnHalvesLongerDenFp8 = 2;
 
 // Whether the 64-row tiles run with kColumnHalves over `parts` / 2 parts (DecodeKernel;
 // a grid of `parts` x M tiles holds two CTAs of each part): 1 always, 0 never, and by default for
-// up to kColumnHalvesMaxBatch requests (one on the fp8 cache) of up to kColumnHalvesMaxMTiles M
-// tiles where, were every request as long as the block table allows, half the parts would be at
-// most 5/3 as long as all of them, 3/2 on the fp8 cache (docs/sm90-kernel.md, "Column halves");
-// not with the split release or experiments.
+// up to two requests (one on the fp8 cache) of up to kColumnHalvesMaxMTiles M tiles where, were
+// every request as long as the block table allows, half the parts would be at most 5/3 as long as
+// all of them, 3/2 on the fp8 cache (docs/sm90-kernel.md, "Column halves"); not with the split
+// release or experiments.
 inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p, int score_n,
                             int parts) {
   if (options.column_halves == 0 || score_n != 0 || !options.early_release ||
@@ -560,8 +561,8 @@ inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p,
     return false;
   }
   if (options.column_halves == 1) return true;
-  const int max_batch = p.kv_fp8 ? kColumnHalvesMaxBatchFp8 : kColumnHalvesMaxBatch;
-  if (p.batch > max_batch || NumMTiles(p.q_len, p.num_heads) > kColumnHalvesMaxMTiles) {
+  const ColumnHalvesRule& rule = p.kv_fp8 ? kColumnHalvesFp8 : kColumnHalvesBf16;
+  if (p.batch > rule.max_batch || NumMTiles(p.q_len, p.num_heads) > kColumnHalvesMaxMTiles) {
     return false;
   }
   const DecodeParams sp = ScheduleAsRead(p, score_n, true, options.block_to_split_cost);
@@ -569,9 +570,8 @@ inline bool UseColumnHalves(const LaunchOptions& options, const DecodeParams& p,
                          RequestCost(INT32_MAX, p.max_pages, p.page_size, sp.fixed_cost_blocks);
   if (most > INT32_MAX) return false;
   const int total = static_cast<int>(most);
-  const long long num = p.kv_fp8 ? kColumnHalvesLongerNumFp8 : kColumnHalvesLongerNum;
-  const long long den = p.kv_fp8 ? kColumnHalvesLongerDenFp8 : kColumnHalvesLongerDen;
-  return den * UnitsPerPart(sp, total, parts / 2) <= num * UnitsPerPart(sp, total, parts);
+  return static_cast<long long>(rule.longer_den) * UnitsPerPart(sp, total, parts / 2) <=
+         static_cast<long long>(rule.longer_num) * UnitsPerPart(sp, total, parts);
 }
 
 // ChooseKernel's checks alone.
