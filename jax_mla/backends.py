@@ -319,12 +319,13 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 heads and 1 to 8
     at more than 64 an H100's, tests/gpu_logs/h100/step-profile-small-batches.log,
     step-profile-combine-32.log and step-profile-combine-16.log, and at q_len 2 an H100's,
-    step-profile-q2.log): at q_len 1 up to 16 heads or 33-64 at any batch, 17-32 heads up to 4
-    requests, more than 64 heads at any batch but 7; at q_len 2 more than 16 heads at any batch,
-    9-16 heads (17-32 query rows, whose kernel lost at q_len 1 from 5 requests) up to 4 requests.
-    From 32 requests (the benchmark): up to 64 heads at q_len 1, up to 32 query rows (q_len x
-    heads) below a batch of 512, or more than 64 heads at q_len 1 and 2 (beyond 128 requests at
-    q_len 1 an H100's, benchmarks/results/h100-sm90.md)."""
+    step-profile-q2.log and step-profile-q2-more.log): at q_len 1 up to 16 heads or 33-64 at any
+    batch, 17-32 heads up to 4 requests, more than 64 heads at any batch but 7; at q_len 2 more
+    than 16 heads at any batch, up to 16 heads up to 8 requests (it lost by 1-4% at 16 and 24
+    requests of 1k tokens). From 32 requests (the benchmark): up to 64 heads at q_len 1, up to 32
+    query rows (q_len x heads) below a batch of 512, or any heads at q_len 1 and 2 (beyond 128
+    requests at q_len 1 with 128 heads, and at q_len 2 with 32 and 64 heads, an H100's,
+    benchmarks/results/h100-sm90.md)."""
     if instead_of == XLA:
         return True
     if batch < 32:
@@ -335,13 +336,11 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
                 return batch <= 4
             return True
         if q_len == 2:
-            return num_heads > 16 or (num_heads > 8 and batch <= 4)
+            return num_heads > 16 or batch <= 8
         return False
-    if q_len == 1 and num_heads <= 64:
-        return True
     if q_len * num_heads <= 32:
-        return batch < 512
-    return num_heads > 64 and q_len <= 2
+        return batch < 512 or q_len == 1
+    return q_len <= 2
 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,

@@ -368,14 +368,14 @@ def test_output_scale_is_applied_once(monkeypatch):
     (256, 1, 128, True), (512, 1, 128, True), (33, 2, 128, True), (128, 2, 128, True),
     (512, 2, 128, True), (33, 3, 128, False),
     (31, 1, 128, True), (128, 2, 16, True), (32, 4, 8, True), (511, 2, 16, True),
-    (512, 2, 16, False), (128, 2, 32, False), (32, 2, 64, False), (1, 1, 16, True),
+    (512, 2, 16, False), (128, 2, 32, True), (32, 2, 64, True), (512, 2, 64, True), (1, 1, 16, True),
     (2, 1, 8, True), (4, 1, 64, True), (8, 1, 32, False), (17, 1, 32, False), (8, 1, 128, True),
     (7, 1, 128, False), (1, 1, 128, True), (2, 1, 128, True), (3, 1, 128, True),
     (4, 1, 128, True), (5, 1, 128, True), (6, 1, 128, True), (4, 1, 32, True), (5, 1, 32, False),
     (1, 1, 32, True), (1, 2, 128, True), (8, 2, 128, True), (7, 2, 128, True),
     (31, 2, 128, True), (1, 2, 64, True), (31, 2, 64, True), (4, 2, 32, True),
-    (16, 2, 32, True), (1, 2, 16, True), (4, 2, 16, True), (5, 2, 16, False),
-    (16, 2, 16, False), (1, 2, 8, False), (8, 3, 128, False), (4, 4, 16, False)])
+    (16, 2, 32, True), (1, 2, 16, True), (4, 2, 16, True), (8, 2, 16, True), (9, 2, 16, False),
+    (16, 2, 16, False), (1, 2, 8, True), (8, 2, 8, True), (9, 2, 8, False), (31, 2, 8, False), (8, 3, 128, False), (4, 4, 16, False)])
 def test_the_rule_follows_the_benchmark(batch, q_len, num_heads, prefers):
     assert backends.prefers_sm90(batch, q_len, num_heads) is prefers
     assert backends.prefers_sm90(batch, q_len, num_heads, instead_of="xla")
