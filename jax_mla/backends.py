@@ -315,32 +315,33 @@ def _runs_format_here(backend: Backend, cache_format: str, platform: str) -> boo
 def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) -> bool:
     """Whether one device's shard of ``batch`` requests, ``q_len`` query tokens and ``num_heads``
     heads is a shape where sm90 is faster than the backend ``instead_of``: than xla always; than
-    fa3 where the committed measurements (benchmarks/results/h200-sm90.md) have it faster. Below
-    32 requests (the GPU's time in a 61-layer step; from 1 to 4 requests at 17-32 heads and 1 to 8
-    at more than 64 an H100's, tests/gpu_logs/h100/step-profile-small-batches.log,
-    step-profile-combine-32.log and step-profile-combine-16.log, and at q_len 2 an H100's,
-    step-profile-q2.log and step-profile-q2-more.log): at q_len 1 up to 16 heads or 33-64 at any
-    batch, 17-32 heads up to 4 requests, more than 64 heads at any batch but 7; at q_len 2 more
-    than 16 heads at any batch, up to 16 heads up to 8 requests (it lost by 1-4% at 16 and 24
-    requests of 1k tokens). From 32 requests (the benchmark): up to 64 heads at q_len 1, up to 32
-    query rows (q_len x heads) below a batch of 512, or any heads at q_len 1 and 2 (beyond 128
-    requests at q_len 1 with 128 heads, and at q_len 2 with 32 and 64 heads, an H100's,
-    benchmarks/results/h100-sm90.md)."""
+    fa3 where the committed measurements have it faster (the H200's benchmark,
+    benchmarks/results/h200-sm90.md, and an H100's: benchmarks/results/h100-sm90.md and 61-layer
+    steps, tests/gpu_logs/h100/step-profile-*.log).
+    - q_len 1: any heads from 32 requests; below, up to 16 heads or 33-64 at any batch, 17-32 heads
+      up to 4 requests, more than 64 heads at any batch but 7.
+    - q_len 2: more than 64 heads at any batch; 17-64 heads below 512 requests; up to 16 heads
+      up to 8 requests and from 32 to 511.
+    - q_len 3: more than 64 heads below 512 requests; up to 32 query rows (q_len x heads) from
+      32 to 511.
+    - q_len 4: more than 8 heads below 512 requests; 8 or fewer from 32 to 511."""
     if instead_of == XLA:
         return True
-    if batch < 32:
-        if q_len == 1:
-            if num_heads > 64:
-                return batch != 7
-            if 16 < num_heads <= 32:
-                return batch <= 4
-            return True
-        if q_len == 2:
-            return num_heads > 16 or batch <= 8
-        return False
-    if q_len * num_heads <= 32:
-        return batch < 512 or q_len == 1
-    return q_len <= 2
+    if batch >= 512:
+        return q_len == 1 or (q_len == 2 and num_heads > 64)
+    if batch >= 32:
+        return q_len in (1, 2, 4) or num_heads > 64 or q_len * num_heads <= 32
+    if q_len == 1:
+        if num_heads > 64:
+            return batch != 7
+        if 16 < num_heads <= 32:
+            return batch <= 4
+        return True
+    if q_len == 2:
+        return num_heads > 16 or batch <= 8
+    if q_len == 3:
+        return num_heads > 64
+    return num_heads > 8
 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,

@@ -80,15 +80,13 @@ def test_auto_table_is_prefers_sm90():
     """Each cell names exactly the batches (1-1024) where "auto" takes sm90 for its heads and q_len."""
     section = README.split("\n## Backends\n", 1)[1].split("\n## ", 1)[0]
     table = section[section.index("| heads per device |"):].split("\n\n", 1)[0].splitlines()
-    q_lens = {"q_len 1": (1,), "q_len 2": (2,), "q_len 3-4": (3, 4)}
-    columns = [q_lens[c.strip()] for c in table[0].strip(" |").split("|")[1:]]
+    q_lens = [int(c.strip().removeprefix("q_len ")) for c in table[0].strip(" |").split("|")[1:]]
+    assert q_lens == [1, 2, 3, 4]
     checked = 0
     for line in table[2:]:
         heads, *cells = [c.strip() for c in line.strip(" |").split("|")]
-        for q_len_values, cell in zip(columns, cells):
-            for q_len in q_len_values:
-                expected = batches_of(cell)
-                actual = {b for b in range(1, 1025) if backends.prefers_sm90(b, q_len, int(heads))}
-                assert actual == expected, (heads, q_len, cell)
-                checked += 1
+        for q_len, cell in zip(q_lens, cells, strict=True):
+            actual = {b for b in range(1, 1025) if backends.prefers_sm90(b, q_len, int(heads))}
+            assert actual == batches_of(cell), (heads, q_len, cell)
+            checked += 1
     assert checked == 20
