@@ -101,6 +101,11 @@ def traced(step, args) -> dict:
     return per_step(events, TRACED_STEPS, LAYERS)
 
 
+def pool_gib(num_pages: int) -> float:
+    """GiB of the CACHES bf16 caches of ``num_pages`` pages of 64 rows a point rotates through."""
+    return CACHES * num_pages * 64 * HEAD_DIM * 2 / 2**30
+
+
 def parse_points(spec: str) -> list[Point]:
     """"B,L,H[,q_len];..." as benchmark points with pages of 64 (q_len 1 where not given)."""
     points = []
@@ -123,6 +128,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--command-buffers", default=",".join(COMMAND_BUFFER_MODES),
                         help="comma-separated, of " + ", ".join(COMMAND_BUFFER_MODES) +
                         " (default: all)")
+    parser.add_argument("--pool-gib", type=float, default=60.0,
+                        help=f"largest pool of {CACHES} caches a point may take, GiB; bigger points "
+                             "are left out (default %(default)s, for 80 GB cards)")
     parser.add_argument("--scan-gib", type=float, default=8.0,
                         help="largest stacked caches of the scans, GiB (default %(default)s)")
     parser.add_argument("--methods", default=",".join(METHODS),
@@ -152,6 +160,11 @@ def main(argv: list[str] | None = None):
     for point in points:
         num_heads = point.H
         layout = make_layout(point, 0)
+        if pool_gib(layout.num_pages) > args.pool_gib:
+            print(f"| {point.B} | {point.L} | {num_heads} | {point.q_len} | left out: its {CACHES} "
+                  f"caches take {pool_gib(layout.num_pages):.1f} GiB (--pool-gib "
+                  f"{args.pool_gib:g}) | | | | | |", flush=True)
+            continue
         pool = [random_cache(i, layout.num_pages, 64) for i in range(CACHES)]
         query = jax.random.normal(jax.random.PRNGKey(1),
                                   (point.B, point.q_len, num_heads, HEAD_DIM),

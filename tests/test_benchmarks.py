@@ -282,6 +282,22 @@ def test_step_profile_points_are_batch_length_heads_and_q_len_with_pages_of_64()
             step_profile.parse_points(bad)
 
 
+def test_step_profile_leaves_out_points_whose_caches_exceed_the_pool_budget(capsys):
+    """A point whose rotated caches would not fit is left out with its size, before any cache is
+    made (512 requests of 4k tokens take about 61 GiB), and the loop goes on to the next point."""
+    from benchmarks import step_profile
+    from benchmarks.problem import make_layout
+
+    big = make_layout(step_profile.parse_points("512,4096,64,2")[0], 0)
+    assert 60 < step_profile.pool_gib(big.num_pages) < 70
+    step_profile.main(["--points", "512,4096,64,2;2,1024,8,2", "--pool-gib", "0.001",
+                       "--methods", "sm90", "--command-buffers", "default"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 5")
+            or line.startswith("| 2 ")]
+    assert len(rows) == 2 and all("left out: its 27 caches take" in row for row in rows)
+    assert "(--pool-gib 0.001)" in rows[0]
+
+
 def test_step_profile_says_so_when_the_trace_has_no_gpu_kernels():
     """A step that runs on the CPU leaves the profiler trace without GPU kernels: the step profile
     stops with the reason instead of reporting spans of nothing."""
