@@ -41,7 +41,7 @@ import numpy as np
 from benchmarks.grid import Point
 from benchmarks.methods import (GRAPH_COMPILER_OPTIONS, NO_GRAPH_COMPILER_OPTIONS, decode_with_plan,
                                layered, scanned)
-from benchmarks.problem import HEAD_DIM, SOFTMAX_SCALE, make_layout, random_cache
+from benchmarks.problem import GIB, HEAD_DIM, SOFTMAX_SCALE, Layout, make_layout, random_cache
 from benchmarks.timing import busy_us, time_jax, traced_gpu_kernels
 
 LAYERS, TRACED_STEPS, CACHES = 61, 8, 27
@@ -101,9 +101,9 @@ def traced(step, args) -> dict:
     return per_step(events, TRACED_STEPS, LAYERS)
 
 
-def pool_gib(num_pages: int) -> float:
-    """GiB of the CACHES bf16 caches of ``num_pages`` pages of 64 rows a point rotates through."""
-    return CACHES * num_pages * 64 * HEAD_DIM * 2 / 2**30
+def pool_gib(layout: Layout) -> float:
+    """GiB of the CACHES caches a point of ``layout`` rotates through."""
+    return CACHES * layout.cache_bytes / GIB
 
 
 def parse_points(spec: str) -> list[Point]:
@@ -160,10 +160,11 @@ def main(argv: list[str] | None = None):
     for point in points:
         num_heads = point.H
         layout = make_layout(point, 0)
-        if pool_gib(layout.num_pages) > args.pool_gib:
+        pool_size = pool_gib(layout)
+        if pool_size > args.pool_gib:
             print(f"| {point.B} | {point.L} | {num_heads} | {point.q_len} | left out: its {CACHES} "
-                  f"caches take {pool_gib(layout.num_pages):.1f} GiB (--pool-gib "
-                  f"{args.pool_gib:g}) | | | | | |", flush=True)
+                  f"caches take {pool_size:.1f} GiB (--pool-gib {args.pool_gib:g}) | | | | | |",
+                  flush=True)
             continue
         pool = [random_cache(i, layout.num_pages, 64) for i in range(CACHES)]
         query = jax.random.normal(jax.random.PRNGKey(1),

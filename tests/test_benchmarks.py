@@ -289,7 +289,7 @@ def test_step_profile_leaves_out_points_whose_caches_exceed_the_pool_budget(caps
     from benchmarks.problem import make_layout
 
     big = make_layout(step_profile.parse_points("512,4096,64,2")[0], 0)
-    assert 60 < step_profile.pool_gib(big.num_pages) < 70
+    assert 60 < step_profile.pool_gib(big) < 70
     step_profile.main(["--points", "512,4096,64,2;2,1024,8,2", "--pool-gib", "0.001",
                        "--methods", "sm90", "--command-buffers", "default"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 5")
