@@ -322,15 +322,18 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
       up to 4 requests, more than 64 heads at any batch but 7.
     - q_len 2: more than 64 heads at any batch; 17-64 heads below 512 requests; up to 16 heads
       up to 8 requests and from 32 to 511.
-    - q_len 3: more than 64 heads below 512 requests; up to 32 query rows (q_len x heads) from
-      32 to 511.
-    - q_len 4: more than 8 heads below 512 requests; 8 or fewer from 32 to 511."""
+    - q_len 3: 33-64 heads at any batch; more than 64 heads below 512 requests; 17-32 heads up to
+      2 requests and from 16 to 511; 9-16 heads up to 4 and from 24 to 511; 8 or fewer from 32 to
+      511.
+    - q_len 4: more than 8 heads below 512 requests; 8 or fewer up to 8 requests and from 32 to
+      511."""
     if instead_of == XLA:
         return True
     if batch >= 512:
-        return q_len == 1 or (q_len == 2 and num_heads > 64)
+        return (q_len == 1 or (q_len == 2 and num_heads > 64)
+                or (q_len == 3 and 32 < num_heads <= 64))
     if batch >= 32:
-        return q_len in (1, 2, 4) or num_heads > 64 or q_len * num_heads <= 32
+        return True
     if q_len == 1:
         if num_heads > 64:
             return batch != 7
@@ -340,8 +343,14 @@ def prefers_sm90(batch: int, q_len: int, num_heads: int, instead_of: str = FA3) 
     if q_len == 2:
         return num_heads > 16 or batch <= 8
     if q_len == 3:
-        return num_heads > 64
-    return num_heads > 8
+        if num_heads > 32:
+            return True
+        if num_heads > 16:
+            return batch <= 2 or batch >= 16
+        if num_heads > 8:
+            return batch <= 4 or batch >= 24
+        return False
+    return num_heads > 8 or batch <= 8
 
 
 def auto_alternative(requested: str, chosen: Backend, plan, platform: str, dtype=jnp.bfloat16,

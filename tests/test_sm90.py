@@ -376,9 +376,13 @@ def test_output_scale_is_applied_once(monkeypatch):
     (16, 2, 32, True), (1, 2, 16, True), (4, 2, 16, True), (8, 2, 16, True), (9, 2, 16, False),
     (16, 2, 16, False), (1, 2, 8, True), (8, 2, 8, True), (9, 2, 8, False), (31, 2, 8, False),
     (8, 3, 128, True), (33, 3, 128, True), (511, 3, 128, True), (512, 3, 128, False),
-    (8, 3, 16, False), (8, 3, 32, False), (31, 3, 64, False), (32, 3, 64, False), (32, 3, 8, True),
-    (1, 4, 16, True), (8, 4, 32, True), (31, 4, 64, True), (32, 4, 128, True), (511, 4, 16, True),
-    (512, 4, 128, False), (1, 4, 8, False), (32, 4, 8, True), (512, 4, 8, False)])
+    (8, 3, 16, False), (8, 3, 32, False), (31, 3, 64, True), (32, 3, 64, True), (32, 3, 8, True),
+    (1, 3, 64, True), (512, 3, 64, True), (512, 3, 32, False), (2, 3, 32, True), (3, 3, 32, False),
+    (15, 3, 32, False), (16, 3, 32, True), (511, 3, 32, True), (4, 3, 16, True), (5, 3, 16, False),
+    (23, 3, 16, False), (24, 3, 16, True), (32, 3, 16, True), (512, 3, 16, False), (1, 3, 8, False),
+    (31, 3, 8, False), (1, 4, 16, True), (8, 4, 32, True), (31, 4, 64, True), (32, 4, 128, True),
+    (511, 4, 16, True), (512, 4, 128, False), (1, 4, 8, True), (8, 4, 8, True), (9, 4, 8, False),
+    (31, 4, 8, False), (32, 4, 8, True), (512, 4, 8, False)])
 def test_the_rule_follows_the_benchmark(batch, q_len, num_heads, prefers):
     assert backends.prefers_sm90(batch, q_len, num_heads) is prefers
     assert backends.prefers_sm90(batch, q_len, num_heads, instead_of="xla")
@@ -403,18 +407,20 @@ def test_auto_offers_sm90_only_without_a_plan(monkeypatch, fake_hopper):
 def test_auto_takes_sm90_per_device_where_the_benchmark_has_it_faster(monkeypatch):
     """With "auto" resolving to fa3 and no plan, the kernel that runs follows the shard's shape:
     sm90 for 32 and 256 requests of 128 heads and for 32 and 8 of 16, fa3 for 7 requests of 128
-    heads, for 8 of 32 and for a page size sm90 does not take (stand-in kernels record which one
-    ran), and ``backend_for`` names it."""
+    heads, for 8 of 32 and for a page size sm90 does not take; at q_len 3 sm90 for 4 requests of
+    16 heads and fa3 for 8, at q_len 4 sm90 for 8 requests of 8 heads and fa3 for 9 (stand-in
+    kernels record which one ran), and ``backend_for`` names it."""
     ran = record_kernel_runs(monkeypatch, ("fa3", SM90, "xla"))
-    for batch, num_heads, page_size, expected in ((32, 16, 64, SM90), (32, 128, 64, SM90),
-                                                  (256, 128, 64, SM90), (7, 128, 64, "fa3"),
-                                                  (8, 16, 64, SM90), (8, 32, 64, "fa3"),
-                                                  (32, 16, 16, "fa3")):
-        problem = make_problem(5, batch=batch, q_len=1, num_heads=num_heads, page_size=page_size,
-                               max_len=100, dtype=jnp.bfloat16)
+    for batch, q_len, num_heads, page_size, expected in (
+            (32, 1, 16, 64, SM90), (32, 1, 128, 64, SM90), (256, 1, 128, 64, SM90),
+            (7, 1, 128, 64, "fa3"), (8, 1, 16, 64, SM90), (8, 1, 32, 64, "fa3"),
+            (4, 3, 16, 64, SM90), (8, 3, 16, 64, "fa3"), (8, 4, 8, 32, SM90), (9, 4, 8, 32, "fa3"),
+            (32, 1, 16, 16, "fa3")):
+        problem = make_problem(5, batch=batch, q_len=q_len, num_heads=num_heads,
+                               page_size=page_size, max_len=100, dtype=jnp.bfloat16)
         ran.clear()
         jax_mla.decode(*problem.arrays, softmax_scale=problem.softmax_scale)
-        assert ran == [expected], (batch, num_heads, page_size)
+        assert ran == [expected], (batch, q_len, num_heads, page_size)
         assert jax_mla.backend_for(*problem.arrays[:3]) == expected
         assert jax_mla.backend_for(*problem.arrays[:3], plan="device") == "fa3"
     with pytest.raises(ValueError, match=r"sm90 needs kv_cache page_size in \(32, 64\), got 16"):
@@ -872,13 +878,13 @@ def sanitize_program() -> None:
 
 
 @on_gpu
-@pytest.mark.parametrize("batch,num_heads,expected", [(32, 16, SM90), (32, 128, SM90),
-                                                       (128, 128, SM90), (256, 128, SM90),
-                                                       (7, 128, "fa3"), (8, 16, SM90),
-                                                       (8, 32, "fa3")])
-def test_auto_without_a_plan_is_the_kernel_the_rule_names(batch, num_heads, expected):
+@pytest.mark.parametrize("batch,q_len,num_heads,expected", [
+    (32, 1, 16, SM90), (32, 1, 128, SM90), (128, 1, 128, SM90), (256, 1, 128, SM90),
+    (7, 1, 128, "fa3"), (8, 1, 16, SM90), (8, 1, 32, "fa3"), (4, 3, 16, SM90), (8, 3, 16, "fa3"),
+    (8, 4, 8, SM90), (9, 4, 8, "fa3")])
+def test_auto_without_a_plan_is_the_kernel_the_rule_names(batch, q_len, num_heads, expected):
     """Bit for bit the named backend's result (plan=None), under jit."""
-    problem = make_problem(41, batch=batch, q_len=1, num_heads=num_heads, page_size=64,
+    problem = make_problem(41, batch=batch, q_len=q_len, num_heads=num_heads, page_size=64,
                            max_len=2000, dtype=jnp.bfloat16)
 
     def run(backend):
