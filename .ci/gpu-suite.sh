@@ -6,6 +6,8 @@
 # cores), XLA's autotuning off (it only costs compile time here), JAX_MLA_REQUIRE_GPU=1 (a GPU
 # test that cannot run fails), each under SUITE_TIMEOUT seconds (default 540). The multi-GPU
 # tests are left to .ci/gpu-h200-x2.sh. Logs: $OUT/t-*.log; a summary line per log is printed.
+# SUITE_PACK=1 packs the logs into $OUT/suite-logs.tgz instead (one file where a runner returns
+# only a few files from $OUT).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/jax_mla_out}; mkdir -p "$OUT"
@@ -37,3 +39,6 @@ for f in "$OUT"/t-*.log; do
   printf '%-20s %s\n' "$(basename "$f")" "$(grep -E ' in [0-9.]+s( |$)' "$f" | tail -1)"
 done
 grep -hE '^(FAILED|ERROR) ' "$OUT"/t-*.log | head -20
+if [ "${SUITE_PACK:-0}" = 1 ]; then
+  (cd "$OUT" && tar czf suite-logs.tgz t-*.log && rm -f t-*.log)
+fi
