@@ -38,6 +38,17 @@ def gather_rows(kv_cache, pages, rope_dim: int):
     return rows.astype(jnp.float32)
 
 
+def cpu_gather_in_loop(kv_cache, pages):
+    """(kv_cache, pages), tied together inside the chunk loop on the CPU for a bf16 cache: XLA's
+    CPU backend gathers bf16 through float32 and would hoist that float32 copy of the whole cache
+    out of the loop, where gathering each chunk's rows converts only those. A no-op for other
+    caches and platforms."""
+    if kv_cache.dtype != jnp.bfloat16:
+        return kv_cache, pages
+    return lax.platform_dependent(kv_cache, pages, cpu=lambda *a: lax.optimization_barrier(a),
+                                  default=lambda *a: a)
+
+
 @functools.partial(
     jax.jit, static_argnames=("softmax_scale", "output_scale", "kv_lora_rank", "return_lse")
 )
@@ -84,7 +95,8 @@ def decode(query, kv_cache, block_tables, seq_lens, *, softmax_scale, output_sca
         safe_pages = jnp.where(page_valid, pages, 0)
         token_present = ((positions[None, :] < seq_lens[:, None])
                          & jnp.repeat(page_valid, page_size, axis=1))  # [B, T]
-        kv = gather_rows(kv_cache, safe_pages, head_dim - kv_lora_rank)  # [B, T, D]
+        kv = gather_rows(*cpu_gather_in_loop(kv_cache, safe_pages),
+                         head_dim - kv_lora_rank)  # [B, T, D]
         kv = jnp.where(token_present[..., None], kv, 0.0)  # hide NaN tails before the matmul
 
         logits = jnp.einsum("bshd,btd->bsht", q, kv, precision=lax.Precision.HIGHEST)

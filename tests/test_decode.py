@@ -227,8 +227,9 @@ def xla_temp_bytes(cache: jax.ShapeDtypeStruct, query_dtype, *, batch: int, num_
 
 @pytest.mark.parametrize("cache_dtype,row,query_dtype", [
     (jnp.float32, 576, jnp.float32),
+    (jnp.bfloat16, 576, jnp.bfloat16),  # on the CPU gathered through float32, chunk by chunk
     (jnp.uint8, 656, jnp.bfloat16),  # the fp8 cache, dequantised chunk by chunk
-], ids=["float32", "fp8"])
+], ids=["float32", "bf16", "fp8"])
 def test_xla_backend_memory_is_bounded_by_the_chunk(cache_dtype, row, query_dtype):
     """Temporaries scale with the chunk, not with max_len: no full gather, no full logits."""
     batch, num_heads, page_size, max_pages = 4, 16, 16, 1024  # 16k tokens per request
