@@ -43,8 +43,6 @@
 //   (in 64-row tiles; the transposed kernels keep the default).
 //   --column-halves, --whole-columns (checks, sanitize and trace): LaunchOptions::column_halves =
 //   1 (wherever the 64-row tiles run), 0.
-//   --paired-halves (checks, sanitize and trace): LaunchOptions::paired_halves = 1 and cluster = 1
-//   on the bf16 cache (with --column-halves: the pairs wherever the 64-row tiles run).
 //
 // Inputs: random bf16 query and cache (or fp8 cache rows quantised from random values, each latent
 // group of its own magnitude), page ids shuffled, every cache byte not holding a token (unused
@@ -90,7 +88,6 @@ static int g_bf16_partials = -1;  // LaunchOptions::bf16_partials of checks ("--
                                   // "--bf16-partials": 1)
 static int g_column_halves = -1;  // LaunchOptions::column_halves of checks ("--column-halves": 1,
                                   // "--whole-columns": 0)
-static bool g_paired_halves = false;  // LaunchOptions::paired_halves of checks ("--paired-halves")
 static bool g_fail_closed = false;  // DecodeParams::fail_closed of every launch ("--fail-closed")
 
 #define CHECK_CUDA(call)                                                                  \
@@ -507,10 +504,6 @@ static void RunOnce(const Problem& pb, int copy) {
   opt.split_release = g_split_release;
   opt.bf16_partials = g_bf16_partials;
   opt.column_halves = g_column_halves;
-  if (g_paired_halves && !pb.spec.fp8) {
-    opt.paired_halves = 1;
-    opt.cluster = 1;  // the pairs are the halves, not M tiles
-  }
   // --bf16-partials forces them where the launcher takes them: 64-row tiles only.
   if (g_bf16_partials == 1 && !In64RowTiles(opt, pb)) opt.bf16_partials = -1;
   CHECK_CUDA(LaunchDecode(p, CheckStream(), opt));
@@ -836,11 +829,7 @@ static std::vector<Variant> PartialsVariants() {
 
 static std::vector<Variant> ColumnHalvesVariants() {
   return {{"columns-whole", With([](LaunchOptions& o) { o.column_halves = 0; })},
-          {"columns-halves", With([](LaunchOptions& o) { o.column_halves = 1; })},
-          {"halves-paired", With([](LaunchOptions& o) {
-             o.paired_halves = 1;
-             o.cluster = 1;
-           })}};
+          {"columns-halves", With([](LaunchOptions& o) { o.column_halves = 1; })}};
 }
 
 static std::vector<Variant> ReleaseVariants() {
@@ -999,10 +988,7 @@ static void RunTime(const CaseSpec& s, int iters, const std::vector<Variant>& va
     if (opt.cluster == 2 && NumMTiles(s.q_len, s.heads) % 2 != 0) continue;  // needs even M tiles
     if (opt.bf16_partials == 1 && !In64RowTiles(opt, pb)) continue;
     // The fp8 cache's kernels have no experiments, clusters or late release (launch.cuh).
-    if (s.fp8 && (opt.experiment != 0 || opt.cluster == 2 || !opt.early_release ||
-                  opt.paired_halves == 1)) {
-      continue;
-    }
+    if (s.fp8 && (opt.experiment != 0 || opt.cluster == 2 || !opt.early_release)) continue;
     if (std::string(var.name) == "default") ApplyClusterFlag(opt, s.q_len, s.heads);
     ApplySplitCostFlag(opt);
     if (opt.kv_evict_first == 2) opt.kv_evict_first = NumMTiles(s.q_len, s.heads) == 1 ? 0 : 1;
@@ -1292,7 +1278,6 @@ int main(int argc, char** argv) {
     else if (a == "--bf16-partials") g_bf16_partials = 1;
     else if (a == "--column-halves") g_column_halves = 1;
     else if (a == "--whole-columns") g_column_halves = 0;
-    else if (a == "--paired-halves") g_paired_halves = true;
     else if (a == "--fail-closed") g_fail_closed = true;
     else if (a == "--no-pdl") g_pdl = false;
     else if (a == "--stream") g_stream = true;

@@ -94,8 +94,6 @@ int main() {
   Run("fp8_registers=-2", [](DecodeParams&, LaunchOptions& o) { o.fp8_registers = -2; });
   Run("column_halves=2", [](DecodeParams&, LaunchOptions& o) { o.column_halves = 2; });
   Run("column_halves=-2", [](DecodeParams&, LaunchOptions& o) { o.column_halves = -2; });
-  Run("paired_halves=2", [](DecodeParams&, LaunchOptions& o) { o.paired_halves = 2; });
-  Run("paired_halves=-1", [](DecodeParams&, LaunchOptions& o) { o.paired_halves = -1; });
   RunH128("cluster=3", [](DecodeParams&, LaunchOptions& o) { o.cluster = 3; });
   RunH128("cluster=0", [](DecodeParams&, LaunchOptions& o) { o.cluster = 0; });
   RunH128("cluster=-2", [](DecodeParams&, LaunchOptions& o) { o.cluster = -2; });
@@ -133,14 +131,6 @@ int main() {
     p.num_heads = 128;
     o.cluster = 2;
   });
-  RunH128("paired_halves=1,cluster=2", [](DecodeParams&, LaunchOptions& o) {
-    o.paired_halves = 1;
-    o.cluster = 2;
-  });
-  Run("fp8,paired_halves=1", [](DecodeParams& p, LaunchOptions& o) {
-    p.kv_fp8 = true;
-    o.paired_halves = 1;
-  });
   Pass("valid", [](DecodeParams&, LaunchOptions&) {});
   Pass("valid,h128", [](DecodeParams& p, LaunchOptions&) { p.num_heads = 128; });
   Pass("valid,page_size=32,q_len=4", [](DecodeParams& p, LaunchOptions&) {
@@ -169,10 +159,6 @@ int main() {
   });
   Pass("valid,experiment=1", [](DecodeParams&, LaunchOptions& o) { o.experiment = 1; });
   Pass("valid,no_combine", [](DecodeParams&, LaunchOptions& o) { o.combine = false; });
-  Pass("valid,h128,paired_halves=1", [](DecodeParams& p, LaunchOptions& o) {
-    p.num_heads = 128;
-    o.paired_halves = 1;
-  });
   // The launcher's per-kernel defaults: the KV map's L2 promotion and the fp8 cache's kernel up to
   // 16 rows, "NAME VALUE" a line.
   const LaunchOptions defaults;

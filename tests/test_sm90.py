@@ -216,15 +216,14 @@ def test_workspace_formula_equals_the_kernels(ffi_library_path):
         assert gpu.sm90_workspace_bytes(*case) == kernel(*case), case
 
 
-# DecodeKernel<kEarlyRelease, kSkip, kCluster, kScoreN, kFp8, kSplitRelease, kColumnHalves,
-# kPairedHalves> instantiations the default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel and
+# DecodeKernel<kEarlyRelease, kSkip, kCluster, kScoreN, kFp8, kSplitRelease, kColumnHalves>
+# instantiations the default LaunchOptions select (ffi/sm90/launch.cuh, SelectKernel and
 # ColumnHalvesKernel): the transposed kernels up to 16 and 32 rows, the 64-row tiles without
 # clusters and in M-tile pairs (clusters of two), each stage released whole, with and without
 # column halves, and the fp8 cache's 64-row tiles with and without them.
-DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0, 0, 0), (1, 0, 1, 32, 0, 0, 0, 0),
-                          (1, 0, 1, 0, 0, 0, 0, 0), (1, 0, 2, 0, 0, 0, 0, 0),
-                          (1, 0, 1, 0, 1, 0, 0, 0), (1, 0, 1, 0, 0, 0, 1, 0),
-                          (1, 0, 2, 0, 0, 0, 1, 0), (1, 0, 1, 0, 1, 0, 1, 0)}
+DEFAULT_DECODE_KERNELS = {(1, 0, 1, 16, 0, 0, 0), (1, 0, 1, 32, 0, 0, 0), (1, 0, 1, 0, 0, 0, 0),
+                          (1, 0, 2, 0, 0, 0, 0), (1, 0, 1, 0, 1, 0, 0), (1, 0, 1, 0, 0, 0, 1),
+                          (1, 0, 2, 0, 0, 0, 1), (1, 0, 1, 0, 1, 0, 1)}
 
 
 def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_path):
@@ -233,7 +232,7 @@ def test_the_library_holds_only_the_kernels_of_the_default_options(ffi_library_p
     default options select, beside the fp8 cache's register-operand kernels."""
     library = Path(ffi_library_path).read_bytes()
     found = {tuple(int(v) for v in args) for args in re.findall(
-        rb"DecodeKernelILb(\d)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELb(\d)ELb(\d)E", library)}
+        rb"DecodeKernelILb(\d)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELb(\d)E", library)}
     if not found:
         skip_or_fail(f"{ffi_library_path} was built without the sm90 handler")
     assert found == DEFAULT_DECODE_KERNELS

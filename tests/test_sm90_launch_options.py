@@ -20,13 +20,12 @@ CASES = ["transposed_scores=1", "transposed_scores=-2", "wide_combine=2", "wide_
          "bf16_partials=1,transposed", "combine_rows_in_flight=12", "combine_rows_in_flight=0",
          "staged_combine=2", "staged_combine=-2",
          "kv_l2_promotion=64", "fp8_registers=2", "fp8_registers=-2", "column_halves=2",
-         "column_halves=-2", "paired_halves=2", "paired_halves=-1", "cluster=3", "cluster=0",
+         "column_halves=-2", "cluster=3", "cluster=0",
          "cluster=-2", "cluster=2,odd_m_tiles", "cluster=2,late_release", "cluster=2,experiment=1",
          "experiment=5", "page_size=48", "max_pages_2^24,page_size=64", "batch=0",
          "softmax_scale=0", "query_misaligned", "no_schedule", "min_blocks_per_part=0",
          "block_to_split_cost=0",
-         "fp8,experiment=1", "fp8,late_release", "fp8,cluster=2", "paired_halves=1,cluster=2",
-         "fp8,paired_halves=1"]
+         "fp8,experiment=1", "fp8,late_release", "fp8,cluster=2"]
 
 # The same checks let these through (the arguments of ValidParams, changed as each name says),
 # where the build has the launcher's experiment kernels (the harness's); the FFI library's build
@@ -35,7 +34,7 @@ PASSING = ["valid", "valid,h128", "valid,page_size=32,q_len=4", "valid,combine_r
            "valid,fp8,h128"]
 EXPERIMENTS_ONLY = ["valid,h128,cluster=1,late_release", "valid,h128,split_release=1",
                     "valid,fp8,fp8_registers=0",
-                    "valid,experiment=1", "valid,no_combine", "valid,h128,paired_halves=1"]
+                    "valid,experiment=1", "valid,no_combine"]
 
 # The KV map promotes 128-byte L2 lines for the transposed kernel up to 16 rows, and up to 32 where
 # each request splits over at least four of the 132 parts (33 requests, not 34), 256 bytes

@@ -20,9 +20,7 @@
 //  - a request handled whole writes bf16 output and LSE; a split one writes its partial output
 //    (bf16 in 64-row tiles, fp32 in the transposed kernels) and LSE to the workspace for the
 //    combine kernel.
-// Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast,
-// or (kPairedHalves) the two column halves of a part and M tile share the query tile and each KV
-// tile by multicast.
+// Optionally (kCluster == 2) two CTAs holding consecutive M tiles share each KV tile by multicast.
 // Up to 32 query rows the scores and PV are computed transposed (kScoreN; on the fp8 cache the
 // register-operand kernels run those rows unless LaunchOptions asks for this one). With the fp8
 // cache (kFp8) the producer stages raw cache rows that the consumers convert into one bf16 KV tile
@@ -158,11 +156,6 @@ __device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pip
 // columns [128 (2 half + w), + 128), a 64 x 128 accumulator, and the LSE comes from half 0.
 // kFp8: the cache is the fp8 cache. The producer stages raw cache rows; at each block the consumers
 // convert them into the one bf16 KV tile, which QK^T and PV read.
-// kPairedHalves (with kColumnHalves and kCluster == 2; a launch option, not a default): the
-// cluster is the two column halves of one part and M tile, CTA number half + 2 (M tile + m_tiles
-// part), which read the same query tile and KV blocks: each issues every other piece of both,
-// multicast into both CTAs, and a query tile or stage is refilled only once the consumers of both
-// released it.
 // The latent values go into the tile times their group's scale, exact for the power-of-two scales
 // write_kv writes (docs/fp8-cache.md); the rest is the bf16 cache's path.
 //  - Transposed scores (LaunchOptions::fp8_registers = 0; by default the register-operand kernels
@@ -176,7 +169,7 @@ __device__ __forceinline__ void PrepareKvTile(uint8_t* smem, const Pipeline& pip
 //    once both halves are in the tile, warpgroup 0 scores the block as in the bf16 cache's 64-row
 //    tiles (kWg0Scores), with P over the tile's rope chunk.
 template <bool kEarlyRelease, int kSkip = 0, int kCluster = 1, int kScoreN = 0, bool kFp8 = false,
-          bool kSplitRelease = false, bool kColumnHalves = false, bool kPairedHalves = false>
+          bool kSplitRelease = false, bool kColumnHalves = false>
 __global__ void __launch_bounds__(kThreads, 1)
 DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap kv_map,
              const DecodeKernelArgs args) {
@@ -196,8 +189,6 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
                 "a stage is released in two parts only by the bf16 cache's 64-row tiles");
   static_assert(!kColumnHalves || (kWg0Scores && !kSplitRelease && kSkip == 0),
                 "column halves are the 64-row tiles'");
-  static_assert(!kPairedHalves || (kColumnHalves && kCluster == 2 && !kFp8),
-                "paired halves are a cluster of the bf16 cache's column halves");
   static_assert(4 * kScoreN <= kConsumerWarpgroups * kBlockM,
                 "a warpgroup's exchange buffer, f32 [4][kScoreN], must fit its 64 x 2 floats");
   using namespace detail;
@@ -215,18 +206,12 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
   const int lane = tid % 32;
   const int rows = p.q_len * p.num_heads;
   const int m_tiles = NumMTiles(p.q_len, p.num_heads);
-  // CTA part x m_tiles + M tile; with kColumnHalves (half x num_parts + part) x m_tiles + M tile,
-  // and with kPairedHalves half + 2 (M tile + m_tiles x part). kColumnHalves: the output columns
-  // [256 half, 256 half + 256) of the part.
-  const int mtile = kPairedHalves ? blockIdx.x / 2 % m_tiles : blockIdx.x % m_tiles;
-  const int part = kPairedHalves    ? blockIdx.x / 2 / m_tiles
-                   : kColumnHalves ? blockIdx.x / m_tiles % args.num_parts
-                                   : blockIdx.x / m_tiles;
-  const int half = kPairedHalves    ? blockIdx.x % 2
-                   : kColumnHalves ? blockIdx.x / m_tiles / args.num_parts
-                                   : 0;
+  const int mtile = blockIdx.x % m_tiles;
+  // kColumnHalves: the output columns [256 half, 256 half + 256) of the part.
+  const int part = kColumnHalves ? blockIdx.x / m_tiles % args.num_parts : blockIdx.x / m_tiles;
+  const int half = kColumnHalves ? blockIdx.x / m_tiles / args.num_parts : 0;
 
-  SetUpCta<kCluster, Layout, kSplitRelease, kPairedHalves>(smem, args.q_box_rows, tid);
+  SetUpCta<kCluster, Layout, kSplitRelease>(smem, args.q_box_rows, tid);
   const uint32_t cta_rank = kCluster > 1 ? ClusterCtaRank() : 0;
 
   if (warp >= kConsumerThreads / 32) {
@@ -245,7 +230,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
     GridDependencyLaunchDependents();
     if (warp == kConsumerThreads / 32 && lane == 0) {
       SegmentWalker walker(ScheduleView::Load(p, args.num_parts), part, RequestLengths::Of(p));
-      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease, kPairedHalves>(
+      ProduceTiles<kCluster, kFp8, Layout, (kSkip & 32) != 0, kSplitRelease>(
           q_map, kv_map, args, smem, walker, mtile, cta_rank);
     }
   } else {
@@ -397,7 +382,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           FenceRegisters(st);
         }
         SM90_TRACE(kTraceScoresDone, k);
-        if (k == seg_info.kv_end - 1 && wg_tid == 0) ReleaseQueryTile<kPairedHalves>(pipe);
+        if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
         ExchangePartialScores<kScoreN, kFp8>(smem, wg, wg_tid, st, so);
         // Masked online softmax of the owned rows over tokens: maxima over the thread's two
         // tokens, the eight lanes sharing its query rows, then the warpgroup's four warps.
@@ -492,7 +477,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
           }
           FenceRegisters(o);
           SM90_TRACE(kTraceScoresDone, k);
-          if (k == seg_info.kv_end - 1 && wg_tid == 0) ReleaseQueryTile<kPairedHalves>(pipe);
+          if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
           // Masked online softmax of rows r0 (elements 4 j + e) and r1 (4 j + 2 + e); element
           // (j, e) is token 8 j + quad_col + e of the block.
           float alpha0 = 1.f, alpha1 = 1.f;
@@ -535,7 +520,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
             RescaleRows(o, alpha0, alpha1);
           }
         } else if (k == seg_info.kv_end - 1 && wg_tid == 0) {
-          ReleaseQueryTile<kPairedHalves>(pipe);  // warpgroup 1 never reads the query tile
+          Barrier::arrive(pipe.QEmpty());  // warpgroup 1 never reads the query tile
         }
         cutlass::arch::fence_view_async_shared();
         ConsumerSync();
@@ -577,7 +562,7 @@ DecodeKernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ 
       FenceRegisters(s_acc);
       FenceRegisters(o);
       SM90_TRACE(kTraceScoresDone, k);
-      if (k == seg_info.kv_end - 1 && wg_tid == 0) ReleaseQueryTile<kPairedHalves>(pipe);
+      if (k == seg_info.kv_end - 1 && wg_tid == 0) Barrier::arrive(pipe.QEmpty());
 
       // Masked online softmax; row maxima shared between the two warpgroups.
       if (kSkip & 4) {

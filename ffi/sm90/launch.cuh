@@ -69,10 +69,6 @@ struct LaunchOptions {
   int column_halves = -1;     // DecodeKernel's kColumnHalves in the 64-row tiles
                               // (not with the split release or experiments): -1 (default) where
                               // UseColumnHalves' rule takes it, 1 always, 0 never
-  int paired_halves = 0;      // 1: where column halves run (bf16 cache, no clusters of M tiles),
-                              // the two halves of a part's M tile as a cluster of two that
-                              // multicasts the query tile and each KV tile into both
-                              // (DecodeKernel's kPairedHalves; an experiment); 0 (default) never
   int block_to_split_cost = -1;  // SplitUnits' ratio in the schedule the kernels read: -1
                                  // (default) the kernel's (ScheduleAsRead), else at least 1
   bool combine = true;        // false: no combine kernel (timing experiments: split and empty
@@ -352,11 +348,6 @@ inline const void* ColumnHalvesKernel(int cluster, bool fp8) {
   return reinterpret_cast<const void*>(&DecodeKernel<true, 0, 1, 0, false, false, true>);
 }
 
-// DecodeKernel with kPairedHalves (an experiment kernel).
-inline const void* PairedHalvesKernel() {
-  return JAX_MLA_SM90_EXPERIMENT_KERNEL(DecodeKernel<true, 0, 2, 0, false, false, true, true>);
-}
-
 // The decode kernel for these options, rows and cache format; nullptr for a combination that has
 // none (the fp8 cache has no experiments, clusters or late release) or whose kernel this build
 // leaves out (JAX_MLA_SM90_EXPERIMENT_KERNEL).
@@ -449,8 +440,7 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
       options.split_release < -1 || options.split_release > 1 || options.bf16_partials < -1 ||
       options.bf16_partials > 1 || options.fp8_registers < -1 || options.fp8_registers > 1 ||
       options.staged_combine < -1 || options.staged_combine > 1 ||
-      options.column_halves < -1 || options.column_halves > 1 || options.paired_halves < 0 ||
-      options.paired_halves > 1 ||
+      options.column_halves < -1 || options.column_halves > 1 ||
       (options.kv_l2_promotion != -1 && !detail::ValidL2PromotionBytes(options.kv_l2_promotion)) ||
       (options.combine_rows_in_flight != -1 &&
        WideCombineKernel(options.combine_rows_in_flight, false) == nullptr) ||
@@ -462,10 +452,6 @@ inline cudaError_t ChooseKernel(const DecodeParams& p, const LaunchOptions& opti
 #endif
   const int cluster = ClusterSize(options, p);
   if (cluster != 1 && (cluster != 2 || m_tiles % 2 != 0)) return cudaErrorInvalidValue;
-  if (options.paired_halves == 1 &&
-      (cluster != 1 || p.kv_fp8 || PairedHalvesKernel() == nullptr)) {
-    return cudaErrorInvalidValue;
-  }
   const void* kernel = SelectKernel(options, cluster, rows, p.kv_fp8);
   const int score_n = TransposedScoreRows(options, cluster, rows);
   if (kernel == nullptr || (options.bf16_partials == 1 && score_n != 0)) {
@@ -619,19 +605,11 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   }
   // With column halves `parts` counts the schedule's parts, and the grid holds two CTAs of each.
   const bool column_halves = detail::UseColumnHalves(options, p, score_n, parts);
-  // The decode's clusters: with paired halves, the two halves of a part's M tile.
-  int launch_cluster = cluster;
   if (column_halves) {
     parts /= 2;
-    const bool paired = options.paired_halves == 1;
-    kernel = paired ? detail::PairedHalvesKernel() : detail::ColumnHalvesKernel(cluster, p.kv_fp8);
-    launch_cluster = paired ? 2 : cluster;
-    err = detail::Prepare(kernel, kThreads, launch_cluster, smem_bytes, &info);
+    kernel = detail::ColumnHalvesKernel(cluster, p.kv_fp8);
+    err = detail::Prepare(kernel, kThreads, cluster, smem_bytes, &info);
     if (err != cudaSuccess) return err;
-    if (paired) {
-      const int fit = info.max_clusters / m_tiles;  // parts whose pairs all fit at once
-      if (fit >= 1 && fit < parts) parts = fit;
-    }
   }
   const int grid_parts = column_halves ? 2 * parts : parts;
   const bool wide_combine = detail::UseWideCombine(options, p.batch, parts);
@@ -688,10 +666,9 @@ inline cudaError_t LaunchDecode(const DecodeParams& p, cudaStream_t stream,
   void* decode_args[] = {&q_map, &kv_map, &args};
   // CTA (part, M tile) is number part x m_tiles + M tile: the M tiles of a part, which read the
   // same KV tiles, start side by side (and a cluster of two is a pair of them); with column halves
-  // CTA (part, M tile) of the columns' upper half is (parts + part) x m_tiles + M tile, and with
-  // paired halves CTA (part, M tile, half) is half + 2 (M tile + m_tiles x part).
+  // CTA (part, M tile) of the columns' upper half is (parts + part) x m_tiles + M tile.
   err = detail::LaunchEx(kernel, dim3(grid_parts * m_tiles), dim3(kThreads), smem_bytes,
-                         p.enable_pdl, stream, decode_args, launch_cluster);
+                         p.enable_pdl, stream, decode_args, cluster);
   if (err != cudaSuccess || !options.combine) return err;
 
   int num_parts = parts;

@@ -130,14 +130,6 @@ __device__ __forceinline__ void ReleaseStage(const Pipeline& pipe, int stage) {
   ReleaseBarrier<kCluster>(pipe.Empty(stage));
 }
 
-// Hands the query tile back to the producer (one thread of each consumer warpgroup, after its
-// last read of the segment's tile); kShared: to the producers of both CTAs of the cluster, which
-// multicast into it.
-template <bool kShared>
-__device__ __forceinline__ void ReleaseQueryTile(const Pipeline& pipe) {
-  ReleaseBarrier<kShared ? 2 : 1>(pipe.QEmpty());
-}
-
 // fp8 cache, 64-row tiles: the ring slot of half h of the it-th block a CTA loads, and how many
 // times the ring went round before it (the parity of its barriers' phase).
 struct HalfSlot {
@@ -155,9 +147,8 @@ struct HalfSlot {
 // zero for the whole kernel), initialises the pipeline barriers and synchronises the CTA (the
 // cluster when kCluster > 1: the peer multicasts into this CTA's stages and arrives on its
 // barriers). kSplitRelease: each stage is released in two parts, warpgroup 0's V chunks by
-// warpgroup 0 and the rest by warpgroup 1 (Pipeline). kSharedQuery: the cluster's two CTAs
-// multicast the query tile into both, so both CTAs' consumers release it (ReleaseQueryTile).
-template <int kCluster, class Layout, bool kSplitRelease = false, bool kSharedQuery = false>
+// warpgroup 0 and the rest by warpgroup 1 (Pipeline).
+template <int kCluster, class Layout, bool kSplitRelease = false>
 __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid) {
   using Barrier = cutlass::arch::ClusterBarrier;
   const Pipeline pipe = Pipeline::At<Layout>(smem);
@@ -187,7 +178,7 @@ __device__ __forceinline__ void SetUpCta(uint8_t* smem, int q_box_rows, int tid)
       }
     }
     Barrier::init(pipe.QFull(), 1);
-    Barrier::init(pipe.QEmpty(), kConsumerWarpgroups * (kSharedQuery ? 2 : 1));
+    Barrier::init(pipe.QEmpty(), kConsumerWarpgroups);
     cutlass::arch::fence_barrier_init();
   }
   if (kCluster > 1) {

@@ -75,10 +75,8 @@ __device__ __forceinline__ void PrefetchFirstKvBlocks(const DecodeParams& p, int
 // one copy of each half's 32 contiguous cache rows (StageFp8Rows; with half stages, each half
 // into the next slot of the ring, once the warpgroup that read it before released it); halves
 // that are past the length or whose page id is out of range are not loaded and not counted. With
-// kCluster == 2 this CTA issues every other KV piece, multicast into both CTAs of the cluster, and
-// with kSharedQuery every other query chunk too.
-template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false, bool kSplitRelease = false,
-          bool kSharedQuery = false>
+// kCluster == 2 this CTA issues every other piece, multicast into both CTAs of the cluster.
+template <int kCluster, bool kFp8, class Layout, bool kNoLoad = false, bool kSplitRelease = false>
 __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUtensorMap& kv_map,
                                              const DecodeKernelArgs& args, uint8_t* smem,
                                              SegmentWalker& walker, int mtile, uint32_t cta_rank) {
@@ -97,17 +95,10 @@ __device__ __forceinline__ void ProduceTiles(const CUtensorMap& q_map, const CUt
     const int q_row = seg_info.b * rows + mtile * kBlockM;
 #pragma unroll 1
     for (int c = 0; c < kNumChunks; ++c) {
-      uint8_t* dst = smem + Layout::kQ + c * Layout::kQChunkBytes;
-      constexpr auto kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-      if constexpr (kSharedQuery) {
-        static_assert(kCluster == 2, "a shared query tile is a pair's");
-        if (c % kCluster == static_cast<int>(cta_rank)) {
-          cute::SM90_TMA_LOAD_MULTICAST_2D::copy(&q_map, q_full, static_cast<uint16_t>(0b11), kHint,
-                                                 dst, c * kChunkCols, q_row);
-        }
-      } else {
-        cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full, kHint, dst, c * kChunkCols, q_row);
-      }
+      cute::SM90_TMA_LOAD_2D::copy(&q_map, q_full,
+                                   static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL),
+                                   smem + Layout::kQ + c * Layout::kQChunkBytes, c * kChunkCols,
+                                   q_row);
     }
     for (int k = seg_info.kv_begin; k < seg_info.kv_end; ++k, ++it) {
       const int stage = it % Layout::kStageSlots;
