@@ -30,23 +30,12 @@ namespace jax_mla {
 namespace sm90 {
 
 // Shared memory of DecodeFp8RegsKernel, byte offsets from the 1024-aligned base: the query tile
-// (16 rows, nine 128-byte-swizzled chunks: eight f16 latent, one bf16 rope), the ring of raw
-// 64-token stages, each warpgroup's four P tiles (one per latent group, f16 [16 rows][64 tokens],
-// K-major), each warpgroup's half of the merge region, the warpgroups' reduction buffers, the
-// query rows' scales and the barriers. A warpgroup's P tiles and its merge half hold what it hands
-// the other at the end of a segment (MergeSlot).
-struct Fp8RegsSmemLayout {
-  static constexpr bool kHalfStages = false;
-  static constexpr bool kEveryThreadReleases = true;
+// of 16 rows and a ring of four raw stages (RegsSmemLayoutBase), each warpgroup's four P tiles (one
+// per latent group), each warpgroup's half of the merge region, the warpgroups' reduction buffers,
+// the query rows' scales and the barriers. A warpgroup's P tiles and its merge half hold what it
+// hands the other at the end of a segment (MergeSlot).
+struct Fp8RegsSmemLayout : RegsSmemLayoutBase<4, 16> {
   static constexpr int kReleasingThreads = kHalfStageReleasers;  // the warpgroup that read it
-  static constexpr int kStageSlots = 4;
-  static constexpr int kQChunkRows = 16;
-  static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
-  static constexpr int kQ = 0;
-  static constexpr int kFp8Stages = kQ + kNumChunks * kQChunkBytes;
-  static constexpr int kKv = kFp8Stages;  // no bf16 tile (ProduceTiles' bf16 branch names it)
-  static constexpr int kPTileBytes = kQChunkRows * kRowBytes;
-  static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
   // Per warpgroup: f32 [4 warps][32] (16 row maxima or sums, then 4 group scale maxima).
   static constexpr int kReduceStride = 32;
   static constexpr int kReduceFloats = 4 * kReduceStride;

@@ -29,24 +29,13 @@ namespace jax_mla {
 namespace sm90 {
 
 // Shared memory of DecodeFp8SplitKernel, byte offsets from the 1024-aligned base: the query tile
-// (32 rows, nine 128-byte-swizzled chunks: eight f16 latent, one bf16 rope), the ring of raw
-// 64-token stages, two buffers of the four P tiles (f16 [32 rows][64 tokens], K-major), two of the
-// scores (one float4 slot of 128 threads per four scores), two of the factors (per row alpha, per
-// group the output's rescale), warpgroup 1's reduction buffer, the rows' sums and maxima and
-// warpgroup 0's groups' running maximum scales at a segment's end, the query rows' scales and the
-// barriers (the pipeline's, then the four pairs between the warpgroups).
-struct Fp8SplitSmemLayout {
-  static constexpr bool kHalfStages = false;
-  static constexpr bool kEveryThreadReleases = true;
+// of 32 rows and a ring of three raw stages (RegsSmemLayoutBase), two buffers of the four P tiles,
+// two of the scores (one float4 slot of 128 threads per four scores), two of the factors (per row
+// alpha, per group the output's rescale), warpgroup 1's reduction buffer, the rows' sums and
+// maxima and warpgroup 0's groups' running maximum scales at a segment's end, the query rows'
+// scales and the barriers (the pipeline's, then the four pairs between the warpgroups).
+struct Fp8SplitSmemLayout : RegsSmemLayoutBase<3, kFp8TransposedRows> {
   static constexpr int kReleasingThreads = kConsumerThreads;  // both warpgroups read each stage
-  static constexpr int kStageSlots = 3;
-  static constexpr int kQChunkRows = kFp8TransposedRows;
-  static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
-  static constexpr int kQ = 0;
-  static constexpr int kFp8Stages = kQ + kNumChunks * kQChunkBytes;
-  static constexpr int kKv = kFp8Stages;  // no bf16 tile (ProduceTiles' bf16 branch names it)
-  static constexpr int kPTileBytes = kQChunkRows * kRowBytes;
-  static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
   static constexpr int kScores = kP + 2 * kFp8ScaleGroups * kPTileBytes;
   static constexpr int kScoreSlots = kQChunkRows / 8;  // float4 slots per thread and block
   static constexpr int kFactors = kScores + 2 * kScoreSlots * 128 * 16;

@@ -26,6 +26,25 @@
 
 namespace jax_mla {
 namespace sm90 {
+
+// The start of both register-operand kernels' shared memory, byte offsets from the 1024-aligned
+// base: the query tile of kRows rows (nine 128-byte-swizzled chunks: eight f16 latent, one bf16
+// rope), the ring of kSlots raw 64-token stages, then from kP the P tiles (f16 [kRows rows][64
+// tokens], K-major, kPTileBytes each) and what each kernel's layout adds after them.
+template <int kSlots, int kRows>
+struct RegsSmemLayoutBase {
+  static constexpr bool kHalfStages = false;
+  static constexpr bool kEveryThreadReleases = true;
+  static constexpr int kStageSlots = kSlots;
+  static constexpr int kQChunkRows = kRows;
+  static constexpr int kQChunkBytes = kQChunkRows * kRowBytes;
+  static constexpr int kQ = 0;
+  static constexpr int kFp8Stages = kQ + kNumChunks * kQChunkBytes;
+  static constexpr int kKv = kFp8Stages;  // no bf16 tile (ProduceTiles' bf16 branch names it)
+  static constexpr int kPTileBytes = kQChunkRows * kRowBytes;
+  static constexpr int kP = (kFp8Stages + kStageSlots * kFp8StageBytes + 1023) / 1024 * 1024;
+};
+
 namespace detail {
 
 // The consumer warpgroups' hand-over of values written just after a warpgroup barrier (each
