@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 14's and 15's points through jax_mla.decode beside fa3 (the first section of
+# benchmarks/results/<gpu>-sm90.md) and one and two requests in 61-layer steps, within one
+# 10-minute device call, in the environment .ci/gpu-h200.sh prepares:
+#   .ci/gpu-h200.sh cmd .ci/sm90-evidence.sh   (or run it directly: it calls gpu-h200.sh itself)
+# Pieces, in this order (SM90_EVIDENCE picks some; default all: "h128,h16,h128-more,step"):
+#   h128       12 points at 128 heads, the bf16 and fp8 caches, pages of 64 and 32, q_len 1 and 2
+#   h16        19 points at 16 heads, the same methods
+#   h128-more  8 more 128-head points on the bf16 cache (1k tokens, 512 requests, q_len 2)
+#   step       B = 1 and 2 at 4k and 1k tokens in 61-layer steps, sm90 beside fa3
+# A piece starts only while SM90_EVIDENCE_BUDGET seconds (default 560, counted from the script's
+# start) leave it the room it needs, and is cut off at the budget. Outputs in $OUT: the benchmark's
+# records merged into <gpu>-sm90-gpu-time.json (`python -m benchmarks.sm90_table FILE` renders
+# them), a log per piece (bench-sm90-gpu-time-<piece>.log, step-column-halves.log), and a line per
+# piece last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/jax_mla_out}; mkdir -p "$OUT"
+if [ -z "${JAX_MLA_FFI_LIB:-}" ]; then exec .ci/gpu-h200.sh cmd "$0" "$@"; fi
+start=$SECONDS
+budget=${SM90_EVIDENCE_BUDGET:-560}
+pieces=",${SM90_EVIDENCE:-h128,h16,h128-more,step},"
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'H[0-9]+' | tr 'A-Z' 'a-z')
+json="$OUT/${gpu:-gpu}-sm90-gpu-time.json"
+declare -a summary
+left() { echo $(( budget - (SECONDS - start) )); }
+
+bench() {  # PIECE, seconds it needs at least, benchmarks.decode args...
+  local piece=$1 need=$2; shift 2
+  [[ $pieces == *,$piece,* ]] || return 0
+  if [ "$(left)" -lt "$need" ]; then summary+=("$piece: skipped, $(left) s left"); return 0; fi
+  local log="$OUT/bench-sm90-gpu-time-$piece.log" t0=$SECONDS
+  timeout "$(left)" python3 -m benchmarks.decode --grid full --fi-backends fa3 --time-limit 150 \
+    --out "$json" "$@" > "$log" 2>&1
+  summary+=("$piece: rc=$? in $(( SECONDS - t0 )) s, $(grep -c '^\[' "$log") points")
+}
+
+bench h128 90 --backends jax_mla_sm90,jax_mla_sm90_fp8,flashinfer --points 'B=32|128,L=4k|16k,H=128'
+bench h16 120 --backends jax_mla_sm90,jax_mla_sm90_fp8,flashinfer \
+  --points 'B=32,L=16k|32k,H=16;B=128|512,L=4k|16k|32k,H=16'
+bench h128-more 60 --backends jax_mla_sm90,flashinfer \
+  --points 'B=512,L=1k|4k|16k,H=128,q_len=1,page_size=64;B=128,L=1k,H=128,q_len=1,page_size=64;B=128|512,L=1k|4k,H=128,q_len=2,page_size=64'
+
+if [[ $pieces == *,step,* ]]; then
+  if [ "$(left)" -lt 50 ]; then
+    summary+=("step: skipped, $(left) s left")
+  else
+    t0=$SECONDS
+    timeout "$(left)" python3 -m benchmarks.step_profile --command-buffers default --methods sm90,fa3 \
+      --points "1,4096,128;1,4096,64;1,1024,128;2,4096,128" > "$OUT/step-column-halves.log" 2>&1
+    summary+=("step: rc=$? in $(( SECONDS - t0 )) s")
+  fi
+fi
+printf '%s\n' "${summary[@]}"
