@@ -3,11 +3,11 @@
 # benchmarks/results/<gpu>-sm90.md) and one and two requests in 61-layer steps, within one
 # 10-minute device call, in the environment .ci/gpu-h200.sh prepares:
 #   .ci/gpu-h200.sh cmd .ci/sm90-evidence.sh   (or run it directly: it calls gpu-h200.sh itself)
-# Pieces, in this order (SM90_EVIDENCE picks some; default all: "h128,h16,h128-more,step"):
+# Pieces, in this order (SM90_EVIDENCE picks some; default all: "h128,h16,step,h128-more"):
 #   h128       12 points at 128 heads, the bf16 and fp8 caches, pages of 64 and 32, q_len 1 and 2
 #   h16        19 points at 16 heads, the same methods
-#   h128-more  8 more 128-head points on the bf16 cache (1k tokens, 512 requests, q_len 2)
 #   step       B = 1 and 2 at 4k and 1k tokens in 61-layer steps, sm90 beside fa3
+#   h128-more  8 more 128-head points on the bf16 cache (1k tokens, 512 requests, q_len 2)
 # A piece starts only while SM90_EVIDENCE_BUDGET seconds (default 560, counted from the script's
 # start) leave it the room it needs, and is cut off at the budget. Outputs in $OUT: the benchmark's
 # records merged into <gpu>-sm90-gpu-time.json (`python -m benchmarks.sm90_table FILE` renders
@@ -19,7 +19,7 @@ OUT=${OUT:-/tmp/jax_mla_out}; mkdir -p "$OUT"
 if [ -z "${JAX_MLA_FFI_LIB:-}" ]; then exec .ci/gpu-h200.sh cmd "$0" "$@"; fi
 start=$SECONDS
 budget=${SM90_EVIDENCE_BUDGET:-560}
-pieces=",${SM90_EVIDENCE:-h128,h16,h128-more,step},"
+pieces=",${SM90_EVIDENCE:-h128,h16,step,h128-more},"
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'H[0-9]+' | tr 'A-Z' 'a-z')
 json="$OUT/${gpu:-gpu}-sm90-gpu-time.json"
 declare -a summary
@@ -38,8 +38,6 @@ bench() {  # PIECE, seconds it needs at least, benchmarks.decode args...
 bench h128 90 --backends jax_mla_sm90,jax_mla_sm90_fp8,flashinfer --points 'B=32|128,L=4k|16k,H=128'
 bench h16 120 --backends jax_mla_sm90,jax_mla_sm90_fp8,flashinfer \
   --points 'B=32,L=16k|32k,H=16;B=128|512,L=4k|16k|32k,H=16'
-bench h128-more 60 --backends jax_mla_sm90,flashinfer \
-  --points 'B=512,L=1k|4k|16k,H=128,q_len=1,page_size=64;B=128,L=1k,H=128,q_len=1,page_size=64;B=128|512,L=1k|4k,H=128,q_len=2,page_size=64'
 
 if [[ $pieces == *,step,* ]]; then
   if [ "$(left)" -lt 50 ]; then
@@ -51,4 +49,6 @@ if [[ $pieces == *,step,* ]]; then
     summary+=("step: rc=$? in $(( SECONDS - t0 )) s")
   fi
 fi
+bench h128-more 60 --backends jax_mla_sm90,flashinfer \
+  --points 'B=512,L=1k|4k|16k,H=128,q_len=1,page_size=64;B=128,L=1k,H=128,q_len=1,page_size=64;B=128|512,L=1k|4k,H=128,q_len=2,page_size=64'
 printf '%s\n' "${summary[@]}"
