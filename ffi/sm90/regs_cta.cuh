@@ -1,7 +1,7 @@
-// What both register-operand kernels' CTAs share: the roles (one producer thread staging raw
-// blocks, the consumer warpgroups running the kernel's own loop), a segment's start (the rows'
-// causal limits and softmax state, the query tile converted), the warpgroups' hand-over, and the
-// segment's output stores by column.
+// What both register-operand kernels' CTAs share: the start of their shared memory, the roles
+// (one producer thread staging raw blocks, the consumer warpgroups running the kernel's own
+// loop), a segment's start (the rows' causal limits and softmax state, the query tile
+// converted), the warpgroups' hand-over, and the segment's output stores by column.
 #pragma once
 
 #include <cuda.h>
