@@ -25,30 +25,28 @@ json="$OUT/${gpu:-gpu}-sm90-gpu-time.json"
 declare -a summary
 left() { echo $(( budget - (SECONDS - start) )); }
 
+piece() {  # PIECE, seconds it needs at least, LOG, command...; fails where the piece did not run
+  local name=$1 need=$2 log=$3; shift 3
+  [[ $pieces == *,$name,* ]] || return 1
+  if [ "$(left)" -lt "$need" ]; then summary+=("$name: skipped, $(left) s left"); return 1; fi
+  local t0=$SECONDS
+  timeout "$(left)" "$@" > "$log" 2>&1
+  summary+=("$name: rc=$? in $(( SECONDS - t0 )) s")
+  return 0
+}
 bench() {  # PIECE, seconds it needs at least, benchmarks.decode args...
-  local piece=$1 need=$2; shift 2
-  [[ $pieces == *,$piece,* ]] || return 0
-  if [ "$(left)" -lt "$need" ]; then summary+=("$piece: skipped, $(left) s left"); return 0; fi
-  local log="$OUT/bench-sm90-gpu-time-$piece.log" t0=$SECONDS
-  timeout "$(left)" python3 -m benchmarks.decode --grid full --fi-backends fa3 --time-limit 150 \
-    --out "$json" "$@" > "$log" 2>&1
-  summary+=("$piece: rc=$? in $(( SECONDS - t0 )) s, $(grep -c '^\[' "$log") points")
+  local name=$1 need=$2 log="$OUT/bench-sm90-gpu-time-$1.log"; shift 2
+  piece "$name" "$need" "$log" python3 -m benchmarks.decode \
+    --grid full --fi-backends fa3 --time-limit 150 --out "$json" "$@" &&
+    summary[-1]+=", $(grep -c '^\[' "$log") points"
+  return 0
 }
 
 bench h128 90 --backends jax_mla_sm90,jax_mla_sm90_fp8,flashinfer --points 'B=32|128,L=4k|16k,H=128'
 bench h16 120 --backends jax_mla_sm90,jax_mla_sm90_fp8,flashinfer \
   --points 'B=32,L=16k|32k,H=16;B=128|512,L=4k|16k|32k,H=16'
-
-if [[ $pieces == *,step,* ]]; then
-  if [ "$(left)" -lt 50 ]; then
-    summary+=("step: skipped, $(left) s left")
-  else
-    t0=$SECONDS
-    timeout "$(left)" python3 -m benchmarks.step_profile --command-buffers default --methods sm90,fa3 \
-      --points "1,4096,128;1,4096,64;1,1024,128;2,4096,128" > "$OUT/step-column-halves.log" 2>&1
-    summary+=("step: rc=$? in $(( SECONDS - t0 )) s")
-  fi
-fi
+piece step 50 "$OUT/step-column-halves.log" python3 -m benchmarks.step_profile \
+  --command-buffers default --methods sm90,fa3 --points "1,4096,128;1,4096,64;1,1024,128;2,4096,128"
 bench h128-more 60 --backends jax_mla_sm90,flashinfer \
   --points 'B=512,L=1k|4k|16k,H=128,q_len=1,page_size=64;B=128,L=1k,H=128,q_len=1,page_size=64;B=128|512,L=1k|4k,H=128,q_len=2,page_size=64'
 printf '%s\n' "${summary[@]}"
