@@ -19,6 +19,11 @@ relative L2 distance from the bf16 cache's float32 reference.
 ``--summary`` prints the README's short table instead: the points of SUMMARY_POINTS (pages of 64),
 each row by one measure, the GPU's busy time where recorded, else the wall clock (its last column
 says which).
+
+``--ranges`` prints the ranges that the reports' bullets quote: per heads, q_len, batch and
+length class (below 4k tokens, from 4k), over both page sizes, the span of sm90's ratio to fa3's
+graph by busy time (the wall clock in brackets), its and fa3's shares of the floor, and the fp8
+cache's ratio to the bf16 cache and its share of the fp8 floor.
 """
 
 from __future__ import annotations
@@ -194,10 +199,68 @@ def summary(records: list[dict]) -> str:
     return "\n".join(markdown_table(SUMMARY_COLUMNS, summary_rows(records)))
 
 
+RANGE_COLUMNS = ["H", "q_len", "B", "L", "points", "sm90 / fa3 graph, busy (wall)",
+                 "sm90 % of floor, busy", "fa3 % of floor", "fp8 / bf16, busy (wall)",
+                 "fp8 % of fp8 floor, busy"]
+
+
+def _span(values: list, fmt: str) -> str:
+    """"lo-hi" of the values that are not None, each formatted by fmt; one value where both
+    format alike; "-" where there are none."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "-"
+    low, high = fmt.format(min(values)), fmt.format(max(values))
+    return low if low == high else f"{low}-{high}"
+
+
+def _ratios(records: list[dict], numerator: str, denominator: str) -> list:
+    return [None if r.get(numerator) is None or r.get(denominator) is None
+            else r[numerator] / r[denominator] for r in records]
+
+
+def _share_span(records: list[dict], floor: str, time: str) -> str:
+    """The span of 100 floor / time over the records that have both, as "lo-hi%"."""
+    span = _span([None if x is None else 100 / x for x in _ratios(records, time, floor)], "{:.0f}")
+    return span if span == "-" else span + "%"
+
+
+def range_rows(records: list[dict]) -> list[list[str]]:
+    """One row per (H, q_len, B, length class) of the records with an sm90 and an fa3 graph time
+    (of several records of a point, the last), sorted by those four: the spans over the group's
+    points (both page sizes) of each measure RANGE_COLUMNS names."""
+    by_point = {(r["H"], r["q_len"], r["page_size"], r["B"], r["L"]): r for r in records
+                if r.get("jax_mla_sm90_us") is not None
+                and r.get("flashinfer_fa3_graph_us") is not None}
+    groups: dict[tuple, list[dict]] = {}
+    for r in by_point.values():
+        groups.setdefault((r["H"], r["q_len"], r["B"], r["L"] >= 4096), []).append(r)
+    out = []
+    for (heads, q_len, batch, long), group in sorted(groups.items()):
+        busy = _span(_ratios(group, "jax_mla_sm90_gpu_us", "flashinfer_fa3_graph_us"), "{:.2f}")
+        wall = _span(_ratios(group, "jax_mla_sm90_us", "flashinfer_fa3_graph_us"), "{:.2f}")
+        fp8_busy = _span(_ratios(group, "jax_mla_sm90_fp8_gpu_us", "jax_mla_sm90_gpu_us"),
+                         "{:.2f}")
+        fp8_wall = _span(_ratios(group, "jax_mla_sm90_fp8_us", "jax_mla_sm90_us"), "{:.2f}")
+        out.append([str(heads), str(q_len), str(batch), "from 4k" if long else "below 4k",
+                    str(len(group)), f"{busy} ({wall})",
+                    _share_span(group, "floor_us", "jax_mla_sm90_gpu_us"),
+                    _share_span(group, "floor_us", "flashinfer_fa3_graph_us"),
+                    "-" if fp8_wall == "-" else f"{fp8_busy} ({fp8_wall})",
+                    _share_span(group, "fp8_floor_us", "jax_mla_sm90_fp8_gpu_us")])
+    return out
+
+
+def ranges(records: list[dict]) -> str:
+    """The ranges the reports' bullets quote (range_rows), as markdown lines."""
+    return "\n".join(markdown_table(RANGE_COLUMNS, range_rows(records)))
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.sm90_table", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--summary", action="store_true", help="the README's short table")
+    parser.add_argument("--ranges", action="store_true", help="the ranges the bullets quote")
     parser.add_argument("files", nargs="+", metavar="FILE.json")
     args = parser.parse_args(argv)
     records = []
@@ -206,6 +269,9 @@ def main(argv: list[str]) -> None:
             records += json.load(f)["records"]
     if args.summary:
         print(summary(records))
+        return
+    if args.ranges:
+        print(ranges(records))
         return
     print(table(records))
     extra = fp8_table(records)

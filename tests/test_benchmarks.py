@@ -843,6 +843,30 @@ def test_the_sm90_table_sets_the_gpu_busy_time_beside_fa3_where_measured():
     assert "GPU" not in sm90_table.table([base])
 
 
+def test_the_sm90_ranges_span_each_group_of_points_over_both_page_sizes():
+    from benchmarks import sm90_table
+
+    base = dict(H=128, q_len=1, page_size=64, B=32, L=4096, floor_us=50.0, flashinfer_fa3_us=100.0,
+                flashinfer_fa3_graph_us=100.0, jax_mla_sm90_us=80.0, jax_mla_sm90_gpu_us=70.0,
+                jax_mla_sm90_rel_err=1e-3, jax_mla_sm90_fp8_us=100.0, jax_mla_sm90_fp8_gpu_us=84.0,
+                fp8_floor_us=42.0)
+    records = [base,
+               dict(base, page_size=32, L=16384, floor_us=180.0, flashinfer_fa3_graph_us=300.0,
+                    jax_mla_sm90_us=240.0, jax_mla_sm90_gpu_us=200.0, jax_mla_sm90_fp8_us=300.0,
+                    jax_mla_sm90_fp8_gpu_us=260.0, fp8_floor_us=130.0),
+               dict(base, L=1024, jax_mla_sm90_fp8_us=None, jax_mla_sm90_fp8_gpu_us=None),
+               dict(base, B=128, jax_mla_sm90_gpu_us=None),
+               dict(base, B=512, jax_mla_sm90_us=None),  # not measured: no row
+               dict(base, jax_mla_sm90_us=90.0, jax_mla_sm90_gpu_us=75.0)]  # the last record wins
+    lines = sm90_table.ranges(records).splitlines()
+    assert lines[0].startswith("| H | q_len | B | L | points | sm90 / fa3 graph, busy (wall) |")
+    assert lines[2:] == [
+        "| 128 | 1 | 32 | below 4k | 1 | 0.70 (0.80) | 71% | 50% | - | - |",
+        "| 128 | 1 | 32 | from 4k | 2 | 0.67-0.75 (0.80-0.90) | 67-90% | 50-60% "
+        "| 1.12-1.30 (1.11-1.25) | 50% |",
+        "| 128 | 1 | 128 | from 4k | 1 | - (0.80) | - | 50% | - (1.25) | 50% |"]
+
+
 def test_the_sm90_summary_times_each_row_by_one_measure_at_its_points_in_order():
     from benchmarks import sm90_table
 
